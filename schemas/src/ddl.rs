@@ -1,0 +1,91 @@
+//! DDL for every table bagstore owns. Identifiers come only from validated
+//! [`IndexSpec`]s (see [`crate::names`]), so building SQL text here is safe.
+
+use crate::index::{IndexSpec, PropType};
+
+/// One row per entity id. `added_id` is the clustered key so inserts append
+/// (write locality, as in FriendFeed's design); lookups go through the
+/// unique `id`. A delete keeps the row as a tombstone (`body` NULL) so the
+/// version keeps rising across delete and re-create: that monotonic version
+/// is what makes replayed change events harmless in the index tables.
+pub const ENTITIES: &str = "CREATE TABLE IF NOT EXISTS entities (
+    added_id BIGINT UNSIGNED NOT NULL AUTO_INCREMENT,
+    id BINARY(16) NOT NULL,
+    version BIGINT UNSIGNED NOT NULL,
+    updated TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    body MEDIUMBLOB NULL,
+    PRIMARY KEY (added_id),
+    UNIQUE KEY entities_id (id),
+    KEY entities_updated (updated)
+) ENGINE=InnoDB";
+
+/// Change events committed with their write and not yet acknowledged by Kafka.
+pub const OUTBOX: &str = "CREATE TABLE IF NOT EXISTS outbox (
+    seq BIGINT UNSIGNED NOT NULL AUTO_INCREMENT,
+    entity_id BINARY(16) NOT NULL,
+    version BIGINT UNSIGNED NOT NULL,
+    committed TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    event MEDIUMBLOB NOT NULL,
+    PRIMARY KEY (seq)
+) ENGINE=InnoDB";
+
+/// Index metadata, kept on shard 0 only: the one well-known place.
+pub const INDEX_META: &str = "CREATE TABLE IF NOT EXISTS bagstore_indexes (
+    name VARCHAR(64) NOT NULL,
+    spec TEXT NOT NULL,
+    state VARCHAR(16) NOT NULL,
+    backfill_cursor TEXT NULL,
+    rows_done BIGINT UNSIGNED NOT NULL DEFAULT 0,
+    rows_total BIGINT UNSIGNED NOT NULL DEFAULT 0,
+    created TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    changed TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    PRIMARY KEY (name)
+) ENGINE=InnoDB";
+
+pub fn column_type(ty: PropType, max_len: u32) -> String {
+    match ty {
+        PropType::Uuid => "BINARY(16)".into(),
+        // Bytes, not a collation: exact equality and byte order, like Rust strings.
+        PropType::String => format!("VARBINARY({})", 4 * max_len),
+        PropType::Int => "BIGINT".into(),
+        PropType::Float => "DOUBLE".into(),
+        PropType::Bool => "BOOLEAN".into(),
+    }
+}
+
+/// `(p1, p2, …, entity_id)` is the primary key, so equal keys are ordered by
+/// entity id and a lookup is one range scan; `entity_id` has its own key for
+/// the cleaner's "which rows does this entity have" question.
+pub fn index_table(spec: &IndexSpec) -> String {
+    let mut cols = String::new();
+    for p in &spec.properties {
+        cols.push_str(&format!("    `{}` {} NOT NULL,\n", p.name, column_type(p.ty, p.string_len())));
+    }
+    let key: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{table}` (\n{cols}    entity_id BINARY(16) NOT NULL,\n    \
+         version BIGINT UNSIGNED NOT NULL,\n    PRIMARY KEY ({key}, entity_id),\n    \
+         KEY `{table}_entity` (entity_id)\n) ENGINE=InnoDB",
+        table = spec.table,
+        key = key.join(", "),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn index_ddl_names_typed_columns_and_the_keys() {
+        let spec: IndexSpec = toml::from_str(
+            r#"table = "index_user_name"
+               properties = [{ name = "first_name", type = "string", max_len = 10 }, { name = "age", type = "int" }]"#,
+        )
+        .unwrap();
+        let ddl = index_table(&spec);
+        assert!(ddl.contains("`first_name` VARBINARY(40) NOT NULL"), "{ddl}");
+        assert!(ddl.contains("`age` BIGINT NOT NULL"));
+        assert!(ddl.contains("PRIMARY KEY (`first_name`, `age`, entity_id)"));
+        assert!(ddl.contains("KEY `index_user_name_entity` (entity_id)"));
+    }
+}

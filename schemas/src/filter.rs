@@ -1,0 +1,103 @@
+//! Conditions on property values and how they are evaluated against a bag.
+//!
+//! This is the re-filter of Invariant R: the reader applies it to every
+//! fetched entity, whatever the index said. The same equality decides
+//! `match_on` in the indexer, so both agree on what a partial index holds.
+
+use crate::index::{IndexProperty, KeyValue};
+use crate::value::{Bag, Value};
+
+/// A condition on one property.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Condition {
+    /// Equal to the value (for an array property: one element is equal).
+    Eq(Value),
+    /// Equal to one of the values.
+    In(Vec<Value>),
+}
+
+impl Condition {
+    /// The values an equality-like condition admits.
+    pub fn values(&self) -> &[Value] {
+        match self {
+            Condition::Eq(v) => std::slice::from_ref(v),
+            Condition::In(vs) => vs,
+        }
+    }
+
+    /// Generic evaluation for a property no index types.
+    pub fn matches(&self, actual: Option<&Value>) -> bool {
+        self.values().iter().any(|want| value_eq(actual, want))
+    }
+
+    /// Typed evaluation for a property of the index in use: the entity's
+    /// value goes through the same conversion as the indexer's, so a row is
+    /// accepted exactly when the entity really produces that key.
+    pub fn matches_typed(&self, prop: &IndexProperty, actual: Option<&Value>) -> bool {
+        let have = prop.typed_all(actual);
+        self.values()
+            .iter()
+            .filter_map(|w| prop.typed(w))
+            .any(|w: KeyValue| have.contains(&w))
+    }
+}
+
+/// Equality with the documented semantics: numbers compare by value (`1 ==
+/// 1.0`); an array property equals a scalar when one element does; `null`
+/// matches a missing property; objects and arrays compare deeply.
+pub fn value_eq(actual: Option<&Value>, want: &Value) -> bool {
+    match actual {
+        None => matches!(want, Value::Null),
+        Some(a) => {
+            deep_eq(a, want)
+                || matches!((a, want), (Value::Array(items), w) if !matches!(w, Value::Array(_))
+                    && items.iter().any(|i| deep_eq(i, w)))
+        }
+    }
+}
+
+fn deep_eq(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Int(x), Value::Int(y)) => x == y,
+        (Value::Int(_) | Value::Float(_), Value::Int(_) | Value::Float(_)) => a.as_f64() == b.as_f64(),
+        (Value::Array(x), Value::Array(y)) => x.len() == y.len() && x.iter().zip(y).all(|(p, q)| deep_eq(p, q)),
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|((k1, v1), (k2, v2))| k1 == k2 && deep_eq(v1, v2))
+        }
+        _ => a == b,
+    }
+}
+
+/// Every condition holds on the bag.
+pub fn bag_matches<'a>(bag: &Bag, conditions: impl IntoIterator<Item = (&'a str, &'a Condition)>) -> bool {
+    conditions.into_iter().all(|(name, c)| c.matches(bag.get(name)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::PropType;
+
+    #[test]
+    fn equality_follows_the_documented_rules() {
+        assert!(value_eq(Some(&Value::Int(1)), &Value::Float(1.0)));
+        assert!(!value_eq(Some(&Value::Int(1)), &Value::String("1".into())));
+        let arr = Value::Array(vec![Value::String("a".into()), Value::String("b".into())]);
+        assert!(value_eq(Some(&arr), &Value::String("b".into())));
+        assert!(!value_eq(Some(&arr), &Value::String("c".into())));
+        assert!(value_eq(Some(&arr), &arr.clone()));
+        assert!(value_eq(None, &Value::Null));
+        assert!(!value_eq(None, &Value::Int(0)));
+    }
+
+    #[test]
+    fn typed_matching_compares_uuid_bytes_not_spelling() {
+        let prop = IndexProperty { name: "user_id".into(), ty: PropType::Uuid, max_len: None };
+        let stored = Value::String("F48B0440-CA0C-4F66-991C-4D5F6A078EAF".into());
+        let c = Condition::Eq(Value::String("f48b0440ca0c4f66991c4d5f6a078eaf".into()));
+        assert!(c.matches_typed(&prop, Some(&stored)));
+        assert!(!c.matches(Some(&stored)), "untyped comparison is by string");
+        let other = Condition::In(vec![Value::String("00000000000000000000000000000000".into())]);
+        assert!(!other.matches_typed(&prop, Some(&stored)));
+    }
+}

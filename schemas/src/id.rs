@@ -1,0 +1,93 @@
+//! Entity ids: 16 bytes, accepted as 32 hex digits or a dashed UUID, always
+//! written back as 32 lowercase hex digits.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// The 16-byte key of an entity (`BINARY(16)` in every table).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct EntityId(pub [u8; 16]);
+
+/// Why a string is not an entity id (or a uuid-typed property value).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{input:?} is not a valid id: expected 32 hex digits or a dashed UUID")]
+pub struct BadId {
+    pub input: String,
+}
+
+impl EntityId {
+    /// A fresh random (version 4) id.
+    pub fn random() -> Self {
+        EntityId(*uuid::Uuid::new_v4().as_bytes())
+    }
+
+    /// Parses 32 hex digits (any case) or the dashed 8-4-4-4-12 form.
+    pub fn parse(s: &str) -> Result<Self, BadId> {
+        let ok = match s.len() {
+            32 => s.bytes().all(|b| b.is_ascii_hexdigit()),
+            36 => s.bytes().enumerate().all(|(i, b)| match i {
+                8 | 13 | 18 | 23 => b == b'-',
+                _ => b.is_ascii_hexdigit(),
+            }),
+            _ => false,
+        };
+        if !ok {
+            return Err(BadId { input: s.chars().take(64).collect() });
+        }
+        uuid::Uuid::try_parse(s)
+            .map(|u| EntityId(*u.as_bytes()))
+            .map_err(|_| BadId { input: s.to_string() })
+    }
+
+    pub fn from_slice(bytes: &[u8]) -> Option<Self> {
+        <[u8; 16]>::try_from(bytes).ok().map(EntityId)
+    }
+
+    pub fn as_bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+
+    /// 32 lowercase hex digits, the only form bagstore ever returns.
+    pub fn to_hex(&self) -> String {
+        uuid::Uuid::from_bytes(self.0).simple().to_string()
+    }
+}
+
+impl fmt::Display for EntityId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+impl fmt::Debug for EntityId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "EntityId({})", self.to_hex())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_and_dashed_forms_name_the_same_id() {
+        let a = EntityId::parse("71f0c4d2291844cca2df6f486e96e37c").unwrap();
+        let b = EntityId::parse("71F0C4D2-2918-44CC-A2DF-6F486E96E37C").unwrap();
+        assert_eq!(a, b);
+        assert_eq!(b.to_string(), "71f0c4d2291844cca2df6f486e96e37c");
+    }
+
+    #[test]
+    fn malformed_ids_are_rejected() {
+        for bad in [
+            "",
+            "71f0c4d2",
+            "71f0c4d2291844cca2df6f486e96e37g",
+            "{71f0c4d2-2918-44cc-a2df-6f486e96e37c}",
+            "71f0c4d2-291844cc-a2df-6f486e96e37c0",
+            "urn:uuid:71f0c4d2-2918-44cc-a2df-6f486e96e37c",
+        ] {
+            assert!(EntityId::parse(bad).is_err(), "{bad} accepted");
+        }
+    }
+}

@@ -1,0 +1,119 @@
+//! Kafka client settings every service shares, topic creation, and the lag
+//! of an index's consumer group measured from the broker (so lag is known
+//! even when no indexer of that group is alive).
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use std::time::Duration;
+
+use crate::settings::KafkaSettings;
+
+pub fn base_config(k: &KafkaSettings) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &k.brokers);
+    c
+}
+
+/// The relay's producer: idempotent with `acks=all`, so retries inside
+/// librdkafka neither duplicate nor reorder events of one partition.
+/// Bodies are already lz4-compressed, so no second compression.
+pub fn producer_config(k: &KafkaSettings) -> ClientConfig {
+    let mut c = base_config(k);
+    c.set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "2")
+        .set("compression.type", "none")
+        .set("message.timeout.ms", k.message_timeout_ms.to_string());
+    c
+}
+
+/// An index consumer: offsets are *stored* by our code only after the
+/// index rows they stand for are committed in MySQL, and librdkafka's
+/// auto-commit then commits what was stored (at-least-once).
+pub fn consumer_config(k: &KafkaSettings, group: &str) -> ClientConfig {
+    let mut c = base_config(k);
+    c.set("group.id", group)
+        .set("enable.auto.commit", "true")
+        .set("auto.commit.interval.ms", "500")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", k.session_timeout_ms.to_string())
+        .set("heartbeat.interval.ms", (k.session_timeout_ms / 4).max(100).to_string())
+        .set("partition.assignment.strategy", "cooperative-sticky");
+    c
+}
+
+/// Creates the change topic and its dead-letter topic if missing.
+pub async fn ensure_topics(k: &KafkaSettings) -> Result<(), KafkaError> {
+    let admin: AdminClient<DefaultClientContext> = base_config(k).create()?;
+    let dlq = k.dlq_topic();
+    let topics = [
+        NewTopic::new(&k.topic, k.partitions, TopicReplication::Fixed(k.replication_factor)),
+        NewTopic::new(&dlq, 1, TopicReplication::Fixed(k.replication_factor)),
+    ];
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    for result in admin.create_topics(&topics, &opts).await? {
+        match result {
+            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((topic, code)) => {
+                return Err(KafkaError::AdminOp(code)).inspect_err(|_| tracing::error!(%topic, "cannot create topic"))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Lag of one partition for one consumer group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionLag {
+    pub partition: i32,
+    /// The next offset the broker will assign.
+    pub high_watermark: i64,
+    /// The group's committed offset (the next event it will read); `None`
+    /// when it has committed nothing for this partition yet.
+    pub committed: Option<i64>,
+}
+
+impl PartitionLag {
+    /// Events not yet applied by the group.
+    pub fn lag(&self) -> i64 {
+        let low = self.committed.unwrap_or(0);
+        (self.high_watermark - low).max(0)
+    }
+}
+
+/// Reads the group's committed offsets and the topic's high watermarks. The
+/// consumer used here never subscribes, so it does not join the group.
+pub async fn group_lag(k: &KafkaSettings, group: &str) -> Result<Vec<PartitionLag>, KafkaError> {
+    let k = k.clone();
+    let group = group.to_string();
+    tokio::task::spawn_blocking(move || {
+        let mut cfg = base_config(&k);
+        cfg.set("group.id", &group).set("enable.auto.commit", "false");
+        let consumer: BaseConsumer = cfg.create()?;
+        let timeout = Duration::from_secs(5);
+        let md = consumer.fetch_metadata(Some(&k.topic), timeout)?;
+        let partitions: Vec<i32> =
+            md.topics().iter().flat_map(|t| t.partitions().iter().map(|p| p.id())).collect();
+        let mut tpl = TopicPartitionList::new();
+        for p in &partitions {
+            tpl.add_partition(&k.topic, *p);
+        }
+        let committed = consumer.committed_offsets(tpl, timeout)?;
+        let mut out = Vec::new();
+        for p in partitions {
+            let (_, high) = consumer.fetch_watermarks(&k.topic, p, timeout)?;
+            let committed = committed.find_partition(&k.topic, p).and_then(|e| match e.offset() {
+                Offset::Offset(o) => Some(o),
+                _ => None,
+            });
+            out.push(PartitionLag { partition: p, high_watermark: high, committed });
+        }
+        Ok(out)
+    })
+    .await
+    .map_err(|_| KafkaError::Canceled)?
+}

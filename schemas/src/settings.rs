@@ -1,0 +1,374 @@
+//! Typed configuration: a TOML file, then `BAGSTORE_<SECTION>__<KEY>`
+//! environment variables on top (`BAGSTORE_KAFKA__BROKERS=kafka:9092`).
+//! Deeper keys nest with more `__`. A value is read as TOML when it parses
+//! as one (`8`, `true`, `["a","b"]`) and as a plain string otherwise.
+//! Variables without `__` are not settings and are ignored.
+
+use serde::{Deserialize, Deserializer, Serialize};
+use std::fmt;
+use std::path::Path;
+
+use crate::index::IndexSpec;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    #[error("cannot read config file {path}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("config is not valid TOML or has an unknown or mistyped key: {0}")]
+    Parse(String),
+    #[error("environment variable {var}: {reason}")]
+    Env { var: String, reason: String },
+    #[error("invalid config: {0}")]
+    Invalid(String),
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    #[serde(default)]
+    pub mysql: MysqlSettings,
+    #[serde(default)]
+    pub kafka: KafkaSettings,
+    #[serde(default)]
+    pub http: HttpSettings,
+    #[serde(default)]
+    pub writer: WriterSettings,
+    #[serde(default)]
+    pub indexer: IndexerSettings,
+    #[serde(default)]
+    pub reader: ReaderSettings,
+    #[serde(default)]
+    pub indexes: Vec<IndexSpec>,
+}
+
+/// A MySQL connection URL. Its password never appears in Debug or Display.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Dsn(pub String);
+
+impl Dsn {
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// The URL with any password replaced by `***`.
+    pub fn redacted(&self) -> String {
+        let s = &self.0;
+        let Some(scheme_end) = s.find("://").map(|i| i + 3) else { return s.clone() };
+        let rest = &s[scheme_end..];
+        let at = match rest.find('@') {
+            Some(at) if !rest[..at].contains('/') => at,
+            _ => return s.clone(),
+        };
+        match rest[..at].find(':') {
+            Some(colon) => format!("{}{}:***{}", &s[..scheme_end], &rest[..colon], &rest[at..]),
+            None => s.clone(),
+        }
+    }
+}
+
+impl fmt::Debug for Dsn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Dsn({})", self.redacted())
+    }
+}
+
+impl fmt::Display for Dsn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.redacted())
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MysqlSettings {
+    /// One DSN per shard, in shard order. Order is part of the data layout:
+    /// reordering it sends reads to the wrong shard. May be a TOML list or,
+    /// from the environment, a comma-separated string.
+    #[serde(deserialize_with = "list_or_csv")]
+    pub shards: Vec<Dsn>,
+    /// Pool size per shard and process.
+    pub max_connections: u32,
+    pub connect_timeout_ms: u64,
+}
+
+impl Default for MysqlSettings {
+    fn default() -> Self {
+        MysqlSettings { shards: Vec::new(), max_connections: 16, connect_timeout_ms: 10_000 }
+    }
+}
+
+fn list_or_csv<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Dsn>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Either {
+        List(Vec<String>),
+        Csv(String),
+    }
+    Ok(match Either::deserialize(d)? {
+        Either::List(v) => v.into_iter().map(Dsn).collect(),
+        Either::Csv(s) => s.split(',').map(str::trim).filter(|s| !s.is_empty()).map(|s| Dsn(s.to_string())).collect(),
+    })
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KafkaSettings {
+    /// bootstrap.servers
+    pub brokers: String,
+    /// The change-event topic; undecodable events go to `<topic>.dlq`.
+    pub topic: String,
+    /// Partitions `bagstore migrate` creates the topic with.
+    pub partitions: i32,
+    pub replication_factor: i32,
+    /// Consumer session timeout: how long a dead indexer holds its partitions.
+    pub session_timeout_ms: u64,
+    /// How long the relay lets librdkafka retry one event before it gives up
+    /// and the outbox row is tried again.
+    pub message_timeout_ms: u64,
+}
+
+impl KafkaSettings {
+    pub fn dlq_topic(&self) -> String {
+        format!("{}.dlq", self.topic)
+    }
+
+    pub fn group_for(&self, table: &str) -> String {
+        format!("bagstore-index-{table}")
+    }
+}
+
+impl Default for KafkaSettings {
+    fn default() -> Self {
+        KafkaSettings {
+            brokers: String::new(),
+            topic: "bagstore.entity-changes".into(),
+            partitions: 8,
+            replication_factor: 1,
+            session_timeout_ms: 10_000,
+            message_timeout_ms: 10_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpSettings {
+    pub addr: String,
+    /// How long a stopping server waits for requests in flight.
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for HttpSettings {
+    fn default() -> Self {
+        HttpSettings { addr: "127.0.0.1:8080".into(), shutdown_grace_ms: 10_000 }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WriterSettings {
+    /// Largest accepted request body (and so entity), bytes.
+    pub max_body_bytes: usize,
+    /// Most entities in one batch request.
+    pub max_batch: usize,
+    /// Outbox rows the relay publishes per round.
+    pub relay_batch: usize,
+    /// How often a relay looks at its outbox without being woken, and how
+    /// often a follower tries to become leader.
+    pub relay_poll_ms: u64,
+}
+
+impl Default for WriterSettings {
+    fn default() -> Self {
+        WriterSettings { max_body_bytes: 1 << 20, max_batch: 1000, relay_batch: 500, relay_poll_ms: 200 }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IndexerSettings {
+    /// Most events applied in one round (one transaction per shard).
+    pub batch_max: usize,
+    /// How long to wait for more events once one has arrived.
+    pub batch_wait_ms: u64,
+    /// Ceiling of the retry backoff after a database error.
+    pub retry_max_ms: u64,
+}
+
+impl Default for IndexerSettings {
+    fn default() -> Self {
+        IndexerSettings { batch_max: 500, batch_wait_ms: 5, retry_max_ms: 5_000 }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReaderSettings {
+    pub default_limit: usize,
+    pub max_limit: usize,
+    /// Most values in one `in` list, and most index keys one query may expand to.
+    pub max_in: usize,
+    pub max_batch_get: usize,
+}
+
+impl Default for ReaderSettings {
+    fn default() -> Self {
+        ReaderSettings { default_limit: 100, max_limit: 1000, max_in: 1000, max_batch_get: 1000 }
+    }
+}
+
+impl Settings {
+    /// Reads `path` (if any), applies the process environment, validates.
+    pub fn load(path: Option<&Path>) -> Result<Settings, SettingsError> {
+        let text = match path {
+            Some(p) => std::fs::read_to_string(p)
+                .map_err(|source| SettingsError::Read { path: p.display().to_string(), source })?,
+            None => String::new(),
+        };
+        Settings::from_toml_and_env(&text, std::env::vars())
+    }
+
+    pub fn from_toml_and_env(
+        text: &str,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Settings, SettingsError> {
+        let mut doc: toml::Table = toml::from_str(text).map_err(|e| SettingsError::Parse(e.to_string()))?;
+        let mut vars: Vec<(String, String)> = env.into_iter().collect();
+        vars.sort();
+        for (var, raw) in vars {
+            let Some(path) = var.strip_prefix("BAGSTORE_") else { continue };
+            if !path.contains("__") {
+                continue;
+            }
+            let keys: Vec<String> = path.split("__").map(str::to_ascii_lowercase).collect();
+            if keys.iter().any(String::is_empty) {
+                return Err(SettingsError::Env { var, reason: "empty section or key".into() });
+            }
+            let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
+                .ok()
+                .and_then(|mut t| t.remove("v"))
+                .unwrap_or(toml::Value::String(raw));
+            let mut table = &mut doc;
+            for k in &keys[..keys.len() - 1] {
+                let entry = table.entry(k.clone()).or_insert_with(|| toml::Value::Table(Default::default()));
+                table = entry
+                    .as_table_mut()
+                    .ok_or_else(|| SettingsError::Env { var: var.clone(), reason: format!("{k} is not a section") })?;
+            }
+            table.insert(keys[keys.len() - 1].clone(), value);
+        }
+        let settings: Settings =
+            toml::Value::Table(doc).try_into().map_err(|e: toml::de::Error| SettingsError::Parse(e.to_string()))?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    pub fn validate(&self) -> Result<(), SettingsError> {
+        for (i, spec) in self.indexes.iter().enumerate() {
+            spec.validate().map_err(|e| SettingsError::Invalid(e.to_string()))?;
+            if self.indexes[..i].iter().any(|o| o.table == spec.table) {
+                return Err(SettingsError::Invalid(format!("index {:?} is defined twice", spec.table)));
+            }
+        }
+        if self.kafka.partitions < 1 {
+            return Err(SettingsError::Invalid("kafka.partitions must be at least 1".into()));
+        }
+        if self.writer.max_body_bytes == 0 || self.writer.max_batch == 0 || self.writer.relay_batch == 0 {
+            return Err(SettingsError::Invalid("writer limits must be positive".into()));
+        }
+        if self.indexer.batch_max == 0 || self.reader.max_limit == 0 || self.reader.max_in == 0 {
+            return Err(SettingsError::Invalid("indexer and reader limits must be positive".into()));
+        }
+        Ok(())
+    }
+
+    /// What a service needs before it starts: real shards and brokers.
+    pub fn require_external(&self) -> Result<(), SettingsError> {
+        if self.mysql.shards.is_empty() {
+            return Err(SettingsError::Invalid(
+                "mysql.shards is empty: list one DSN per shard (or set BAGSTORE_MYSQL__SHARDS)".into(),
+            ));
+        }
+        if self.kafka.brokers.is_empty() {
+            return Err(SettingsError::Invalid("kafka.brokers is empty (or set BAGSTORE_KAFKA__BROKERS)".into()));
+        }
+        Ok(())
+    }
+
+    pub fn index(&self, table: &str) -> Option<&IndexSpec> {
+        self.indexes.iter().find(|s| s.table == table)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = r#"
+        [mysql]
+        shards = ["mysql://root@127.0.0.1:3307/bagstore", "mysql://root:hunter2@127.0.0.1:3308/bagstore"]
+        [kafka]
+        brokers = "127.0.0.1:9092"
+        topic = "bagstore.entity-changes"
+        [[indexes]]
+        table = "index_user_id"
+        properties = [{ name = "user_id", type = "uuid" }]
+        shard_on = "user_id"
+        [[indexes]]
+        table = "index_foo"
+        properties = [{ name = "bar", type = "int" }]
+        match_on = { m = "right" }
+    "#;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn the_readme_example_loads() {
+        let s = Settings::from_toml_and_env(EXAMPLE, env(&[])).unwrap();
+        assert_eq!(s.mysql.shards.len(), 2);
+        assert_eq!(s.indexes[1].match_on["m"], serde_json::json!("right"));
+        assert_eq!(s.kafka.dlq_topic(), "bagstore.entity-changes.dlq");
+    }
+
+    #[test]
+    fn environment_overrides_the_file() {
+        let s = Settings::from_toml_and_env(
+            EXAMPLE,
+            env(&[
+                ("BAGSTORE_KAFKA__BROKERS", "kafka:9092"),
+                ("BAGSTORE_KAFKA__PARTITIONS", "3"),
+                ("BAGSTORE_MYSQL__SHARDS", "mysql://a/x, mysql://b/x"),
+                ("BAGSTORE_HTTP__ADDR", "0.0.0.0:9000"),
+                ("BAGSTORE_SOAK", "ignored: no section"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(s.kafka.brokers, "kafka:9092");
+        assert_eq!(s.kafka.partitions, 3);
+        assert_eq!(s.mysql.shards, vec![Dsn("mysql://a/x".into()), Dsn("mysql://b/x".into())]);
+        assert_eq!(s.http.addr, "0.0.0.0:9000");
+    }
+
+    #[test]
+    fn mistakes_are_reported() {
+        assert!(Settings::from_toml_and_env("[kafka]\nbrokerz = 1", env(&[])).is_err());
+        assert!(Settings::from_toml_and_env("", env(&[("BAGSTORE_KAFKA__PARTITIONS", "0")])).is_err());
+        let dup = "[[indexes]]\ntable='t'\nproperties=[{name='a',type='int'}]\n".repeat(2);
+        assert!(Settings::from_toml_and_env(&dup, env(&[])).is_err());
+    }
+
+    #[test]
+    fn passwords_never_show_in_debug_output() {
+        let s = Settings::from_toml_and_env(EXAMPLE, env(&[])).unwrap();
+        let dbg = format!("{s:?}");
+        assert!(!dbg.contains("hunter2"), "{dbg}");
+        assert!(dbg.contains("root:***@127.0.0.1:3308"));
+    }
+}

@@ -1,0 +1,592 @@
+//! Shared storage access: every SQL statement bagstore runs, one function
+//! each. Services call these; nothing here knows about HTTP or Kafka.
+//!
+//! Timestamps cross the wire as integer microseconds since the Unix epoch;
+//! sqlx sets each session's `time_zone` to UTC, so `TIMESTAMPADD` /
+//! `TIMESTAMPDIFF` against the epoch are exact.
+
+use sqlx::mysql::{MySqlArguments, MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+use sqlx::query::Query;
+use sqlx::{Connection, MySql, MySqlConnection, Row};
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::ddl;
+use crate::id::EntityId;
+use crate::index::{IndexKey, IndexSpec, KeyValue};
+use crate::settings::{Dsn, MysqlSettings};
+use crate::shard::shard_of;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("shard {shard} is unavailable or failed a statement")]
+    Shard {
+        shard: usize,
+        #[source]
+        source: sqlx::Error,
+    },
+    #[error("{dsn} is not a valid MySQL URL")]
+    BadDsn {
+        dsn: String,
+        #[source]
+        source: sqlx::Error,
+    },
+    #[error("index {table:?} already exists with another definition; drop it or pick a new table name")]
+    SpecChanged { table: String },
+    #[error("stored index metadata for {table:?} is unreadable")]
+    BadMeta {
+        table: String,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+impl StoreError {
+    /// Deadlocks and lock wait timeouts: the transaction was rolled back and
+    /// may simply be run again.
+    pub fn is_retryable_conflict(&self) -> bool {
+        match self {
+            StoreError::Shard { source: sqlx::Error::Database(db), .. } => {
+                matches!(db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().map(|e| e.number()), Some(1213 | 1205))
+            }
+            _ => false,
+        }
+    }
+}
+
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// Attaches the shard number to a sqlx error.
+pub trait OnShard<T> {
+    fn on(self, shard: usize) -> Result<T>;
+}
+
+impl<T> OnShard<T> for std::result::Result<T, sqlx::Error> {
+    fn on(self, shard: usize) -> Result<T> {
+        self.map_err(|source| StoreError::Shard { shard, source })
+    }
+}
+
+/// One connection pool per shard, in shard order.
+#[derive(Debug, Clone)]
+pub struct Shards {
+    pools: Vec<MySqlPool>,
+    dsns: Vec<Dsn>,
+}
+
+pub fn connect_options(dsn: &Dsn) -> Result<MySqlConnectOptions> {
+    MySqlConnectOptions::from_str(dsn.expose())
+        .map_err(|source| StoreError::BadDsn { dsn: dsn.redacted(), source })
+}
+
+impl Shards {
+    /// Pools connect lazily, so a service can start before MySQL is up and
+    /// report the outage per request instead of refusing to start.
+    pub fn connect_lazy(settings: &MysqlSettings) -> Result<Shards> {
+        let mut pools = Vec::new();
+        for dsn in &settings.shards {
+            let opts = connect_options(dsn)?;
+            pools.push(
+                MySqlPoolOptions::new()
+                    .max_connections(settings.max_connections)
+                    .acquire_timeout(Duration::from_millis(settings.connect_timeout_ms))
+                    .connect_lazy_with(opts),
+            );
+        }
+        Ok(Shards { pools, dsns: settings.shards.clone() })
+    }
+
+    pub fn count(&self) -> usize {
+        self.pools.len()
+    }
+
+    pub fn pool(&self, shard: usize) -> &MySqlPool {
+        &self.pools[shard]
+    }
+
+    pub fn dsn(&self, shard: usize) -> &Dsn {
+        &self.dsns[shard]
+    }
+
+    pub fn of_id(&self, id: &EntityId) -> usize {
+        shard_of(id.as_bytes(), self.count())
+    }
+
+    /// Waits until every shard answers, up to `deadline`.
+    pub async fn wait_ready(&self, deadline: Duration) -> Result<()> {
+        let until = tokio::time::Instant::now() + deadline;
+        for (shard, pool) in self.pools.iter().enumerate() {
+            loop {
+                match sqlx::query("SELECT 1").execute(pool).await {
+                    Ok(_) => break,
+                    Err(e) if tokio::time::Instant::now() >= until => return Err(e).on(shard),
+                    Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub async fn close(&self) {
+        for p in &self.pools {
+            p.close().await;
+        }
+    }
+}
+
+/// A dedicated connection outside any pool (relay leadership lives on one).
+pub async fn dedicated_connection(dsn: &Dsn) -> Result<MySqlConnection, sqlx::Error> {
+    MySqlConnection::connect_with(&MySqlConnectOptions::from_str(dsn.expose())?).await
+}
+
+/// The database named by a DSN, and the DSN without it (for `CREATE DATABASE`).
+pub fn split_database(dsn: &Dsn) -> Option<(String, Dsn)> {
+    let s = dsn.expose();
+    let (base, query) = match s.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (s, None),
+    };
+    let after_scheme = base.find("://")? + 3;
+    let slash = base[after_scheme..].find('/')? + after_scheme;
+    let db = &base[slash + 1..];
+    if db.is_empty() {
+        return None;
+    }
+    let server = match query {
+        Some(q) => format!("{}?{}", &base[..slash], q),
+        None => base[..slash].to_string(),
+    };
+    Some((db.to_string(), Dsn(server)))
+}
+
+// ---------------------------------------------------------------- migrate
+
+/// Creates the shard's database if the DSN names one that is missing.
+pub async fn create_database(shard: usize, dsn: &Dsn) -> Result<()> {
+    let Some((db, server)) = split_database(dsn) else { return Ok(()) };
+    if !crate::names::is_valid_identifier(&db) {
+        // Not ours to name (e.g. upper case): assume the operator created it.
+        return Ok(());
+    }
+    let mut conn = dedicated_connection(&server).await.on(shard)?;
+    sqlx::query(&format!("CREATE DATABASE IF NOT EXISTS `{db}`")).execute(&mut conn).await.on(shard)?;
+    Ok(())
+}
+
+pub async fn create_base_tables(shard: usize, pool: &MySqlPool) -> Result<()> {
+    for stmt in [ddl::ENTITIES, ddl::OUTBOX] {
+        sqlx::query(stmt).execute(pool).await.on(shard)?;
+    }
+    if shard == 0 {
+        sqlx::query(ddl::INDEX_META).execute(pool).await.on(shard)?;
+    }
+    Ok(())
+}
+
+pub async fn create_index_table(shard: usize, pool: &MySqlPool, spec: &IndexSpec) -> Result<()> {
+    sqlx::query(&ddl::index_table(spec)).execute(pool).await.on(shard)?;
+    Ok(())
+}
+
+pub async fn drop_index_table(shard: usize, pool: &MySqlPool, table: &str) -> Result<()> {
+    debug_assert!(crate::names::is_valid_identifier(table));
+    sqlx::query(&format!("DROP TABLE IF EXISTS `{table}`")).execute(pool).await.on(shard)?;
+    Ok(())
+}
+
+pub async fn has_entities(shard: usize, pool: &MySqlPool) -> Result<bool> {
+    let row = sqlx::query("SELECT EXISTS(SELECT 1 FROM entities) AS e").fetch_one(pool).await.on(shard)?;
+    Ok(row.try_get::<i64, _>("e").on(shard)? != 0)
+}
+
+// ---------------------------------------------------------------- entities
+
+/// What the writer finds under its row lock.
+#[derive(Debug, Clone)]
+pub struct Current {
+    pub version: u64,
+    /// `None` for a tombstone (a deleted entity).
+    pub body: Option<Vec<u8>>,
+}
+
+/// `SELECT … FOR UPDATE`: locks the row (or, when absent, the gap where it
+/// would go) until the transaction ends, so writes to one id serialize.
+pub async fn lock_entity(shard: usize, conn: &mut MySqlConnection, id: &EntityId) -> Result<Option<Current>> {
+    let row = sqlx::query("SELECT version, body FROM entities WHERE id = ? FOR UPDATE")
+        .bind(&id.0[..])
+        .fetch_optional(conn)
+        .await
+        .on(shard)?;
+    row.map(|r| Ok(Current { version: r.try_get("version").on(shard)?, body: r.try_get("body").on(shard)? }))
+        .transpose()
+}
+
+pub async fn insert_entity(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    id: &EntityId,
+    version: u64,
+    updated_us: i64,
+    body: &[u8],
+) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO entities (id, version, updated, body) \
+         VALUES (?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)",
+    )
+    .bind(&id.0[..])
+    .bind(version)
+    .bind(updated_us)
+    .bind(body)
+    .execute(conn)
+    .await
+    .on(shard)?;
+    Ok(())
+}
+
+/// Overwrites a locked row; `body` `None` leaves a tombstone.
+pub async fn update_entity(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    id: &EntityId,
+    version: u64,
+    updated_us: i64,
+    body: Option<&[u8]>,
+) -> Result<()> {
+    sqlx::query(
+        "UPDATE entities SET version = ?, updated = TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), \
+         body = ? WHERE id = ?",
+    )
+    .bind(version)
+    .bind(updated_us)
+    .bind(body)
+    .bind(&id.0[..])
+    .execute(conn)
+    .await
+    .on(shard)?;
+    Ok(())
+}
+
+/// A live entity as stored.
+#[derive(Debug, Clone)]
+pub struct StoredEntity {
+    pub id: EntityId,
+    pub version: u64,
+    pub updated_us: i64,
+    pub body: Vec<u8>,
+}
+
+const ENTITY_COLUMNS: &str =
+    "id, version, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated) AS updated_us, body";
+
+fn stored_entity(shard: usize, r: &sqlx::mysql::MySqlRow) -> Result<StoredEntity> {
+    let id: Vec<u8> = r.try_get("id").on(shard)?;
+    Ok(StoredEntity {
+        id: EntityId::from_slice(&id).unwrap_or(EntityId([0; 16])),
+        version: r.try_get("version").on(shard)?,
+        updated_us: r.try_get("updated_us").on(shard)?,
+        body: r.try_get("body").on(shard)?,
+    })
+}
+
+pub async fn get_entity(shard: usize, pool: &MySqlPool, id: &EntityId) -> Result<Option<StoredEntity>> {
+    let sql = format!("SELECT {ENTITY_COLUMNS} FROM entities WHERE id = ? AND body IS NOT NULL");
+    let row = sqlx::query(&sql).bind(&id.0[..]).fetch_optional(pool).await.on(shard)?;
+    row.map(|r| stored_entity(shard, &r)).transpose()
+}
+
+/// Live entities among `ids` (all on this shard), in no particular order.
+pub async fn get_entities(shard: usize, pool: &MySqlPool, ids: &[EntityId]) -> Result<Vec<StoredEntity>> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let marks = vec!["?"; ids.len()].join(",");
+    let sql = format!("SELECT {ENTITY_COLUMNS} FROM entities WHERE id IN ({marks}) AND body IS NOT NULL");
+    let mut q = sqlx::query(&sql);
+    for id in ids {
+        q = q.bind(&id.0[..]);
+    }
+    let rows = q.fetch_all(pool).await.on(shard)?;
+    rows.iter().map(|r| stored_entity(shard, r)).collect()
+}
+
+// ---------------------------------------------------------------- outbox
+
+pub async fn insert_outbox(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    id: &EntityId,
+    version: u64,
+    committed_us: i64,
+    event: &[u8],
+) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO outbox (entity_id, version, committed, event) \
+         VALUES (?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)",
+    )
+    .bind(&id.0[..])
+    .bind(version)
+    .bind(committed_us)
+    .bind(event)
+    .execute(conn)
+    .await
+    .on(shard)?;
+    Ok(())
+}
+
+#[derive(Debug, Clone)]
+pub struct OutboxRow {
+    pub seq: u64,
+    pub entity_id: EntityId,
+    pub event: Vec<u8>,
+}
+
+/// The oldest unpublished events, in `seq` order (which, for one entity, is
+/// version order: its writes serialize on the row lock).
+pub async fn read_outbox(shard: usize, pool: &MySqlPool, limit: usize) -> Result<Vec<OutboxRow>> {
+    let rows = sqlx::query("SELECT seq, entity_id, event FROM outbox ORDER BY seq LIMIT ?")
+        .bind(limit as u64)
+        .fetch_all(pool)
+        .await
+        .on(shard)?;
+    rows.iter()
+        .map(|r| {
+            let id: Vec<u8> = r.try_get("entity_id").on(shard)?;
+            Ok(OutboxRow {
+                seq: r.try_get("seq").on(shard)?,
+                entity_id: EntityId::from_slice(&id).unwrap_or(EntityId([0; 16])),
+                event: r.try_get("event").on(shard)?,
+            })
+        })
+        .collect()
+}
+
+/// Deletes exactly the listed rows: a row with a lower `seq` that committed
+/// late is not in the list and so survives to be published next round.
+pub async fn delete_outbox(shard: usize, pool: &MySqlPool, seqs: &[u64]) -> Result<()> {
+    for chunk in seqs.chunks(1000) {
+        let marks = vec!["?"; chunk.len()].join(",");
+        let sql = format!("DELETE FROM outbox WHERE seq IN ({marks})");
+        let mut q = sqlx::query(&sql);
+        for s in chunk {
+            q = q.bind(*s);
+        }
+        q.execute(pool).await.on(shard)?;
+    }
+    Ok(())
+}
+
+/// Rows waiting, and the commit time (µs) of the oldest, if any.
+pub async fn outbox_backlog(shard: usize, pool: &MySqlPool) -> Result<(u64, Option<i64>)> {
+    let row = sqlx::query(
+        "SELECT COUNT(*) AS n, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MIN(committed)) AS oldest FROM outbox",
+    )
+    .fetch_one(pool)
+    .await
+    .on(shard)?;
+    Ok((row.try_get::<i64, _>("n").on(shard)? as u64, row.try_get("oldest").on(shard)?))
+}
+
+/// Named lock for "the relay of this database": server-wide names, so the
+/// database name is part of it (two shards may share one server).
+const RELAY_LOCK: &str = "CONCAT('bagstore.relay.', DATABASE())";
+
+/// Tries to become the shard's relay leader; the lock lives as long as `conn`.
+pub async fn try_relay_lock(shard: usize, conn: &mut MySqlConnection) -> Result<bool> {
+    let row = sqlx::query(&format!("SELECT GET_LOCK({RELAY_LOCK}, 0) AS got")).fetch_one(conn).await.on(shard)?;
+    Ok(row.try_get::<Option<i64>, _>("got").on(shard)? == Some(1))
+}
+
+/// Whether `conn` still holds the relay lock (false if it was killed and
+/// someone else took over).
+pub async fn holds_relay_lock(shard: usize, conn: &mut MySqlConnection) -> Result<bool> {
+    let row = sqlx::query(&format!("SELECT IS_USED_LOCK({RELAY_LOCK}) = CONNECTION_ID() AS mine"))
+        .fetch_one(conn)
+        .await
+        .on(shard)?;
+    Ok(row.try_get::<Option<i64>, _>("mine").on(shard)? == Some(1))
+}
+
+// ---------------------------------------------------------------- index rows
+
+fn bind_key<'q>(mut q: Query<'q, MySql, MySqlArguments>, key: &'q IndexKey) -> Query<'q, MySql, MySqlArguments> {
+    for v in key {
+        q = match v {
+            KeyValue::Uuid(b) => q.bind(&b[..]),
+            KeyValue::Str(s) => q.bind(s.as_bytes()),
+            KeyValue::Int(i) => q.bind(*i),
+            KeyValue::Float(f) => q.bind(*f),
+            KeyValue::Bool(b) => q.bind(*b),
+        };
+    }
+    q
+}
+
+fn key_equals(spec: &IndexSpec) -> String {
+    spec.properties.iter().map(|p| format!("`{}` = ?", p.name)).collect::<Vec<_>>().join(" AND ")
+}
+
+/// Writes a row, or raises its version; never lowers it, so a replayed old
+/// event cannot make a row look older than what was already applied.
+pub async fn upsert_index_row(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    spec: &IndexSpec,
+    key: &IndexKey,
+    entity: &EntityId,
+    version: u64,
+) -> Result<()> {
+    let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
+    let sql = format!(
+        "INSERT INTO `{}` ({}, entity_id, version) VALUES ({}, ?, ?) \
+         ON DUPLICATE KEY UPDATE version = GREATEST(version, VALUES(version))",
+        spec.table,
+        cols.join(", "),
+        vec!["?"; cols.len()].join(", ")
+    );
+    bind_key(sqlx::query(&sql), key).bind(&entity.0[..]).bind(version).execute(conn).await.on(shard)?;
+    Ok(())
+}
+
+/// Deletes a row written by an older version than `version`: a row that a
+/// newer event already re-wrote stays.
+pub async fn delete_index_row_before(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    spec: &IndexSpec,
+    key: &IndexKey,
+    entity: &EntityId,
+    version: u64,
+) -> Result<()> {
+    let sql = format!("DELETE FROM `{}` WHERE {} AND entity_id = ? AND version < ?", spec.table, key_equals(spec));
+    bind_key(sqlx::query(&sql), key).bind(&entity.0[..]).bind(version).execute(conn).await.on(shard)?;
+    Ok(())
+}
+
+/// Entity ids under one exact key, in id order, after `after` (keyset paging).
+pub async fn lookup_index(
+    shard: usize,
+    pool: &MySqlPool,
+    spec: &IndexSpec,
+    key: &IndexKey,
+    after: Option<&EntityId>,
+    limit: usize,
+) -> Result<Vec<EntityId>> {
+    let sql = format!(
+        "SELECT entity_id FROM `{}` WHERE {} AND entity_id > ? ORDER BY entity_id LIMIT ?",
+        spec.table,
+        key_equals(spec)
+    );
+    let start = after.map(|a| a.0.to_vec()).unwrap_or_default();
+    let rows = bind_key(sqlx::query(&sql), key).bind(start).bind(limit as u64).fetch_all(pool).await.on(shard)?;
+    rows.iter()
+        .map(|r| {
+            let id: Vec<u8> = r.try_get("entity_id").on(shard)?;
+            Ok(EntityId::from_slice(&id).unwrap_or(EntityId([0; 16])))
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------- index metadata
+
+/// Lifecycle of an index (DESIGN §2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum IndexState {
+    Creating,
+    Backfilling,
+    Active,
+    Dropping,
+}
+
+impl IndexState {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            IndexState::Creating => "CREATING",
+            IndexState::Backfilling => "BACKFILLING",
+            IndexState::Active => "ACTIVE",
+            IndexState::Dropping => "DROPPING",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<IndexState> {
+        [IndexState::Creating, IndexState::Backfilling, IndexState::Active, IndexState::Dropping]
+            .into_iter()
+            .find(|st| st.as_str() == s)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct IndexMeta {
+    pub spec: IndexSpec,
+    pub state: IndexState,
+    pub rows_done: u64,
+    pub rows_total: u64,
+}
+
+pub async fn list_index_meta(pool: &MySqlPool) -> Result<Vec<IndexMeta>> {
+    let rows = sqlx::query("SELECT name, spec, state, rows_done, rows_total FROM bagstore_indexes ORDER BY name")
+        .fetch_all(pool)
+        .await
+        .on(0)?;
+    rows.iter()
+        .map(|r| {
+            let table: String = r.try_get("name").on(0)?;
+            let spec_text: String = r.try_get("spec").on(0)?;
+            let spec = serde_json::from_str(&spec_text).map_err(|source| StoreError::BadMeta { table: table.clone(), source })?;
+            let state: String = r.try_get("state").on(0)?;
+            Ok(IndexMeta {
+                spec,
+                state: IndexState::parse(&state).unwrap_or(IndexState::Creating),
+                rows_done: r.try_get("rows_done").on(0)?,
+                rows_total: r.try_get("rows_total").on(0)?,
+            })
+        })
+        .collect()
+}
+
+/// Registers an index if it is new; refuses a changed definition. Returns
+/// the state it has afterwards.
+pub async fn register_index(pool: &MySqlPool, spec: &IndexSpec, initial: IndexState) -> Result<IndexState> {
+    let spec_text = serde_json::to_string(spec).expect("index specs serialize");
+    sqlx::query("INSERT IGNORE INTO bagstore_indexes (name, spec, state) VALUES (?, ?, ?)")
+        .bind(&spec.table)
+        .bind(&spec_text)
+        .bind(initial.as_str())
+        .execute(pool)
+        .await
+        .on(0)?;
+    let existing = list_index_meta(pool).await?;
+    let meta = existing.into_iter().find(|m| m.spec.table == spec.table).expect("row just ensured");
+    if &meta.spec != spec {
+        return Err(StoreError::SpecChanged { table: spec.table.clone() });
+    }
+    Ok(meta.state)
+}
+
+pub async fn set_index_state(pool: &MySqlPool, table: &str, state: IndexState) -> Result<()> {
+    sqlx::query("UPDATE bagstore_indexes SET state = ?, changed = NOW(6) WHERE name = ?")
+        .bind(state.as_str())
+        .bind(table)
+        .execute(pool)
+        .await
+        .on(0)?;
+    Ok(())
+}
+
+pub async fn delete_index_meta(pool: &MySqlPool, table: &str) -> Result<()> {
+    sqlx::query("DELETE FROM bagstore_indexes WHERE name = ?").bind(table).execute(pool).await.on(0)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn database_names_split_off_dsns() {
+        let (db, server) = split_database(&Dsn("mysql://root:pw@127.0.0.1:3307/bagstore?ssl-mode=disabled".into())).unwrap();
+        assert_eq!(db, "bagstore");
+        assert_eq!(server.expose(), "mysql://root:pw@127.0.0.1:3307?ssl-mode=disabled");
+        assert!(split_database(&Dsn("mysql://root@host:1".into())).is_none());
+    }
+}
