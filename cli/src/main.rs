@@ -1,1 +1,103 @@
-fn main() {}
+//! `bagstore`: see `bagstore --help` and the README.
+
+use anyhow::Context;
+use bagstore::{app, dev, logging, migrate};
+use clap::{Parser, Subcommand};
+use schemas::Settings;
+use std::path::PathBuf;
+
+#[derive(Debug, Parser)]
+#[command(name = "bagstore", version, about = "Schemaless entities on sharded MySQL with Kafka-fed indexes")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Everything in one process: private MariaDB shards, embedded Kafka, all services.
+    Dev(dev::DevArgs),
+    /// Create databases, tables, index metadata and topics (safe to repeat).
+    Migrate {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// The write API and the outbox relays.
+    Writer(ServiceArgs),
+    /// Index consumers (one consumer group per index).
+    Indexer {
+        #[command(flatten)]
+        service: ServiceArgs,
+        /// Index table to maintain; repeat for several (default: every index in the config).
+        #[arg(long = "index")]
+        indexes: Vec<String>,
+    },
+    /// The read and query API.
+    Reader(ServiceArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct ServiceArgs {
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Listen address (default: `[http] addr` from the config).
+    #[arg(long)]
+    http: Option<String>,
+}
+
+fn load(path: Option<&PathBuf>) -> anyhow::Result<Settings> {
+    Settings::load(path.map(|p| p.as_path())).context("loading the configuration")
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    logging::init();
+    match run(cli).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("bagstore: error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Dev(args) => dev::run(args).await,
+        Command::Migrate { config } => {
+            let settings = load(Some(&config))?;
+            settings.require_external()?;
+            let shards = schemas::store::Shards::connect_lazy(&settings.mysql)?;
+            let report = migrate::migrate(&settings, &shards, true).await?;
+            for (table, state) in report.indexes {
+                println!("index {table}: {}", state.as_str());
+            }
+            println!("migrate done: {} shards", shards.count());
+            Ok(())
+        }
+        Command::Writer(a) => {
+            let s = load(a.config.as_ref())?;
+            app::serve(s, app::Roles { writer: true, ..Default::default() }, "writer", a.http).await
+        }
+        Command::Reader(a) => {
+            let s = load(a.config.as_ref())?;
+            app::serve(s, app::Roles { reader: true, ..Default::default() }, "reader", a.http).await
+        }
+        Command::Indexer { service, indexes } => {
+            let s = load(service.config.as_ref())?;
+            let specs = if indexes.is_empty() {
+                s.indexes.clone()
+            } else {
+                indexes
+                    .iter()
+                    .map(|t| s.index(t).cloned().with_context(|| format!("index {t:?} is not in the config")))
+                    .collect::<anyhow::Result<Vec<_>>>()?
+            };
+            if specs.is_empty() {
+                anyhow::bail!("the config defines no index to maintain");
+            }
+            app::serve(s, app::Roles { indexes: specs, ..Default::default() }, "indexer", service.http).await
+        }
+    }
+}

@@ -1,1 +1,73 @@
-//! placeholder
+//! The reader: point and batch reads by id, and queries answered by index
+//! lookup → entity fetch → re-filter.
+//!
+//! In: `GET /v1/entities/{id}`, `POST /v1/entities/get`, `POST /v1/query`,
+//! `GET /v1/indexes`. Out: entities as JSON.
+//!
+//! Layout:
+//! - [`http`]: routes and the JSON shapes.
+//! - [`query`]: parsing a query, choosing the index, expanding keys.
+//! - [`execute`]: reading the index, fetching entities, re-filtering.
+//! - [`metrics`]: the series this crate exports.
+//!
+//! Invariant R: index rows are only ever candidates. Every returned entity
+//! was re-checked against every condition (and the index's `match_on`) on
+//! its canonical stored properties, so stale, duplicated or hand-made index
+//! rows can cost time but never produce a wrong answer.
+
+pub mod execute;
+pub mod http;
+pub mod metrics;
+pub mod query;
+
+use prometheus::Registry;
+use schemas::store::{self, IndexState, Shards};
+use schemas::Settings;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long index states read from shard 0 are trusted.
+const STATE_TTL: Duration = Duration::from_millis(500);
+
+#[derive(Debug, Clone)]
+pub struct Reader {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    settings: Settings,
+    shards: Shards,
+    metrics: metrics::Metrics,
+    /// Index states from `bagstore_indexes`, refreshed at most every STATE_TTL.
+    states: Mutex<Option<(Instant, HashMap<String, IndexState>)>>,
+}
+
+impl Reader {
+    pub fn new(settings: Settings, shards: Shards, registry: &Registry) -> prometheus::Result<Reader> {
+        let metrics = metrics::Metrics::register(registry)?;
+        Ok(Reader { inner: Arc::new(Inner { settings, shards, metrics, states: Mutex::new(None) }) })
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.inner.settings
+    }
+
+    pub fn shards(&self) -> &Shards {
+        &self.inner.shards
+    }
+
+    /// The state of every registered index (cached briefly).
+    pub async fn index_states(&self) -> Result<HashMap<String, IndexState>, store::StoreError> {
+        if let Some((at, states)) = self.inner.states.lock().expect("not poisoned").as_ref() {
+            if at.elapsed() < STATE_TTL {
+                return Ok(states.clone());
+            }
+        }
+        let metas = store::list_index_meta(self.shards().pool(0)).await?;
+        let states: HashMap<String, IndexState> = metas.into_iter().map(|m| (m.spec.table, m.state)).collect();
+        *self.inner.states.lock().expect("not poisoned") = Some((Instant::now(), states.clone()));
+        Ok(states)
+    }
+}

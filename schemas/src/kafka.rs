@@ -46,8 +46,26 @@ pub fn consumer_config(k: &KafkaSettings, group: &str) -> ClientConfig {
     c
 }
 
+/// Whether `topic` exists with at least one partition (a metadata request;
+/// some brokers, such as librdkafka's mock cluster, do not implement the
+/// admin API, so existing topics are detected before trying to create them).
+async fn topic_exists(k: &KafkaSettings, topic: &str) -> Result<bool, KafkaError> {
+    let cfg = base_config(k);
+    let topic = topic.to_string();
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = cfg.create()?;
+        let md = consumer.fetch_metadata(Some(&topic), Duration::from_secs(10))?;
+        Ok(md.topics().iter().any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty()))
+    })
+    .await
+    .map_err(|_| KafkaError::Canceled)?
+}
+
 /// Creates the change topic and its dead-letter topic if missing.
 pub async fn ensure_topics(k: &KafkaSettings) -> Result<(), KafkaError> {
+    if topic_exists(k, &k.topic).await? && topic_exists(k, &k.dlq_topic()).await? {
+        return Ok(());
+    }
     let admin: AdminClient<DefaultClientContext> = base_config(k).create()?;
     let dlq = k.dlq_topic();
     let topics = [

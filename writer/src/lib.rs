@@ -1,1 +1,62 @@
-//! placeholder
+//! The writer: accepts entity writes over HTTP, commits each to its shard
+//! together with a change event in the same InnoDB transaction (the
+//! transactional outbox), and relays outbox rows to Kafka.
+//!
+//! In: `POST/PUT/DELETE /v1/entities…` requests. Out: rows in `entities` and
+//! `outbox`, then events on the change topic (key = entity id).
+//!
+//! Layout:
+//! - [`http`]: routes, request parsing and validation, status codes.
+//! - [`write`]: the write transaction (lock, check, version+1, outbox row).
+//! - [`relay`]: one publisher per shard, elected by a MySQL named lock.
+//! - [`metrics`]: the series this crate exports.
+//!
+//! Invariant W (every committed write reaches Kafka at least once, one
+//! entity's events in version order) rests on two facts: the event commits
+//! atomically with the write, and a row leaves the outbox only after Kafka
+//! acknowledged it.
+
+pub mod http;
+pub mod metrics;
+pub mod relay;
+pub mod write;
+
+use prometheus::Registry;
+use schemas::store::Shards;
+use schemas::Settings;
+use std::sync::Arc;
+use tokio::sync::Notify;
+
+pub use write::{Outcome, Precondition, WriteError};
+
+/// The writer service: cheap to clone, shared by the HTTP handlers and the relays.
+#[derive(Debug, Clone)]
+pub struct Writer {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    settings: Settings,
+    shards: Shards,
+    metrics: metrics::Metrics,
+    /// One per shard: a commit wakes that shard's relay at once instead of
+    /// waiting for the next poll.
+    wake: Vec<Notify>,
+}
+
+impl Writer {
+    pub fn new(settings: Settings, shards: Shards, registry: &Registry) -> prometheus::Result<Writer> {
+        let metrics = metrics::Metrics::register(registry)?;
+        let wake = (0..shards.count()).map(|_| Notify::new()).collect();
+        Ok(Writer { inner: Arc::new(Inner { settings, shards, metrics, wake }) })
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.inner.settings
+    }
+
+    pub fn shards(&self) -> &Shards {
+        &self.inner.shards
+    }
+}

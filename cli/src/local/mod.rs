@@ -1,0 +1,3 @@
+//! Local infrastructure for `bagstore dev` and the test harness.
+
+pub mod mariadb;

@@ -1,0 +1,225 @@
+//! The consumer loop of one index.
+//!
+//! Offsets: librdkafka auto-commits only offsets we *stored*, and we store
+//! a partition's offset only after every event up to it was applied and the
+//! MySQL transactions committed (or the event was dead-lettered). A crash
+//! replays at most the batch in hand; replays are harmless.
+//!
+//! Failures are sorted by type: a [`CodecError`] (the event cannot be
+//! decoded) is poison: dead-letter it and move on; a [`StoreError`] is
+//! transient: retry the batch with backoff and hold the offsets.
+
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::message::{Header, Message, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+use schemas::codec::CodecError;
+use schemas::event::ChangeEvent;
+use schemas::store::Shards;
+use schemas::{IndexSpec, Settings};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::Metrics;
+use crate::plan::{plan, RowOp};
+
+/// Consumes the change topic for one index.
+#[derive(Debug)]
+pub struct IndexConsumer {
+    settings: Settings,
+    spec: IndexSpec,
+    shards: Shards,
+    metrics: Metrics,
+}
+
+/// A message that cannot be applied, and why.
+#[derive(Debug)]
+struct Poison {
+    message: OwnedMessage,
+    reason: String,
+}
+
+impl IndexConsumer {
+    pub fn new(settings: Settings, spec: IndexSpec, shards: Shards, metrics: Metrics) -> IndexConsumer {
+        IndexConsumer { settings, spec, shards, metrics }
+    }
+
+    pub fn group(&self) -> String {
+        self.settings.kafka.group_for(&self.spec.table)
+    }
+
+    /// Runs until `shutdown`; then finishes the batch in hand, commits the
+    /// stored offsets synchronously and leaves the group.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), rdkafka::error::KafkaError> {
+        let k = &self.settings.kafka;
+        let consumer: StreamConsumer = schemas::kafka::consumer_config(k, &self.group()).create()?;
+        consumer.subscribe(&[&k.topic])?;
+        let dlq: FutureProducer = schemas::kafka::producer_config(k).create()?;
+        let table = self.spec.table.clone();
+        tracing::info!(index = %table, group = %self.group(), "index consumer started");
+        let batch_max = self.settings.indexer.batch_max;
+        let batch_wait = Duration::from_millis(self.settings.indexer.batch_wait_ms);
+        loop {
+            let first = tokio::select! {
+                m = consumer.recv() => m,
+                _ = shutdown.cancelled() => break,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {
+                    self.report_assignment(&consumer);
+                    continue;
+                }
+            };
+            let mut batch = match first {
+                Ok(m) => vec![m.detach()],
+                Err(e) => {
+                    tracing::warn!(index = %table, error = %e, "consumer error");
+                    continue;
+                }
+            };
+            let until = tokio::time::Instant::now() + batch_wait;
+            while batch.len() < batch_max {
+                match tokio::time::timeout_at(until, consumer.recv()).await {
+                    Ok(Ok(m)) => batch.push(m.detach()),
+                    Ok(Err(e)) => {
+                        tracing::warn!(index = %table, error = %e, "consumer error");
+                        break;
+                    }
+                    Err(_) => break,
+                }
+            }
+            if !self.process(&batch, &dlq, &shutdown).await {
+                // Stopped while retrying: these offsets were not earned.
+                break;
+            }
+            let mut next: BTreeMap<i32, i64> = BTreeMap::new();
+            for m in &batch {
+                let e = next.entry(m.partition()).or_insert(0);
+                *e = (*e).max(m.offset() + 1);
+            }
+            let mut tpl = TopicPartitionList::new();
+            for (p, o) in next {
+                let _ = tpl.add_partition_offset(&k.topic, p, Offset::Offset(o));
+            }
+            if let Err(e) = consumer.store_offsets(&tpl) {
+                // A partition revoked meanwhile: its new owner replays from
+                // the committed offset, which is safe.
+                tracing::debug!(index = %table, error = %e, "offset store refused");
+            }
+            self.report_assignment(&consumer);
+        }
+        if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
+            tracing::debug!(index = %table, error = %e, "final commit had nothing to commit or failed");
+        }
+        consumer.unsubscribe();
+        self.metrics.assigned_partitions.with_label_values(&[&table]).set(0);
+        tracing::info!(index = %table, "index consumer stopped");
+        Ok(())
+    }
+
+    fn report_assignment(&self, consumer: &StreamConsumer) {
+        if let Ok(a) = consumer.assignment() {
+            self.metrics.assigned_partitions.with_label_values(&[&self.spec.table]).set(a.count() as i64);
+        }
+    }
+
+    /// Applies a batch. Returns false if shutdown interrupted the retries.
+    async fn process(&self, batch: &[OwnedMessage], dlq: &FutureProducer, shutdown: &CancellationToken) -> bool {
+        let table = &self.spec.table;
+        let mut ops: Vec<RowOp> = Vec::new();
+        let mut poison = Vec::new();
+        let mut newest_commit = None;
+        let mut applied = 0u64;
+        for m in batch {
+            match decode(m) {
+                Ok(event) => {
+                    ops.extend(plan(&self.spec, &event, self.shards.count()));
+                    newest_commit = newest_commit.max(Some(event.committed_at_us));
+                    applied += 1;
+                }
+                Err(reason) => poison.push(Poison { message: m.clone(), reason }),
+            }
+        }
+        let retry_max = Duration::from_millis(self.settings.indexer.retry_max_ms);
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let start = Instant::now();
+            match crate::apply::apply(&self.shards, &self.spec, &ops).await {
+                Ok(()) => {
+                    self.metrics.apply_seconds.with_label_values(&[table]).observe(start.elapsed().as_secs_f64());
+                    break;
+                }
+                Err(e) => {
+                    self.metrics.failed.with_label_values(&[table]).inc();
+                    tracing::warn!(index = %table, error = %e, source = ?std::error::Error::source(&e).map(|s| s.to_string()),
+                        "applying a batch failed; retrying");
+                }
+            }
+            if !sleep_or_stop(shutdown, backoff).await {
+                return false;
+            }
+            backoff = (backoff * 2).min(retry_max);
+        }
+        for p in poison {
+            if !self.dead_letter(dlq, &p, shutdown).await {
+                return false;
+            }
+        }
+        self.metrics.applied.with_label_values(&[table]).inc_by(applied);
+        if let Some(us) = newest_commit {
+            let g = self.metrics.last_applied.with_label_values(&[table]);
+            g.set(g.get().max(us as f64 / 1e6));
+        }
+        true
+    }
+
+    /// Sends a poison message to `<topic>.dlq` with the reason in headers.
+    /// The offset may move only once the dead letter is acknowledged.
+    async fn dead_letter(&self, dlq: &FutureProducer, p: &Poison, shutdown: &CancellationToken) -> bool {
+        let table = &self.spec.table;
+        let topic = self.settings.kafka.dlq_topic();
+        let origin = format!("{}/{}/{}", p.message.topic(), p.message.partition(), p.message.offset());
+        tracing::error!(index = %table, %origin, reason = %p.reason, "dead-lettering an undecodable event");
+        loop {
+            let headers = OwnedHeaders::new()
+                .insert(Header { key: "bagstore-reason", value: Some(p.reason.as_str()) })
+                .insert(Header { key: "bagstore-origin", value: Some(origin.as_str()) })
+                .insert(Header { key: "bagstore-index", value: Some(table.as_str()) });
+            let mut record = FutureRecord::to(&topic).headers(headers);
+            if let Some(k) = p.message.key() {
+                record = record.key(k);
+            }
+            if let Some(v) = p.message.payload() {
+                record = record.payload(v);
+            }
+            match dlq.send(record, Duration::from_secs(10)).await {
+                Ok(_) => {
+                    self.metrics.dead_lettered.with_label_values(&[table]).inc();
+                    return true;
+                }
+                Err((e, _)) => tracing::warn!(index = %table, error = %e, "dead-letter send failed; retrying"),
+            }
+            if !sleep_or_stop(shutdown, Duration::from_millis(500)).await {
+                return false;
+            }
+        }
+    }
+}
+
+fn decode(m: &OwnedMessage) -> Result<ChangeEvent, String> {
+    let payload = m.payload().ok_or_else(|| "the message has no payload".to_string())?;
+    ChangeEvent::decode(payload).map_err(|e: CodecError| {
+        let mut s = e.to_string();
+        if let Some(src) = std::error::Error::source(&e) {
+            s.push_str(&format!(": {src}"));
+        }
+        s
+    })
+}
+
+/// Sleeps unless shutdown comes first; false means "stop now".
+async fn sleep_or_stop(shutdown: &CancellationToken, d: Duration) -> bool {
+    tokio::select! {
+        _ = tokio::time::sleep(d) => true,
+        _ = shutdown.cancelled() => false,
+    }
+}

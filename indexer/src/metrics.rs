@@ -1,0 +1,59 @@
+//! Indexer series, `bagstore_indexer_…`, labelled by `index` (and
+//! `partition` where it matters). One set per process, shared by all the
+//! index consumers it runs.
+
+use prometheus::{GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    pub applied: IntCounterVec,
+    /// Apply attempts that failed on the database (retried; offsets held).
+    pub failed: IntCounterVec,
+    pub dead_lettered: IntCounterVec,
+    pub apply_seconds: HistogramVec,
+    /// Commit time of the newest event applied.
+    pub last_applied: GaugeVec,
+    pub assigned_partitions: IntGaugeVec,
+}
+
+impl Metrics {
+    pub fn register(r: &Registry) -> prometheus::Result<Metrics> {
+        let m = Metrics {
+            applied: IntCounterVec::new(
+                Opts::new("bagstore_indexer_events_applied_total", "Change events applied to the index"),
+                &["index"],
+            )?,
+            failed: IntCounterVec::new(
+                Opts::new("bagstore_indexer_apply_failures_total", "Batch applies that failed and were retried"),
+                &["index"],
+            )?,
+            dead_lettered: IntCounterVec::new(
+                Opts::new("bagstore_indexer_events_dead_lettered_total", "Undecodable events sent to the dead-letter topic"),
+                &["index"],
+            )?,
+            apply_seconds: HistogramVec::new(
+                HistogramOpts::new("bagstore_indexer_apply_duration_seconds", "Time to apply one batch to MySQL")
+                    .buckets(vec![0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]),
+                &["index"],
+            )?,
+            last_applied: GaugeVec::new(
+                Opts::new(
+                    "bagstore_indexer_last_applied_commit_timestamp_seconds",
+                    "Commit time of the newest change event applied to the index",
+                ),
+                &["index"],
+            )?,
+            assigned_partitions: IntGaugeVec::new(
+                Opts::new("bagstore_indexer_assigned_partitions", "Topic partitions this process consumes for the index"),
+                &["index"],
+            )?,
+        };
+        r.register(Box::new(m.applied.clone()))?;
+        r.register(Box::new(m.failed.clone()))?;
+        r.register(Box::new(m.dead_lettered.clone()))?;
+        r.register(Box::new(m.apply_seconds.clone()))?;
+        r.register(Box::new(m.last_applied.clone()))?;
+        r.register(Box::new(m.assigned_partitions.clone()))?;
+        Ok(m)
+    }
+}

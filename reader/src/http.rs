@@ -1,0 +1,133 @@
+//! Reader routes and JSON shapes.
+//!
+//! - `GET /v1/entities/{id}` → `{"id","version","updated","properties"}`
+//! - `POST /v1/entities/get` `{"ids": [...]}` → `{"items": [...]}`
+//! - `POST /v1/query` → `{"items", "index", "next_page_token", "explain"}`
+//! - `GET /v1/indexes` → `{"indexes": [...]}`
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use schemas::store::IndexState;
+use schemas::value::bag_to_json_map;
+use schemas::web::{read_json, Problem};
+use schemas::EntityId;
+use serde_json::{json, Value as JsonValue};
+
+use crate::execute::{Entity, ReadError};
+use crate::query;
+use crate::Reader;
+
+/// Query and id-list bodies are small; this bounds them.
+const MAX_REQUEST_BYTES: usize = 1 << 20;
+
+pub fn router(reader: Reader) -> Router {
+    Router::new()
+        .route("/v1/entities/{id}", get(get_one))
+        .route("/v1/entities/get", post(get_many))
+        .route("/v1/query", post(run_query))
+        .route("/v1/indexes", get(list_indexes))
+        .with_state(reader)
+}
+
+/// `updated` is the commit time in microseconds since the Unix epoch.
+pub fn entity_json(e: &Entity) -> JsonValue {
+    json!({
+        "id": e.id.to_hex(),
+        "version": e.version,
+        "updated": e.updated_us,
+        "properties": JsonValue::Object(bag_to_json_map(&e.properties)),
+    })
+}
+
+fn read_problem(e: ReadError) -> Problem {
+    Problem::internal(&e)
+}
+
+fn parse_id(s: &str) -> Result<EntityId, Problem> {
+    EntityId::parse(s).map_err(|e| Problem::bad_request("bad-id", e.to_string()))
+}
+
+async fn get_one(State(r): State<Reader>, Path(id): Path<String>) -> Result<Json<JsonValue>, Problem> {
+    let id = parse_id(&id)?;
+    match r.get(&id).await.map_err(read_problem)? {
+        Some(e) => Ok(Json(entity_json(&e))),
+        None => Err(Problem::not_found(format!("no entity {id}"))),
+    }
+}
+
+async fn get_many(State(r): State<Reader>, body: Body) -> Result<Json<JsonValue>, Problem> {
+    let doc = read_json(body, MAX_REQUEST_BYTES).await?;
+    let Some(JsonValue::Array(raw)) = doc.get("ids") else {
+        return Err(Problem::bad_request("bad-request", "the body must be {\"ids\": [\"<id>\", ...]}"));
+    };
+    let max = r.settings().reader.max_batch_get;
+    if raw.len() > max {
+        return Err(Problem::bad_request("too-many-ids", format!("at most {max} ids per request")));
+    }
+    let ids = raw
+        .iter()
+        .map(|v| v.as_str().ok_or_else(|| Problem::bad_request("bad-id", "ids must be strings")).and_then(parse_id))
+        .collect::<Result<Vec<_>, _>>()?;
+    let items = r.get_many(&ids).await.map_err(read_problem)?;
+    Ok(Json(json!({ "items": items.iter().map(entity_json).collect::<Vec<_>>() })))
+}
+
+async fn run_query(State(r): State<Reader>, body: Body) -> Result<Json<JsonValue>, Problem> {
+    let doc = read_json(body, MAX_REQUEST_BYTES).await?;
+    let q = query::parse(doc, r.settings())?;
+    let plan = query::plan(&q, r.settings())?;
+    let state = r.index_states().await.map_err(|e| Problem::internal(&e))?.get(&plan.spec.table).copied();
+    if state != Some(IndexState::Active) && !q.allow_partial {
+        let shown = state.map_or("NOT REGISTERED (run bagstore migrate)", |s| s.as_str());
+        return Err(Problem::new(
+            StatusCode::CONFLICT,
+            "index-not-ready",
+            "Index not ready",
+            format!(
+                "index {:?} is {shown}; its results may be incomplete. Pass \"allow_partial\": true to accept that",
+                plan.spec.table
+            ),
+        )
+        .with("index", plan.spec.table.clone())
+        .with("state", shown));
+    }
+    let out = r.run(&plan, &q).await.map_err(read_problem)?;
+    Ok(Json(json!({
+        "items": out.items.iter().map(entity_json).collect::<Vec<_>>(),
+        "index": plan.spec.table,
+        "next_page_token": null,
+        "explain": {
+            "keys": plan.keys.len(),
+            "shards_touched": out.shards_touched,
+            "index_rows_read": out.index_rows,
+            "dropped_by_refilter": out.dropped,
+        },
+    })))
+}
+
+async fn list_indexes(State(r): State<Reader>) -> Result<Json<JsonValue>, Problem> {
+    let metas = schemas::store::list_index_meta(r.shards().pool(0)).await.map_err(|e| Problem::internal(&e))?;
+    let indexes: Vec<JsonValue> = r
+        .settings()
+        .indexes
+        .iter()
+        .map(|spec| {
+            let meta = metas.iter().find(|m| m.spec.table == spec.table);
+            json!({
+                "table": spec.table,
+                "properties": spec.properties,
+                "shard_on": spec.shard_on(),
+                "match_on": spec.match_on,
+                "state": meta.map_or("NOT REGISTERED", |m| m.state.as_str()),
+                "backfill": {
+                    "rows_done": meta.map_or(0, |m| m.rows_done),
+                    "rows_total": meta.map_or(0, |m| m.rows_total),
+                },
+            })
+        })
+        .collect();
+    Ok(Json(json!({ "indexes": indexes })))
+}

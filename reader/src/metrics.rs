@@ -1,0 +1,39 @@
+//! Reader series, `bagstore_reader_…`, labelled by `index`.
+
+use prometheus::{IntCounterVec, Opts, Registry};
+
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    /// Candidate rows read from index tables.
+    pub index_rows: IntCounterVec,
+    /// Candidates the re-filter dropped: stale, dangling or wrong index rows.
+    pub dropped: IntCounterVec,
+    /// Index-table queries sent to shards (one per key and page).
+    pub shard_reads: IntCounterVec,
+}
+
+impl Metrics {
+    pub fn register(r: &Registry) -> prometheus::Result<Metrics> {
+        let m = Metrics {
+            index_rows: IntCounterVec::new(
+                Opts::new("bagstore_reader_index_rows_read_total", "Candidate rows read from index tables"),
+                &["index"],
+            )?,
+            dropped: IntCounterVec::new(
+                Opts::new(
+                    "bagstore_reader_refilter_dropped_total",
+                    "Candidates dropped because the entity is gone or no longer matches",
+                ),
+                &["index"],
+            )?,
+            shard_reads: IntCounterVec::new(
+                Opts::new("bagstore_reader_index_reads_total", "Index-table reads sent to shards"),
+                &["index", "shard"],
+            )?,
+        };
+        r.register(Box::new(m.index_rows.clone()))?;
+        r.register(Box::new(m.dropped.clone()))?;
+        r.register(Box::new(m.shard_reads.clone()))?;
+        Ok(m)
+    }
+}

@@ -1,0 +1,178 @@
+//! End-to-end: put → outbox → Kafka → indexer → index tables → reader,
+//! through real InnoDB shards, a Kafka-protocol broker and the real binary.
+
+use bagstore_tests::{eventually, metric_sum, until_query_is, TestEnv, STANDARD_INDEXES};
+use serde_json::{json, Value};
+use std::time::Duration;
+
+const SEED_ID: &str = "71f0c4d2291844cca2df6f486e96e37c";
+const SEED_USER: &str = "f48b0440ca0c4f66991c4d5f6a078eaf";
+
+fn seed_entity() -> Value {
+    json!({
+        "id": SEED_ID,
+        "user_id": SEED_USER,
+        "feed_id": SEED_USER,
+        "title": "We just launched a new backend system for FriendFeed!",
+        "link": "http://friendfeed.com/e/71f0c4d2-2918-44cc-a2df-6f486e96e37c",
+        "published": 1235697046,
+        "updated": 1235697046,
+    })
+}
+
+fn by_user(user: &str) -> Value {
+    json!({"index": "index_user_id", "where": {"user_id": user}})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_seed_entity_is_found_through_its_index_and_follows_updates_and_deletes() {
+    let env = TestEnv::new("seed", STANDARD_INDEXES).await;
+    let dev = env.dev().await;
+    let api = dev.api();
+
+    let (status, body) = api.post_entity(&seed_entity()).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body, json!({"id": SEED_ID, "version": 1}));
+
+    let (status, got) = api.get(SEED_ID).await;
+    assert_eq!(status, 200);
+    let mut expected = seed_entity();
+    expected.as_object_mut().unwrap().remove("id");
+    assert_eq!(got["properties"], expected);
+    assert_eq!(got["version"], 1);
+    assert_eq!(got["id"], SEED_ID);
+    // The dashed form names the same entity.
+    assert_eq!(api.get("71f0c4d2-2918-44cc-a2df-6f486e96e37c").await.0, 200);
+
+    until_query_is(&api, &by_user(SEED_USER), &[SEED_ID]).await;
+    // A uuid-typed condition compares bytes: the dashed upper-case form finds it too.
+    until_query_is(&api, &by_user("F48B0440-CA0C-4F66-991C-4D5F6A078EAF"), &[SEED_ID]).await;
+
+    let new_user = "0123456789abcdef0123456789abcdef";
+    let mut moved = seed_entity();
+    moved["user_id"] = json!(new_user);
+    let (status, body) = api.put(SEED_ID, &moved).await;
+    assert_eq!((status, body["version"].clone()), (200, json!(2)));
+    until_query_is(&api, &by_user(new_user), &[SEED_ID]).await;
+    until_query_is(&api, &by_user(SEED_USER), &[]).await;
+
+    let (status, body) = api.delete(SEED_ID).await;
+    assert_eq!((status, body["version"].clone()), (200, json!(3)));
+    assert_eq!(api.get(SEED_ID).await.0, 404);
+    assert_eq!(api.delete(SEED_ID).await.0, 404);
+    until_query_is(&api, &by_user(new_user), &[]).await;
+    until_query_is(&api, &by_user(SEED_USER), &[]).await;
+    // The index tables end empty: the delete removed the row, not just hid it.
+    eventually("index_user_id to be empty", Duration::from_secs(10), || async {
+        (env.count_rows("index_user_id").await == 0).then_some(())
+    })
+    .await;
+    // Re-creating continues the version sequence from the tombstone.
+    let (status, body) = api.put(SEED_ID, &seed_entity()).await;
+    assert_eq!((status, body["version"].clone()), (201, json!(4)));
+    until_query_is(&api, &by_user(SEED_USER), &[SEED_ID]).await;
+    dev.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compound_partial_in_and_array_indexes_answer_exactly() {
+    let env = TestEnv::new("shapes", STANDARD_INDEXES).await;
+    let dev = env.dev().await;
+    let api = dev.api();
+    let put = |id: &'static str, body: Value| {
+        let api = api.clone();
+        async move {
+            let (s, b) = api.put(id, &body).await;
+            assert!(s == 201 || s == 200, "{b}");
+        }
+    };
+    let a = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    let b = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
+    let c = "cccccccccccccccccccccccccccccccc";
+    let d = "dddddddddddddddddddddddddddddddd";
+    put(a, json!({"first_name": "Bret", "last_name": "Taylor", "bar": 1, "m": "right", "tags": ["x", "y"]})).await;
+    put(b, json!({"first_name": "Bret", "bar": 1, "m": "wrong", "tags": "y"})).await;
+    put(c, json!({"first_name": "Paul", "last_name": "Buchheit", "bar": 2, "m": "right", "tags": []})).await;
+    put(d, json!({"first_name": "Bret", "last_name": "Taylor", "bar": "1", "m": "right", "tags": ["z", 5]})).await;
+
+    let name = |f: Value, l: Value| json!({"where": {"first_name": f, "last_name": l}});
+    until_query_is(&api, &name(json!("Bret"), json!("Taylor")), &[a, d]).await;
+    until_query_is(&api, &name(json!({"in": ["Bret", "Paul"]}), json!({"in": ["Taylor", "Buchheit"]})), &[a, c, d]).await;
+    // Conditions beyond the index are filters on the fetched entity.
+    until_query_is(&api, &json!({"where": {"first_name": "Bret", "last_name": "Taylor", "bar": 1}}), &[a]).await;
+    // Partial index: only m = "right" entities, and only int bars.
+    until_query_is(&api, &json!({"index": "index_foo", "where": {"bar": 1}}), &[a]).await;
+    until_query_is(&api, &json!({"index": "index_foo", "where": {"bar": {"in": [1, 2]}}}), &[a, c]).await;
+    // Arrays are indexed once per element.
+    until_query_is(&api, &json!({"where": {"tags": "y"}}), &[a, b]).await;
+    until_query_is(&api, &json!({"where": {"tags": "z"}}), &[d]).await;
+    until_query_is(&api, &json!({"where": {"tags": {"in": ["x", "z"]}}}), &[a, d]).await;
+
+    // The partial index holds only matching rows, and the compound one only
+    // entities with both names: counted in the tables themselves.
+    assert_eq!(env.count_rows("index_foo").await, 2);
+    assert_eq!(env.count_rows("index_user_name").await, 3);
+    assert_eq!(env.count_rows("index_tag").await, 4);
+
+    // Leaving the partial index: m changes → the row goes.
+    put(a, json!({"first_name": "Bret", "last_name": "Taylor", "bar": 1, "m": "left", "tags": ["x", "y"]})).await;
+    until_query_is(&api, &json!({"index": "index_foo", "where": {"bar": 1}}), &[]).await;
+    eventually("index_foo to shrink", Duration::from_secs(10), || async {
+        (env.count_rows("index_foo").await == 1).then_some(())
+    })
+    .await;
+    dev.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hand_made_index_rows_never_reach_query_results() {
+    let env = TestEnv::new("invariant_r", STANDARD_INDEXES).await;
+    let dev = env.dev().await;
+    let api = dev.api();
+    let user = "5555aaaa5555aaaa5555aaaa5555aaaa";
+    let other_user = "6666bbbb6666bbbb6666bbbb6666bbbb";
+    let real = "10000000000000000000000000000001";
+    let elsewhere = "20000000000000000000000000000002";
+    api.put(real, &json!({"user_id": user, "first_name": "A", "last_name": "B"})).await;
+    api.put(elsewhere, &json!({"user_id": other_user, "first_name": "A", "last_name": "C"})).await;
+    until_query_is(&api, &json!({"where": {"user_id": user}}), &[real]).await;
+    until_query_is(&api, &json!({"where": {"user_id": other_user}}), &[elsewhere]).await;
+
+    // Rows on the shard that owns `user`: one pointing at an entity that
+    // does not match, one at an id that does not exist.
+    let user_bytes = hex(user);
+    let shard = schemas::shard_of(&user_bytes, env.dsns.len());
+    let pool = env.pool(shard).await;
+    for (entity, version) in [(hex(elsewhere), 1u64), (hex("30000000000000000000000000000003"), 9)] {
+        sqlx::query("INSERT INTO index_user_id (user_id, entity_id, version) VALUES (?, ?, ?)")
+            .bind(&user_bytes)
+            .bind(&entity)
+            .bind(version)
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    // And a compound-index row for a name the entity does not have.
+    let name_shard = schemas::shard_of(b"A", env.dsns.len());
+    let name_pool = env.pool(name_shard).await;
+    sqlx::query("INSERT INTO index_user_name (first_name, last_name, entity_id, version) VALUES ('A', 'Z', ?, 1)")
+        .bind(hex(real))
+        .execute(&name_pool)
+        .await
+        .unwrap();
+
+    let (status, body) = api.query(&json!({"where": {"user_id": user}})).await;
+    assert_eq!(status, 200);
+    let ids: Vec<&str> = body["items"].as_array().unwrap().iter().map(|e| e["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, vec![real], "{body}");
+    assert_eq!(body["explain"]["index_rows_read"], 3, "{body}");
+    assert_eq!(body["explain"]["dropped_by_refilter"], 2, "{body}");
+    assert!(api.query_ids(&json!({"where": {"first_name": "A", "last_name": "Z"}})).await.is_empty());
+    let metrics = api.metrics().await;
+    assert!(metric_sum(&metrics, "bagstore_reader_refilter_dropped_total", &[("index", "index_user_id")]) >= 2.0);
+    dev.terminate().await;
+}
+
+fn hex(s: &str) -> Vec<u8> {
+    schemas::EntityId::parse(s).unwrap().0.to_vec()
+}

@@ -1,0 +1,199 @@
+//! Writer routes. Parsing and validation happen here, before any database
+//! work: a rejected request writes nothing.
+//!
+//! - `POST /v1/entities` — create or replace (id from the body or generated)
+//! - `PUT /v1/entities/{id}` — create or replace, with `If-Match` / `If-None-Match: *`
+//! - `DELETE /v1/entities/{id}`
+//! - `POST /v1/entities/batch` — `{"entities": [...]}`, one transaction per shard
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, post, put};
+use axum::{Json, Router};
+use schemas::value::{bag_from_json_map, Bag};
+use schemas::web::{read_json, Problem};
+use schemas::EntityId;
+use serde_json::{json, Value as JsonValue};
+
+use crate::write::{Outcome, Precondition, WriteError};
+use crate::Writer;
+
+/// Longest accepted top-level property name, bytes.
+pub const MAX_PROPERTY_NAME_BYTES: usize = 255;
+/// A batch body may be this many times the single-entity limit.
+pub const BATCH_BODY_FACTOR: usize = 16;
+
+pub fn router(writer: Writer) -> Router {
+    Router::new()
+        .route("/v1/entities", post(create))
+        .route("/v1/entities/batch", post(batch))
+        .route("/v1/entities/{id}", put(replace))
+        .route("/v1/entities/{id}", delete(remove))
+        .with_state(writer)
+}
+
+fn parse_id(s: &str) -> Result<EntityId, Problem> {
+    EntityId::parse(s).map_err(|e| Problem::bad_request("bad-id", e.to_string()))
+}
+
+/// `If-Match: "3"` (or `3`, or `W/"3"`) and `If-None-Match: *`.
+fn precondition(headers: &HeaderMap) -> Result<Precondition, Problem> {
+    let mut pre = Precondition::default();
+    if let Some(v) = headers.get(header::IF_MATCH) {
+        let text = v.to_str().unwrap_or("").trim();
+        let text = text.strip_prefix("W/").unwrap_or(text).trim_matches('"');
+        pre.if_version = Some(text.parse().map_err(|_| {
+            Problem::bad_request("bad-precondition", "If-Match must be a version number such as \"3\"")
+        })?);
+    }
+    if let Some(v) = headers.get(header::IF_NONE_MATCH) {
+        if v.to_str().map(str::trim).ok() != Some("*") {
+            return Err(Problem::bad_request("bad-precondition", "If-None-Match supports only *"));
+        }
+        pre.if_absent = true;
+    }
+    Ok(pre)
+}
+
+/// Turns a JSON body into `(id from the body, properties without "id")`.
+fn entity_body(v: JsonValue, max_bytes: usize) -> Result<(Option<EntityId>, Bag), Problem> {
+    let JsonValue::Object(mut map) = v else {
+        return Err(Problem::bad_request("not-an-object", "an entity must be a JSON object of properties"));
+    };
+    let id = match map.remove("id") {
+        None => None,
+        Some(JsonValue::String(s)) => Some(parse_id(&s)?),
+        Some(_) => return Err(Problem::bad_request("bad-id", "\"id\" must be a string of 32 hex digits or a UUID")),
+    };
+    for name in map.keys() {
+        if name.is_empty() || name.len() > MAX_PROPERTY_NAME_BYTES || name.chars().any(char::is_control) {
+            return Err(Problem::bad_request(
+                "bad-property-name",
+                format!(
+                    "property name {:?} must be 1 to {MAX_PROPERTY_NAME_BYTES} bytes without control characters",
+                    name.chars().take(80).collect::<String>()
+                ),
+            ));
+        }
+    }
+    // The single-entity limit also applies inside a batch.
+    let size = serde_json::to_vec(&map).map(|b| b.len()).unwrap_or(usize::MAX);
+    if size > max_bytes {
+        return Err(Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "entity-too-large",
+            "Entity too large",
+            format!("the entity takes {size} bytes of JSON, over the {max_bytes} byte limit"),
+        ));
+    }
+    let bag = bag_from_json_map(&map).map_err(|e| Problem::bad_request("bad-value", e.to_string()))?;
+    Ok((id, bag))
+}
+
+fn outcome_json(o: &Outcome) -> JsonValue {
+    json!({"id": o.id.to_hex(), "version": o.version})
+}
+
+fn answer(o: Outcome, status: StatusCode) -> Response {
+    let etag = format!("\"{}\"", o.version);
+    (status, [(header::ETAG, etag)], Json(outcome_json(&o))).into_response()
+}
+
+fn write_problem(e: WriteError) -> Problem {
+    match e {
+        WriteError::VersionConflict { expected, actual } => Problem::new(
+            StatusCode::PRECONDITION_FAILED,
+            "version-conflict",
+            "Version conflict",
+            format!("If-Match asked for version {expected}"),
+        )
+        .with("current_version", actual.map_or(JsonValue::Null, JsonValue::from)),
+        WriteError::AlreadyExists { current } => Problem::new(
+            StatusCode::PRECONDITION_FAILED,
+            "already-exists",
+            "Entity exists",
+            "If-None-Match: * was given and the entity exists",
+        )
+        .with("current_version", current),
+        WriteError::NotFound => Problem::not_found("no entity with this id"),
+        WriteError::Store(e) => Problem::internal(&e),
+        WriteError::ShardFailed { .. } => Problem::internal(&e),
+    }
+}
+
+async fn create(State(w): State<Writer>, headers: HeaderMap, body: Body) -> Result<Response, Problem> {
+    let pre = precondition(&headers)?;
+    let max = w.settings().writer.max_body_bytes;
+    let (id, bag) = entity_body(read_json(body, max).await?, max)?;
+    let id = id.unwrap_or_else(EntityId::random);
+    let o = w.put(id, bag, pre).await.map_err(write_problem)?;
+    Ok(answer(o, if o.created { StatusCode::CREATED } else { StatusCode::OK }))
+}
+
+async fn replace(
+    State(w): State<Writer>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, Problem> {
+    let id = parse_id(&id)?;
+    let pre = precondition(&headers)?;
+    let max = w.settings().writer.max_body_bytes;
+    let (body_id, bag) = entity_body(read_json(body, max).await?, max)?;
+    if body_id.is_some_and(|b| b != id) {
+        return Err(Problem::bad_request("id-mismatch", "the \"id\" in the body differs from the id in the path"));
+    }
+    let o = w.put(id, bag, pre).await.map_err(write_problem)?;
+    Ok(answer(o, if o.created { StatusCode::CREATED } else { StatusCode::OK }))
+}
+
+async fn remove(State(w): State<Writer>, Path(id): Path<String>, headers: HeaderMap) -> Result<Response, Problem> {
+    let id = parse_id(&id)?;
+    let pre = precondition(&headers)?;
+    if pre.if_absent {
+        return Err(Problem::bad_request("bad-precondition", "If-None-Match makes no sense on DELETE"));
+    }
+    let o = w.delete(id, pre).await.map_err(write_problem)?;
+    Ok(answer(o, StatusCode::OK))
+}
+
+async fn batch(State(w): State<Writer>, body: Body) -> Result<Response, Problem> {
+    let max = w.settings().writer.max_body_bytes;
+    let max_batch = w.settings().writer.max_batch;
+    let doc = read_json(body, max.saturating_mul(BATCH_BODY_FACTOR)).await?;
+    let Some(JsonValue::Array(items)) = doc.get("entities").cloned() else {
+        return Err(Problem::bad_request("bad-batch", "the body must be {\"entities\": [ {...}, ... ]}"));
+    };
+    if items.len() > max_batch {
+        return Err(Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "batch-too-large",
+            "Batch too large",
+            format!("{} entities in one batch, over the limit of {max_batch}", items.len()),
+        ));
+    }
+    // Each item is validated on its own; invalid ones get their problem and
+    // are not written, the others are.
+    let mut results: Vec<Option<JsonValue>> = vec![None; items.len()];
+    let mut valid = Vec::new();
+    let mut positions = Vec::new();
+    for (i, item) in items.into_iter().enumerate() {
+        match entity_body(item, max) {
+            Ok((id, bag)) => {
+                valid.push((id.unwrap_or_else(EntityId::random), bag));
+                positions.push(i);
+            }
+            Err(p) => results[i] = Some(p.to_json()),
+        }
+    }
+    for (i, r) in positions.into_iter().zip(w.put_batch(valid).await) {
+        results[i] = Some(match r {
+            Ok(o) => outcome_json(&o),
+            Err(e) => write_problem(e).to_json(),
+        });
+    }
+    let results: Vec<JsonValue> = results.into_iter().map(|r| r.unwrap_or(JsonValue::Null)).collect();
+    Ok(Json(json!({ "results": results })).into_response())
+}

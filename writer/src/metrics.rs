@@ -1,0 +1,60 @@
+//! Writer series. All names `bagstore_writer_…`, labels only `shard`/`kind`.
+
+use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
+
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    /// Committed writes by kind (`put`, `delete`).
+    pub writes: IntCounterVec,
+    /// Events acknowledged by Kafka and removed from the outbox.
+    pub published: IntCounterVec,
+    /// Publish attempts Kafka did not acknowledge (the rows stay and are retried).
+    pub publish_failures: IntCounterVec,
+    /// Rows waiting in the outbox, as seen by the shard's relay leader.
+    pub outbox_backlog: IntGaugeVec,
+    /// Commit time of the oldest waiting row (0 when the outbox is empty).
+    pub outbox_oldest: prometheus::GaugeVec,
+    /// 1 while this process is the shard's relay leader.
+    pub relay_leader: IntGaugeVec,
+}
+
+impl Metrics {
+    pub fn register(r: &Registry) -> prometheus::Result<Metrics> {
+        let m = Metrics {
+            writes: IntCounterVec::new(
+                Opts::new("bagstore_writer_writes_total", "Committed entity writes"),
+                &["shard", "kind"],
+            )?,
+            published: IntCounterVec::new(
+                Opts::new("bagstore_writer_events_published_total", "Change events acknowledged by Kafka"),
+                &["shard"],
+            )?,
+            publish_failures: IntCounterVec::new(
+                Opts::new("bagstore_writer_publish_failures_total", "Change events Kafka did not acknowledge"),
+                &["shard"],
+            )?,
+            outbox_backlog: IntGaugeVec::new(
+                Opts::new("bagstore_writer_outbox_backlog_rows", "Change events waiting in the outbox"),
+                &["shard"],
+            )?,
+            outbox_oldest: prometheus::GaugeVec::new(
+                Opts::new(
+                    "bagstore_writer_outbox_oldest_commit_timestamp_seconds",
+                    "Commit time of the oldest unpublished change event (0 when none)",
+                ),
+                &["shard"],
+            )?,
+            relay_leader: IntGaugeVec::new(
+                Opts::new("bagstore_writer_relay_leader", "1 while this process relays the shard's outbox"),
+                &["shard"],
+            )?,
+        };
+        r.register(Box::new(m.writes.clone()))?;
+        r.register(Box::new(m.published.clone()))?;
+        r.register(Box::new(m.publish_failures.clone()))?;
+        r.register(Box::new(m.outbox_backlog.clone()))?;
+        r.register(Box::new(m.outbox_oldest.clone()))?;
+        r.register(Box::new(m.relay_leader.clone()))?;
+        Ok(m)
+    }
+}

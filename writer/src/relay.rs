@@ -1,0 +1,181 @@
+//! The outbox relay: per shard, exactly one process publishes the outbox at
+//! a time. Leadership is a MySQL named lock held on a dedicated connection;
+//! when the holder dies its connection closes, the server frees the lock,
+//! and a follower (polling every few hundred ms) takes over.
+//!
+//! A round: read the oldest rows in `seq` order, enqueue them all on the
+//! idempotent producer in that order, await every acknowledgement, then
+//! delete the acknowledged prefix. Rows after the first failure stay and are
+//! sent again next round, so an entity's events are never skipped and
+//! re-sends always end with the latest version.
+
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use schemas::store::{self, OutboxRow, StoreError};
+use sqlx::MySqlConnection;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::Writer;
+
+impl Writer {
+    /// Starts one relay task per shard on `tracker`; they stop at `shutdown`
+    /// after finishing the round in hand.
+    pub fn spawn_relays(
+        &self,
+        tracker: &TaskTracker,
+        shutdown: CancellationToken,
+    ) -> Result<(), rdkafka::error::KafkaError> {
+        for shard in 0..self.shards().count() {
+            // One producer per shard: a fatal idempotence error then costs
+            // only that shard a producer rebuild.
+            let producer: FutureProducer = schemas::kafka::producer_config(&self.settings().kafka).create()?;
+            let writer = self.clone();
+            let shutdown = shutdown.clone();
+            tracker.spawn(async move { writer.relay(shard, producer, shutdown).await });
+        }
+        Ok(())
+    }
+
+    async fn relay(&self, shard: usize, mut producer: FutureProducer, shutdown: CancellationToken) {
+        let poll = Duration::from_millis(self.settings().writer.relay_poll_ms);
+        let label = shard.to_string();
+        let leader_gauge = self.inner.metrics.relay_leader.with_label_values(&[&label]);
+        while !shutdown.is_cancelled() {
+            let mut conn = match store::dedicated_connection(self.shards().dsn(shard)).await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(shard, error = %e, "relay cannot reach its shard");
+                    sleep_or_stop(&shutdown, poll * 5).await;
+                    continue;
+                }
+            };
+            match store::try_relay_lock(shard, &mut conn).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    // Someone else leads; keep the connection and ask again.
+                    sleep_or_stop(&shutdown, poll).await;
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(shard, error = %e, "relay lock request failed");
+                    sleep_or_stop(&shutdown, poll).await;
+                    continue;
+                }
+            }
+            tracing::info!(shard, "relay leader");
+            leader_gauge.set(1);
+            if let Err(e) = self.lead(shard, &mut conn, &mut producer, &shutdown).await {
+                tracing::warn!(shard, error = %e, "relay leadership ended");
+                sleep_or_stop(&shutdown, poll).await;
+            }
+            leader_gauge.set(0);
+        }
+    }
+
+    /// Publishes while the lock is ours. Returns Ok at shutdown, Err when the
+    /// shard fails or the lock is gone.
+    async fn lead(
+        &self,
+        shard: usize,
+        lock_conn: &mut MySqlConnection,
+        producer: &mut FutureProducer,
+        shutdown: &CancellationToken,
+    ) -> Result<(), StoreError> {
+        let poll = Duration::from_millis(self.settings().writer.relay_poll_ms);
+        let pool = self.shards().pool(shard);
+        let mut backoff = poll;
+        loop {
+            if shutdown.is_cancelled() {
+                return Ok(());
+            }
+            // Checked every round: if our connection was killed, another
+            // relay may already lead, and two publishers would interleave.
+            if !store::holds_relay_lock(shard, lock_conn).await? {
+                return Err(StoreError::Shard {
+                    shard,
+                    source: sqlx::Error::Protocol("relay lock lost".into()),
+                });
+            }
+            let rows = store::read_outbox(shard, pool, self.settings().writer.relay_batch).await?;
+            if rows.is_empty() {
+                self.report_backlog(shard).await;
+                tokio::select! {
+                    _ = self.inner.wake[shard].notified() => {}
+                    _ = tokio::time::sleep(poll) => {}
+                    _ = shutdown.cancelled() => return Ok(()),
+                }
+                continue;
+            }
+            let acked = self.publish(shard, producer, &rows).await;
+            if acked > 0 {
+                let seqs: Vec<u64> = rows[..acked].iter().map(|r| r.seq).collect();
+                store::delete_outbox(shard, pool, &seqs).await?;
+                self.inner.metrics.published.with_label_values(&[&shard.to_string()]).inc_by(acked as u64);
+            }
+            self.report_backlog(shard).await;
+            if acked < rows.len() {
+                if let Some(reason) = producer.client().fatal_error() {
+                    // The idempotent producer cannot go on (e.g. after a long
+                    // outage); a new one starts a new producer id. The rows
+                    // are still in the outbox, so nothing is lost.
+                    tracing::warn!(shard, ?reason, "producer hit a fatal error; creating a new one");
+                    match schemas::kafka::producer_config(&self.settings().kafka).create() {
+                        Ok(p) => *producer = p,
+                        Err(e) => tracing::error!(shard, error = %e, "cannot create a producer"),
+                    }
+                }
+                sleep_or_stop(shutdown, backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            } else {
+                backoff = poll;
+            }
+        }
+    }
+
+    /// Sends the rows in order and returns how many leading rows Kafka
+    /// acknowledged.
+    async fn publish(&self, shard: usize, producer: &FutureProducer, rows: &[OutboxRow]) -> usize {
+        let topic = &self.settings().kafka.topic;
+        let mut pending = Vec::with_capacity(rows.len());
+        for row in rows {
+            let record = FutureRecord::to(topic).key(&row.entity_id.0[..]).payload(&row.event[..]);
+            match producer.send_result(record) {
+                Ok(f) => pending.push(f),
+                Err((e, _)) => {
+                    tracing::warn!(shard, error = %e, "cannot enqueue change event");
+                    break;
+                }
+            }
+        }
+        let results = futures::future::join_all(pending).await;
+        let acked = results.iter().take_while(|r| matches!(r, Ok(Ok(_)))).count();
+        if acked < rows.len() {
+            let failed = rows.len() - acked;
+            self.inner.metrics.publish_failures.with_label_values(&[&shard.to_string()]).inc_by(failed as u64);
+            if let Some(Ok(Err((e, _)))) = results.get(acked) {
+                tracing::warn!(shard, error = %e, failed, "Kafka did not acknowledge change events; will retry");
+            }
+        }
+        acked
+    }
+
+    async fn report_backlog(&self, shard: usize) {
+        let label = shard.to_string();
+        match store::outbox_backlog(shard, self.shards().pool(shard)).await {
+            Ok((rows, oldest)) => {
+                self.inner.metrics.outbox_backlog.with_label_values(&[&label]).set(rows as i64);
+                let oldest = oldest.map_or(0.0, |us| us as f64 / 1e6);
+                self.inner.metrics.outbox_oldest.with_label_values(&[&label]).set(oldest);
+            }
+            Err(e) => tracing::debug!(shard, error = %e, "backlog query failed"),
+        }
+    }
+}
+
+async fn sleep_or_stop(shutdown: &CancellationToken, d: Duration) {
+    tokio::select! {
+        _ = tokio::time::sleep(d) => {}
+        _ = shutdown.cancelled() => {}
+    }
+}

@@ -1,0 +1,217 @@
+//! The write transaction. One InnoDB transaction on the entity's shard:
+//! lock the row, check the precondition, write version+1, insert the change
+//! event into the outbox, commit. Nothing reaches the database for a write
+//! that fails validation or its precondition.
+
+use schemas::codec;
+use schemas::event::{ChangeEvent, Op};
+use schemas::store::{self, StoreError};
+use schemas::web::now_micros;
+use schemas::{Bag, EntityId};
+use sqlx::MySqlConnection;
+
+use crate::Writer;
+
+/// How many times a transaction rolled back by a deadlock is run again.
+const CONFLICT_RETRIES: usize = 8;
+
+/// Optional conditions on the current version (`If-Match`, `If-None-Match: *`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Precondition {
+    pub if_version: Option<u64>,
+    pub if_absent: bool,
+}
+
+/// A committed write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outcome {
+    pub id: EntityId,
+    pub version: u64,
+    /// No live entity had this id before.
+    pub created: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    #[error("expected version {expected}, but the entity is at {}", actual.map_or("(absent)".to_string(), |v| v.to_string()))]
+    VersionConflict { expected: u64, actual: Option<u64> },
+    #[error("the entity already exists at version {current}")]
+    AlreadyExists { current: u64 },
+    #[error("no entity with this id")]
+    NotFound,
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The batch transaction of this item's shard failed; shared by its items.
+    #[error("the batch transaction on shard {shard} failed")]
+    ShardFailed {
+        shard: usize,
+        #[source]
+        source: std::sync::Arc<StoreError>,
+    },
+}
+
+/// What one write does to the entity.
+#[derive(Debug, Clone)]
+pub enum Change {
+    Put(Bag),
+    Delete,
+}
+
+impl Writer {
+    pub async fn put(&self, id: EntityId, bag: Bag, pre: Precondition) -> Result<Outcome, WriteError> {
+        self.write_one(id, Change::Put(bag), pre).await
+    }
+
+    pub async fn delete(&self, id: EntityId, pre: Precondition) -> Result<Outcome, WriteError> {
+        self.write_one(id, Change::Delete, pre).await
+    }
+
+    async fn write_one(&self, id: EntityId, change: Change, pre: Precondition) -> Result<Outcome, WriteError> {
+        let shard = self.shards().of_id(&id);
+        let mut attempt = 0;
+        loop {
+            let result = self.transaction(shard, &[(id, change.clone(), pre)]).await;
+            match result {
+                Err(e) if e.is_retryable_conflict() && attempt < CONFLICT_RETRIES => attempt += 1,
+                Err(e) => return Err(e.into()),
+                Ok(mut results) => {
+                    let r = results.pop().expect("one result per item");
+                    if r.is_ok() {
+                        self.inner.wake[shard].notify_one();
+                    }
+                    return r;
+                }
+            }
+        }
+    }
+
+    /// Puts many entities; those on one shard commit in one transaction.
+    /// Results come back in input order.
+    pub async fn put_batch(&self, items: Vec<(EntityId, Bag)>) -> Vec<Result<Outcome, WriteError>> {
+        let n = self.shards().count();
+        let mut per_shard: Vec<Vec<usize>> = vec![Vec::new(); n];
+        for (i, (id, _)) in items.iter().enumerate() {
+            per_shard[self.shards().of_id(id)].push(i);
+        }
+        let jobs = per_shard.iter().enumerate().filter(|(_, idx)| !idx.is_empty()).map(|(shard, idx)| {
+            let batch: Vec<(EntityId, Change, Precondition)> = idx
+                .iter()
+                .map(|&i| (items[i].0, Change::Put(items[i].1.clone()), Precondition::default()))
+                .collect();
+            async move {
+                let mut attempt = 0;
+                loop {
+                    match self.transaction(shard, &batch).await {
+                        Err(e) if e.is_retryable_conflict() && attempt < CONFLICT_RETRIES => attempt += 1,
+                        Err(e) => return (shard, Err(e)),
+                        Ok(r) => {
+                            self.inner.wake[shard].notify_one();
+                            return (shard, Ok(r));
+                        }
+                    }
+                }
+            }
+        });
+        let done = futures::future::join_all(jobs).await;
+        let mut out: Vec<Option<Result<Outcome, WriteError>>> = (0..items.len()).map(|_| None).collect();
+        for (shard, result) in done {
+            match result {
+                Ok(results) => {
+                    for (&i, r) in per_shard[shard].iter().zip(results) {
+                        out[i] = Some(r);
+                    }
+                }
+                Err(e) => {
+                    let shared = std::sync::Arc::new(e);
+                    for &i in &per_shard[shard] {
+                        out[i] = Some(Err(WriteError::ShardFailed { shard, source: shared.clone() }));
+                    }
+                }
+            }
+        }
+        out.into_iter().map(|r| r.expect("every item belongs to one shard")).collect()
+    }
+
+    /// Runs the items in one transaction on `shard`. An item whose
+    /// precondition fails is skipped (its error is its result); a database
+    /// error rolls back everything and is returned as the outer error.
+    async fn transaction(
+        &self,
+        shard: usize,
+        items: &[(EntityId, Change, Precondition)],
+    ) -> Result<Vec<Result<Outcome, WriteError>>, StoreError> {
+        let pool = self.shards().pool(shard);
+        let mut tx = pool.begin().await.map_err(|source| StoreError::Shard { shard, source })?;
+        let mut results = Vec::with_capacity(items.len());
+        let mut kinds = Vec::new();
+        for (id, change, pre) in items {
+            let r = write_in_tx(shard, &mut tx, id, change, *pre).await;
+            match r {
+                Ok(outcome) => {
+                    kinds.push(if matches!(change, Change::Delete) { "delete" } else { "put" });
+                    results.push(Ok(outcome));
+                }
+                Err(WriteError::Store(e)) => return Err(e),
+                Err(other) => results.push(Err(other)),
+            }
+        }
+        tx.commit().await.map_err(|source| StoreError::Shard { shard, source })?;
+        let shard_label = shard.to_string();
+        for kind in kinds {
+            self.inner.metrics.writes.with_label_values(&[&shard_label, kind]).inc();
+        }
+        Ok(results)
+    }
+}
+
+async fn write_in_tx(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    id: &EntityId,
+    change: &Change,
+    pre: Precondition,
+) -> Result<Outcome, WriteError> {
+    let current = store::lock_entity(shard, conn, id).await?;
+    let live_version = current.as_ref().filter(|c| c.body.is_some()).map(|c| c.version);
+    if let Some(expected) = pre.if_version {
+        if live_version != Some(expected) {
+            return Err(WriteError::VersionConflict { expected, actual: live_version });
+        }
+    }
+    if pre.if_absent {
+        if let Some(current) = live_version {
+            return Err(WriteError::AlreadyExists { current });
+        }
+    }
+    if matches!(change, Change::Delete) && live_version.is_none() {
+        return Err(WriteError::NotFound);
+    }
+    let before = match current.as_ref().and_then(|c| c.body.as_deref()) {
+        Some(blob) => match codec::decode_body(blob) {
+            Ok(bag) => Some(bag),
+            Err(e) => {
+                // The write goes on (it replaces the broken body); the old index
+                // rows cannot be derived, so the cleaner removes them later.
+                tracing::error!(%id, shard, error = %e, "stored body is corrupt; overwriting it");
+                None
+            }
+        },
+        None => None,
+    };
+    // Tombstones keep their version, so a re-created entity continues from it.
+    let version = current.as_ref().map_or(0, |c| c.version) + 1;
+    let now = now_micros();
+    let (op, after) = match change {
+        Change::Put(bag) => (Op::Put, Some(bag.clone())),
+        Change::Delete => (Op::Delete, None),
+    };
+    let body = after.as_ref().map(codec::encode_body);
+    match (&current, &body) {
+        (None, Some(body)) => store::insert_entity(shard, conn, id, version, now, body).await?,
+        (None, None) => unreachable!("deleting an absent entity returned NotFound above"),
+        (Some(_), body) => store::update_entity(shard, conn, id, version, now, body.as_deref()).await?,
+    }
+    let event = ChangeEvent { id: *id, version, op, committed_at_us: now, shard: shard as u32, before, after };
+    store::insert_outbox(shard, conn, id, version, now, &event.encode()).await?;
+    Ok(Outcome { id: *id, version, created: live_version.is_none() })
+}
