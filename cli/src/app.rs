@@ -83,7 +83,8 @@ pub async fn signal() {
 }
 
 pub async fn bind(addr: &str) -> anyhow::Result<(tokio::net::TcpListener, String)> {
-    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+    let listener =
+        tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
     let url = format!("http://{}", listener.local_addr()?);
     Ok((listener, url))
 }
@@ -93,7 +94,10 @@ pub async fn stop_pipeline(running: &Running, grace: Duration) {
     running.pipeline.cancel();
     running.tracker.close();
     if tokio::time::timeout(grace, running.tracker.wait()).await.is_err() {
-        tracing::warn!(tasks = running.tracker.len(), "pipeline tasks still running after the grace period; abandoning them");
+        tracing::warn!(
+            tasks = running.tracker.len(),
+            "pipeline tasks still running after the grace period; abandoning them"
+        );
     }
 }
 

@@ -44,7 +44,8 @@ pub struct DevArgs {
 const DEV_DATABASE: &str = "bagstore";
 
 pub async fn run(args: DevArgs) -> anyhow::Result<()> {
-    let mut settings = schemas::Settings::load(args.config.as_deref()).context("loading the configuration")?;
+    let mut settings =
+        schemas::Settings::load(args.config.as_deref()).context("loading the configuration")?;
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("cannot create the data dir {}", args.data_dir.display()))?;
 
@@ -53,7 +54,9 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         mariadb::ensure_installed()?;
         let starts = (0..args.shards).map(|i| {
             let dir = args.data_dir.join(format!("shard-{i}"));
-            async move { MariaDb::start(&dir).await.with_context(|| format!("starting shard {i} in {}", dir.display())) }
+            async move {
+                MariaDb::start(&dir).await.with_context(|| format!("starting shard {i} in {}", dir.display()))
+            }
         });
         for r in futures::future::join_all(starts).await {
             servers.push(r?);
@@ -93,7 +96,8 @@ async fn serve(settings: &schemas::Settings, args: &DevArgs, create_topics: bool
 
     let http_stop = CancellationToken::new();
     let grace = Duration::from_millis(settings.http.shutdown_grace_ms);
-    let server = tokio::spawn(schemas::web::serve(listener, running.router.clone(), http_stop.clone(), grace));
+    let server =
+        tokio::spawn(schemas::web::serve(listener, running.router.clone(), http_stop.clone(), grace));
     app::signal().await;
     http_stop.cancel();
     let _ = server.await;
@@ -119,7 +123,8 @@ pub async fn drain(settings: &schemas::Settings, shards: &store::Shards, deadlin
         }
         if pending == 0 {
             for spec in &settings.indexes {
-                match schemas::kafka::group_lag(&settings.kafka, &settings.kafka.group_for(&spec.table)).await {
+                match schemas::kafka::group_lag(&settings.kafka, &settings.kafka.group_for(&spec.table)).await
+                {
                     Ok(parts) => pending += parts.iter().map(|p| p.lag() as u64).sum::<u64>(),
                     Err(_) => pending += 1,
                 }
@@ -129,7 +134,10 @@ pub async fn drain(settings: &schemas::Settings, shards: &store::Shards, deadlin
             return true;
         }
         if Instant::now() >= until {
-            tracing::warn!(pending, "stopping before the pipeline drained; the cleaner will repair the indexes");
+            tracing::warn!(
+                pending,
+                "stopping before the pipeline drained; the cleaner will repair the indexes"
+            );
             return false;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;

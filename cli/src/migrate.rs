@@ -20,7 +20,9 @@ pub struct Report {
 /// cleaner's backfill brings it to ACTIVE.
 pub async fn migrate(settings: &Settings, shards: &Shards, kafka: bool) -> anyhow::Result<Report> {
     for (shard, dsn) in settings.mysql.shards.iter().enumerate() {
-        store::create_database(shard, dsn).await.with_context(|| format!("creating the database of shard {shard} ({dsn})"))?;
+        store::create_database(shard, dsn)
+            .await
+            .with_context(|| format!("creating the database of shard {shard} ({dsn})"))?;
     }
     shards.wait_ready(Duration::from_secs(30)).await.context("waiting for the shards")?;
     let mut any_entities = false;

@@ -123,7 +123,12 @@ impl IndexConsumer {
     }
 
     /// Applies a batch. Returns false if shutdown interrupted the retries.
-    async fn process(&self, batch: &[OwnedMessage], dlq: &FutureProducer, shutdown: &CancellationToken) -> bool {
+    async fn process(
+        &self,
+        batch: &[OwnedMessage],
+        dlq: &FutureProducer,
+        shutdown: &CancellationToken,
+    ) -> bool {
         let table = &self.spec.table;
         let mut ops: Vec<RowOp> = Vec::new();
         let mut poison = Vec::new();
@@ -145,7 +150,10 @@ impl IndexConsumer {
             let start = Instant::now();
             match crate::apply::apply(&self.shards, &self.spec, &ops).await {
                 Ok(()) => {
-                    self.metrics.apply_seconds.with_label_values(&[table]).observe(start.elapsed().as_secs_f64());
+                    self.metrics
+                        .apply_seconds
+                        .with_label_values(&[table])
+                        .observe(start.elapsed().as_secs_f64());
                     break;
                 }
                 Err(e) => {
@@ -196,7 +204,9 @@ impl IndexConsumer {
                     self.metrics.dead_lettered.with_label_values(&[table]).inc();
                     return true;
                 }
-                Err((e, _)) => tracing::warn!(index = %table, error = %e, "dead-letter send failed; retrying"),
+                Err((e, _)) => {
+                    tracing::warn!(index = %table, error = %e, "dead-letter send failed; retrying")
+                }
             }
             if !sleep_or_stop(shutdown, Duration::from_millis(500)).await {
                 return false;

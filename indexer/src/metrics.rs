@@ -24,16 +24,25 @@ impl Metrics {
                 &["index"],
             )?,
             failed: IntCounterVec::new(
-                Opts::new("bagstore_indexer_apply_failures_total", "Batch applies that failed and were retried"),
+                Opts::new(
+                    "bagstore_indexer_apply_failures_total",
+                    "Batch applies that failed and were retried",
+                ),
                 &["index"],
             )?,
             dead_lettered: IntCounterVec::new(
-                Opts::new("bagstore_indexer_events_dead_lettered_total", "Undecodable events sent to the dead-letter topic"),
+                Opts::new(
+                    "bagstore_indexer_events_dead_lettered_total",
+                    "Undecodable events sent to the dead-letter topic",
+                ),
                 &["index"],
             )?,
             apply_seconds: HistogramVec::new(
-                HistogramOpts::new("bagstore_indexer_apply_duration_seconds", "Time to apply one batch to MySQL")
-                    .buckets(vec![0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]),
+                HistogramOpts::new(
+                    "bagstore_indexer_apply_duration_seconds",
+                    "Time to apply one batch to MySQL",
+                )
+                .buckets(vec![0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]),
                 &["index"],
             )?,
             last_applied: GaugeVec::new(
@@ -44,7 +53,10 @@ impl Metrics {
                 &["index"],
             )?,
             assigned_partitions: IntGaugeVec::new(
-                Opts::new("bagstore_indexer_assigned_partitions", "Topic partitions this process consumes for the index"),
+                Opts::new(
+                    "bagstore_indexer_assigned_partitions",
+                    "Topic partitions this process consumes for the index",
+                ),
                 &["index"],
             )?,
         };

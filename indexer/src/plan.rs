@@ -50,8 +50,10 @@ mod tests {
     use serde_json::json;
 
     fn spec() -> IndexSpec {
-        toml::from_str(r#"table = "index_tag"
-                          properties = [{ name = "tag", type = "string" }]"#)
+        toml::from_str(
+            r#"table = "index_tag"
+                          properties = [{ name = "tag", type = "string" }]"#,
+        )
         .unwrap()
     }
 
@@ -79,7 +81,8 @@ mod tests {
 
     #[test]
     fn an_update_deletes_only_keys_that_went_away() {
-        let ops = plan(&spec(), &event(Some(json!({"tag": ["a", "b"]})), Some(json!({"tag": ["b", "c"]}))), 2);
+        let ops =
+            plan(&spec(), &event(Some(json!({"tag": ["a", "b"]})), Some(json!({"tag": ["b", "c"]}))), 2);
         assert_eq!(keys(&ops, RowOpKind::DeleteOlder), vec!["a"]);
         assert_eq!(keys(&ops, RowOpKind::Upsert), vec!["b", "c"]);
         assert!(ops.iter().all(|o| o.version == 5 && o.entity == EntityId([7; 16])));

@@ -41,7 +41,8 @@ pub enum ReadError {
 }
 
 fn decode(shard: usize, s: StoredEntity) -> Result<Entity, ReadError> {
-    let properties = codec::decode_body(&s.body).map_err(|source| ReadError::Corrupt { id: s.id, shard, source })?;
+    let properties =
+        codec::decode_body(&s.body).map_err(|source| ReadError::Corrupt { id: s.id, shard, source })?;
     Ok(Entity { id: s.id, version: s.version, updated_us: s.updated_us, properties })
 }
 
@@ -107,8 +108,15 @@ impl Reader {
             loop {
                 // Ask for a little more than is missing: some candidates may be stale.
                 let want = (q.limit - out.items.len()).clamp(16, 1000) * 2;
-                let ids = store::lookup_index(shard, self.shards().pool(shard), &plan.spec, key, after.as_ref(), want)
-                    .await?;
+                let ids = store::lookup_index(
+                    shard,
+                    self.shards().pool(shard),
+                    &plan.spec,
+                    key,
+                    after.as_ref(),
+                    want,
+                )
+                .await?;
                 self.inner.metrics.shard_reads.with_label_values(&[table, &shard.to_string()]).inc();
                 out.index_rows += ids.len() as u64;
                 let exhausted = ids.len() < want;

@@ -69,7 +69,9 @@ async fn get_many(State(r): State<Reader>, body: Body) -> Result<Json<JsonValue>
     }
     let ids = raw
         .iter()
-        .map(|v| v.as_str().ok_or_else(|| Problem::bad_request("bad-id", "ids must be strings")).and_then(parse_id))
+        .map(|v| {
+            v.as_str().ok_or_else(|| Problem::bad_request("bad-id", "ids must be strings")).and_then(parse_id)
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let items = r.get_many(&ids).await.map_err(read_problem)?;
     Ok(Json(json!({ "items": items.iter().map(entity_json).collect::<Vec<_>>() })))
@@ -109,7 +111,8 @@ async fn run_query(State(r): State<Reader>, body: Body) -> Result<Json<JsonValue
 }
 
 async fn list_indexes(State(r): State<Reader>) -> Result<Json<JsonValue>, Problem> {
-    let metas = schemas::store::list_index_meta(r.shards().pool(0)).await.map_err(|e| Problem::internal(&e))?;
+    let metas =
+        schemas::store::list_index_meta(r.shards().pool(0)).await.map_err(|e| Problem::internal(&e))?;
     let indexes: Vec<JsonValue> = r
         .settings()
         .indexes

@@ -66,7 +66,8 @@ impl Reader {
             }
         }
         let metas = store::list_index_meta(self.shards().pool(0)).await?;
-        let states: HashMap<String, IndexState> = metas.into_iter().map(|m| (m.spec.table, m.state)).collect();
+        let states: HashMap<String, IndexState> =
+            metas.into_iter().map(|m| (m.spec.table, m.state)).collect();
         *self.inner.states.lock().expect("not poisoned") = Some((Instant::now(), states.clone()));
         Ok(states)
     }

@@ -43,7 +43,12 @@ pub fn parse(doc: Json, settings: &Settings) -> Result<Query, Problem> {
         None | Some(Json::Null) => settings.reader.default_limit,
         Some(v) => match v.as_u64() {
             Some(n) if n >= 1 && n as usize <= settings.reader.max_limit => n as usize,
-            _ => return Err(bad(format!("\"limit\" must be an integer from 1 to {}", settings.reader.max_limit))),
+            _ => {
+                return Err(bad(format!(
+                    "\"limit\" must be an integer from 1 to {}",
+                    settings.reader.max_limit
+                )))
+            }
         },
     };
     let allow_partial = match top.remove("allow_partial") {
@@ -145,7 +150,12 @@ pub fn plan(q: &Query, settings: &Settings) -> Result<Plan, Problem> {
         let mut typed = Vec::new();
         for v in cond.values() {
             let k = p.typed(v).ok_or_else(|| {
-                bad(format!("{:?} is an index property of type {}; {} does not fit", p.name, type_name(p), v.to_json()))
+                bad(format!(
+                    "{:?} is an index property of type {}; {} does not fit",
+                    p.name,
+                    type_name(p),
+                    v.to_json()
+                ))
             })?;
             if !typed.contains(&k) {
                 typed.push(k);

@@ -34,9 +34,8 @@ fn options() -> impl Options {
 }
 
 pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
-    let raw = options()
-        .serialize(value)
-        .expect("bincode cannot fail on in-memory values under the size limit");
+    let raw =
+        options().serialize(value).expect("bincode cannot fail on in-memory values under the size limit");
     let mut out = Vec::with_capacity(raw.len() / 2 + 8);
     out.push(FORMAT_LZ4_BINCODE);
     out.extend_from_slice(&lz4_flex::compress_prepend_size(&raw));
@@ -89,10 +88,7 @@ mod tests {
         let blob = encode_body(&Bag::from([("k".into(), Value::Int(1))]));
         assert!(matches!(decode_body(&[]), Err(CodecError::Empty)));
         assert!(matches!(decode_body(&[9, 0]), Err(CodecError::UnknownFormat(9))));
-        assert!(matches!(
-            decode_body(&[1, 0xff, 0xff, 0xff, 0x7f]),
-            Err(CodecError::TooLarge(_))
-        ));
+        assert!(matches!(decode_body(&[1, 0xff, 0xff, 0xff, 0x7f]), Err(CodecError::TooLarge(_))));
         for cut in 1..blob.len() {
             assert!(decode_body(&blob[..cut]).is_err());
         }

@@ -35,10 +35,7 @@ impl Condition {
     /// accepted exactly when the entity really produces that key.
     pub fn matches_typed(&self, prop: &IndexProperty, actual: Option<&Value>) -> bool {
         let have = prop.typed_all(actual);
-        self.values()
-            .iter()
-            .filter_map(|w| prop.typed(w))
-            .any(|w: KeyValue| have.contains(&w))
+        self.values().iter().filter_map(|w| prop.typed(w)).any(|w: KeyValue| have.contains(&w))
     }
 }
 
@@ -60,7 +57,9 @@ fn deep_eq(a: &Value, b: &Value) -> bool {
     match (a, b) {
         (Value::Int(x), Value::Int(y)) => x == y,
         (Value::Int(_) | Value::Float(_), Value::Int(_) | Value::Float(_)) => a.as_f64() == b.as_f64(),
-        (Value::Array(x), Value::Array(y)) => x.len() == y.len() && x.iter().zip(y).all(|(p, q)| deep_eq(p, q)),
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| deep_eq(p, q))
+        }
         (Value::Object(x), Value::Object(y)) => {
             x.len() == y.len() && x.iter().zip(y).all(|((k1, v1), (k2, v2))| k1 == k2 && deep_eq(v1, v2))
         }

@@ -34,9 +34,7 @@ impl EntityId {
         if !ok {
             return Err(BadId { input: s.chars().take(64).collect() });
         }
-        uuid::Uuid::try_parse(s)
-            .map(|u| EntityId(*u.as_bytes()))
-            .map_err(|_| BadId { input: s.to_string() })
+        uuid::Uuid::try_parse(s).map(|u| EntityId(*u.as_bytes())).map_err(|_| BadId { input: s.to_string() })
     }
 
     pub fn from_slice(bytes: &[u8]) -> Option<Self> {

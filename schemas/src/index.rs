@@ -281,17 +281,21 @@ mod tests {
 
     #[test]
     fn arrays_produce_one_key_per_distinct_element() {
-        let s = spec(r#"table = "t"
-                        properties = [{ name = "tag", type = "string" }]"#);
+        let s = spec(
+            r#"table = "t"
+                        properties = [{ name = "tag", type = "string" }]"#,
+        );
         let bag = bag_from_json(&json!({"tag": ["a", "b", "a", 5]})).unwrap();
         assert_eq!(s.keys(&bag), vec![vec![KeyValue::Str("a".into())], vec![KeyValue::Str("b".into())]]);
     }
 
     #[test]
     fn match_on_makes_a_partial_index() {
-        let s = spec(r#"table = "index_foo"
+        let s = spec(
+            r#"table = "index_foo"
                         properties = [{ name = "bar", type = "int" }]
-                        match_on = { m = "right" }"#);
+                        match_on = { m = "right" }"#,
+        );
         let yes = bag_from_json(&json!({"bar": 1, "m": "right"})).unwrap();
         let no = bag_from_json(&json!({"bar": 1, "m": "left"})).unwrap();
         assert_eq!(s.keys(&yes).len(), 1);
@@ -300,8 +304,10 @@ mod tests {
 
     #[test]
     fn values_that_do_not_fit_the_column_are_not_indexed() {
-        let s = spec(r#"table = "t"
-                        properties = [{ name = "u", type = "uuid" }, { name = "s", type = "string", max_len = 3 }]"#);
+        let s = spec(
+            r#"table = "t"
+                        properties = [{ name = "u", type = "uuid" }, { name = "s", type = "string", max_len = 3 }]"#,
+        );
         let bad_uuid = bag_from_json(&json!({"u": "nope", "s": "abc"})).unwrap();
         let long = bag_from_json(&json!({"u": "f48b0440ca0c4f66991c4d5f6a078eaf", "s": "abcd"})).unwrap();
         let ok = bag_from_json(&json!({"u": "F48B0440-CA0C-4F66-991C-4D5F6A078EAF", "s": "héé"})).unwrap();
@@ -331,7 +337,9 @@ mod tests {
             assert!(s.validate().is_err(), "accepted {bad}");
         }
         // The issue's index_link: string(735) fits InnoDB's key limit exactly enough.
-        spec(r#"table = "index_link"
-                properties = [{ name = "link", type = "string", max_len = 735 }]"#);
+        spec(
+            r#"table = "index_link"
+                properties = [{ name = "link", type = "string", max_len = 735 }]"#,
+        );
     }
 }

@@ -11,9 +11,14 @@ use std::time::Duration;
 
 use crate::settings::KafkaSettings;
 
+/// Settings every client shares. Reconnect backoff is capped at 1 s so a
+/// broker that comes back is used again quickly.
 pub fn base_config(k: &KafkaSettings) -> ClientConfig {
     let mut c = ClientConfig::new();
-    c.set("bootstrap.servers", &k.brokers);
+    c.set("bootstrap.servers", &k.brokers).set("reconnect.backoff.max.ms", "1000");
+    for (key, value) in &k.options {
+        c.set(key, value);
+    }
     c
 }
 
@@ -27,6 +32,14 @@ pub fn producer_config(k: &KafkaSettings) -> ClientConfig {
         .set("linger.ms", "2")
         .set("compression.type", "none")
         .set("message.timeout.ms", k.message_timeout_ms.to_string());
+    with_options(c, k)
+}
+
+/// Operator-given librdkafka properties win over bagstore's defaults.
+fn with_options(mut c: ClientConfig, k: &KafkaSettings) -> ClientConfig {
+    for (key, value) in &k.options {
+        c.set(key, value);
+    }
     c
 }
 
@@ -43,7 +56,7 @@ pub fn consumer_config(k: &KafkaSettings, group: &str) -> ClientConfig {
         .set("session.timeout.ms", k.session_timeout_ms.to_string())
         .set("heartbeat.interval.ms", (k.session_timeout_ms / 4).max(100).to_string())
         .set("partition.assignment.strategy", "cooperative-sticky");
-    c
+    with_options(c, k)
 }
 
 /// Whether `topic` exists with at least one partition (a metadata request;
@@ -77,7 +90,8 @@ pub async fn ensure_topics(k: &KafkaSettings) -> Result<(), KafkaError> {
         match result {
             Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
             Err((topic, code)) => {
-                return Err(KafkaError::AdminOp(code)).inspect_err(|_| tracing::error!(%topic, "cannot create topic"))
+                return Err(KafkaError::AdminOp(code))
+                    .inspect_err(|_| tracing::error!(%topic, "cannot create topic"))
             }
         }
     }

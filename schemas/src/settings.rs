@@ -111,7 +111,9 @@ fn list_or_csv<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Dsn>, D::Error> {
     }
     Ok(match Either::deserialize(d)? {
         Either::List(v) => v.into_iter().map(Dsn).collect(),
-        Either::Csv(s) => s.split(',').map(str::trim).filter(|s| !s.is_empty()).map(|s| Dsn(s.to_string())).collect(),
+        Either::Csv(s) => {
+            s.split(',').map(str::trim).filter(|s| !s.is_empty()).map(|s| Dsn(s.to_string())).collect()
+        }
     })
 }
 
@@ -130,6 +132,9 @@ pub struct KafkaSettings {
     /// How long the relay lets librdkafka retry one event before it gives up
     /// and the outbox row is tried again.
     pub message_timeout_ms: u64,
+    /// Extra librdkafka properties for every client (e.g. `security.protocol`,
+    /// `ssl.ca.location`, `debug`), applied last.
+    pub options: std::collections::BTreeMap<String, String>,
 }
 
 impl KafkaSettings {
@@ -151,6 +156,7 @@ impl Default for KafkaSettings {
             replication_factor: 1,
             session_timeout_ms: 10_000,
             message_timeout_ms: 10_000,
+            options: Default::default(),
         }
     }
 }
@@ -256,14 +262,16 @@ impl Settings {
             let mut table = &mut doc;
             for k in &keys[..keys.len() - 1] {
                 let entry = table.entry(k.clone()).or_insert_with(|| toml::Value::Table(Default::default()));
-                table = entry
-                    .as_table_mut()
-                    .ok_or_else(|| SettingsError::Env { var: var.clone(), reason: format!("{k} is not a section") })?;
+                table = entry.as_table_mut().ok_or_else(|| SettingsError::Env {
+                    var: var.clone(),
+                    reason: format!("{k} is not a section"),
+                })?;
             }
             table.insert(keys[keys.len() - 1].clone(), value);
         }
-        let settings: Settings =
-            toml::Value::Table(doc).try_into().map_err(|e: toml::de::Error| SettingsError::Parse(e.to_string()))?;
+        let settings: Settings = toml::Value::Table(doc)
+            .try_into()
+            .map_err(|e: toml::de::Error| SettingsError::Parse(e.to_string()))?;
         settings.validate()?;
         Ok(settings)
     }
@@ -295,7 +303,9 @@ impl Settings {
             ));
         }
         if self.kafka.brokers.is_empty() {
-            return Err(SettingsError::Invalid("kafka.brokers is empty (or set BAGSTORE_KAFKA__BROKERS)".into()));
+            return Err(SettingsError::Invalid(
+                "kafka.brokers is empty (or set BAGSTORE_KAFKA__BROKERS)".into(),
+            ));
         }
         Ok(())
     }

@@ -47,7 +47,10 @@ impl StoreError {
     pub fn is_retryable_conflict(&self) -> bool {
         match self {
             StoreError::Shard { source: sqlx::Error::Database(db), .. } => {
-                matches!(db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().map(|e| e.number()), Some(1213 | 1205))
+                matches!(
+                    db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().map(|e| e.number()),
+                    Some(1213 | 1205)
+                )
             }
             _ => false,
         }
@@ -392,7 +395,8 @@ const RELAY_LOCK: &str = "CONCAT('bagstore.relay.', DATABASE())";
 
 /// Tries to become the shard's relay leader; the lock lives as long as `conn`.
 pub async fn try_relay_lock(shard: usize, conn: &mut MySqlConnection) -> Result<bool> {
-    let row = sqlx::query(&format!("SELECT GET_LOCK({RELAY_LOCK}, 0) AS got")).fetch_one(conn).await.on(shard)?;
+    let row =
+        sqlx::query(&format!("SELECT GET_LOCK({RELAY_LOCK}, 0) AS got")).fetch_one(conn).await.on(shard)?;
     Ok(row.try_get::<Option<i64>, _>("got").on(shard)? == Some(1))
 }
 
@@ -408,7 +412,10 @@ pub async fn holds_relay_lock(shard: usize, conn: &mut MySqlConnection) -> Resul
 
 // ---------------------------------------------------------------- index rows
 
-fn bind_key<'q>(mut q: Query<'q, MySql, MySqlArguments>, key: &'q IndexKey) -> Query<'q, MySql, MySqlArguments> {
+fn bind_key<'q>(
+    mut q: Query<'q, MySql, MySqlArguments>,
+    key: &'q IndexKey,
+) -> Query<'q, MySql, MySqlArguments> {
     for v in key {
         q = match v {
             KeyValue::Uuid(b) => q.bind(&b[..]),
@@ -457,7 +464,8 @@ pub async fn delete_index_row_before(
     entity: &EntityId,
     version: u64,
 ) -> Result<()> {
-    let sql = format!("DELETE FROM `{}` WHERE {} AND entity_id = ? AND version < ?", spec.table, key_equals(spec));
+    let sql =
+        format!("DELETE FROM `{}` WHERE {} AND entity_id = ? AND version < ?", spec.table, key_equals(spec));
     bind_key(sqlx::query(&sql), key).bind(&entity.0[..]).bind(version).execute(conn).await.on(shard)?;
     Ok(())
 }
@@ -477,7 +485,8 @@ pub async fn lookup_index(
         key_equals(spec)
     );
     let start = after.map(|a| a.0.to_vec()).unwrap_or_default();
-    let rows = bind_key(sqlx::query(&sql), key).bind(start).bind(limit as u64).fetch_all(pool).await.on(shard)?;
+    let rows =
+        bind_key(sqlx::query(&sql), key).bind(start).bind(limit as u64).fetch_all(pool).await.on(shard)?;
     rows.iter()
         .map(|r| {
             let id: Vec<u8> = r.try_get("entity_id").on(shard)?;
@@ -524,15 +533,17 @@ pub struct IndexMeta {
 }
 
 pub async fn list_index_meta(pool: &MySqlPool) -> Result<Vec<IndexMeta>> {
-    let rows = sqlx::query("SELECT name, spec, state, rows_done, rows_total FROM bagstore_indexes ORDER BY name")
-        .fetch_all(pool)
-        .await
-        .on(0)?;
+    let rows =
+        sqlx::query("SELECT name, spec, state, rows_done, rows_total FROM bagstore_indexes ORDER BY name")
+            .fetch_all(pool)
+            .await
+            .on(0)?;
     rows.iter()
         .map(|r| {
             let table: String = r.try_get("name").on(0)?;
             let spec_text: String = r.try_get("spec").on(0)?;
-            let spec = serde_json::from_str(&spec_text).map_err(|source| StoreError::BadMeta { table: table.clone(), source })?;
+            let spec = serde_json::from_str(&spec_text)
+                .map_err(|source| StoreError::BadMeta { table: table.clone(), source })?;
             let state: String = r.try_get("state").on(0)?;
             Ok(IndexMeta {
                 spec,
@@ -584,7 +595,8 @@ mod tests {
 
     #[test]
     fn database_names_split_off_dsns() {
-        let (db, server) = split_database(&Dsn("mysql://root:pw@127.0.0.1:3307/bagstore?ssl-mode=disabled".into())).unwrap();
+        let (db, server) =
+            split_database(&Dsn("mysql://root:pw@127.0.0.1:3307/bagstore?ssl-mode=disabled".into())).unwrap();
         assert_eq!(db, "bagstore");
         assert_eq!(server.expose(), "mysql://root:pw@127.0.0.1:3307?ssl-mode=disabled");
         assert!(split_database(&Dsn("mysql://root@host:1".into())).is_none());

@@ -82,9 +82,7 @@ impl Value {
 }
 
 pub fn bag_from_json_map(o: &serde_json::Map<String, serde_json::Value>) -> Result<Bag, BadValue> {
-    o.iter()
-        .map(|(k, v)| Ok((k.clone(), Value::from_json(v)?)))
-        .collect()
+    o.iter().map(|(k, v)| Ok((k.clone(), Value::from_json(v)?))).collect()
 }
 
 pub fn bag_from_json(v: &serde_json::Value) -> Result<Bag, BadValue> {

@@ -28,7 +28,12 @@ pub struct Problem {
 }
 
 impl Problem {
-    pub fn new(status: StatusCode, kind: &'static str, title: &'static str, detail: impl Into<String>) -> Self {
+    pub fn new(
+        status: StatusCode,
+        kind: &'static str,
+        title: &'static str,
+        detail: impl Into<String>,
+    ) -> Self {
         Problem { status, kind, title, detail: detail.into(), extra: Map::new() }
     }
 
@@ -80,8 +85,7 @@ impl Problem {
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         let mut resp = (self.status, axum::Json(self.to_json())).into_response();
-        resp.headers_mut()
-            .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
         resp
     }
 }
@@ -115,8 +119,11 @@ impl HttpMetrics {
             &["route", "status"],
         )?;
         let seconds = HistogramVec::new(
-            HistogramOpts::new(format!("bagstore_{component}_request_duration_seconds"), "HTTP request latency")
-                .buckets(vec![0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]),
+            HistogramOpts::new(
+                format!("bagstore_{component}_request_duration_seconds"),
+                "HTTP request latency",
+            )
+            .buckets(vec![0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]),
             &["route", "status"],
         )?;
         registry.register(Box::new(requests.clone()))?;
@@ -142,20 +149,18 @@ pub async fn track(State(m): State<HttpMetrics>, req: Request, next: Next) -> Re
 
 /// `/metrics` (Prometheus text) and `/health`.
 pub fn ops_router(registry: Registry) -> Router {
-    Router::new()
-        .route("/health", get(|| async { axum::Json(json!({"status": "ok"})) }))
-        .route(
-            "/metrics",
-            get(move || {
-                let registry = registry.clone();
-                async move {
-                    match TextEncoder::new().encode_to_string(&registry.gather()) {
-                        Ok(text) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response(),
-                        Err(e) => Problem::internal(&e).into_response(),
-                    }
+    Router::new().route("/health", get(|| async { axum::Json(json!({"status": "ok"})) })).route(
+        "/metrics",
+        get(move || {
+            let registry = registry.clone();
+            async move {
+                match TextEncoder::new().encode_to_string(&registry.gather()) {
+                    Ok(text) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response(),
+                    Err(e) => Problem::internal(&e).into_response(),
                 }
-            }),
-        )
+            }
+        }),
+    )
 }
 
 /// Answers 404 problems for unknown routes instead of an empty body.

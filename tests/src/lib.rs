@@ -68,15 +68,25 @@ fn opts() -> bagstore::local::mariadb::MariaDbOptions {
     bagstore::local::mariadb::MariaDbOptions { ephemeral: true, ..Default::default() }
 }
 
-async fn futures_lite_join<A: std::future::Future, B: std::future::Future>(a: A, b: B) -> (A::Output, B::Output) {
+async fn futures_lite_join<A: std::future::Future, B: std::future::Future>(
+    a: A,
+    b: B,
+) -> (A::Output, B::Output) {
     tokio::join!(a, b)
 }
 
 /// A unique, valid identifier for this test's databases and topics.
 fn unique(name: &str) -> String {
     static N: AtomicU32 = AtomicU32::new(0);
-    let clean: String = name.chars().filter(|c| c.is_ascii_alphanumeric()).take(20).collect::<String>().to_lowercase();
-    format!("t{}_{}_{}_{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed), clean, rand::random::<u16>())
+    let clean: String =
+        name.chars().filter(|c| c.is_ascii_alphanumeric()).take(20).collect::<String>().to_lowercase();
+    format!(
+        "t{}_{}_{}_{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed),
+        clean,
+        rand::random::<u16>()
+    )
 }
 
 /// Polls `f` until it returns `Some`, or fails after `deadline`.
@@ -122,6 +132,16 @@ pub struct TestEnv {
     pub indexes_toml: String,
 }
 
+impl Drop for TestEnv {
+    /// A failing test keeps its config and process logs for a post-mortem.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.dir.disable_cleanup(true);
+            eprintln!("test files (config, process logs) kept in {}", self.dir.path().display());
+        }
+    }
+}
+
 impl std::fmt::Debug for TestEnv {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TestEnv").field("name", &self.name).field("dsns", &self.dsns).finish()
@@ -153,8 +173,11 @@ impl TestEnv {
     pub async fn new(name: &str, indexes_toml: &str) -> TestEnv {
         let ports = servers().to_vec();
         let name = unique(name);
-        let dsns: Vec<String> =
-            ports.iter().enumerate().map(|(i, p)| format!("mysql://root@127.0.0.1:{p}/{name}_s{i}")).collect();
+        let dsns: Vec<String> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, p)| format!("mysql://root@127.0.0.1:{p}/{name}_s{i}"))
+            .collect();
         let kafka = MockCluster::new(1).expect("mock cluster");
         let topic = format!("{name}.changes");
         kafka.create_topic(&topic, 4, 1).expect("topic");
@@ -224,7 +247,8 @@ impl TestEnv {
         let mut n = 0;
         for s in 0..self.dsns.len() {
             let pool = self.pool(s).await;
-            let row: (i64,) = sqlx::query_as(&format!("SELECT COUNT(*) FROM `{table}`")).fetch_one(&pool).await.unwrap();
+            let row: (i64,) =
+                sqlx::query_as(&format!("SELECT COUNT(*) FROM `{table}`")).fetch_one(&pool).await.unwrap();
             n += row.0;
             pool.close().await;
         }
@@ -273,7 +297,15 @@ impl Proc {
             Ok(Ok(Some(l))) => l,
             other => {
                 let tail = std::fs::read_to_string(&log).unwrap_or_default();
-                let tail: String = tail.lines().rev().take(30).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+                let tail: String = tail
+                    .lines()
+                    .rev()
+                    .take(30)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .collect::<Vec<_>>()
+                    .join("\n");
                 bail!("bagstore {args:?} did not become ready ({other:?}); log tail:\n{tail}");
             }
         };
@@ -336,11 +368,15 @@ impl Api {
     async fn reply(r: reqwest::RequestBuilder) -> Reply {
         let resp = r.send().await.expect("HTTP request");
         let status = resp.status().as_u16();
-        let ctype = resp.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+        let ctype =
+            resp.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
         let text = resp.text().await.unwrap_or_default();
         let body = serde_json::from_str(&text).unwrap_or(Value::Null);
         if status >= 400 {
-            assert_eq!(ctype, "application/problem+json", "error without a problem document: {status} {text}");
+            assert_eq!(
+                ctype, "application/problem+json",
+                "error without a problem document: {status} {text}"
+            );
         }
         (status, body)
     }
@@ -354,7 +390,10 @@ impl Api {
     }
 
     pub async fn put_with(&self, id: &str, body: &Value, header: (&str, &str)) -> Reply {
-        Self::reply(self.http.put(format!("{}/v1/entities/{id}", self.base)).header(header.0, header.1).json(body)).await
+        Self::reply(
+            self.http.put(format!("{}/v1/entities/{id}", self.base)).header(header.0, header.1).json(body),
+        )
+        .await
     }
 
     pub async fn raw(&self, method: reqwest::Method, path: &str, body: Vec<u8>) -> Reply {
@@ -370,11 +409,15 @@ impl Api {
     }
 
     pub async fn get_many(&self, ids: &[&str]) -> Reply {
-        Self::reply(self.http.post(format!("{}/v1/entities/get", self.base)).json(&json!({ "ids": ids }))).await
+        Self::reply(self.http.post(format!("{}/v1/entities/get", self.base)).json(&json!({ "ids": ids })))
+            .await
     }
 
     pub async fn batch(&self, entities: &[Value]) -> Reply {
-        Self::reply(self.http.post(format!("{}/v1/entities/batch", self.base)).json(&json!({ "entities": entities }))).await
+        Self::reply(
+            self.http.post(format!("{}/v1/entities/batch", self.base)).json(&json!({ "entities": entities })),
+        )
+        .await
     }
 
     pub async fn query(&self, q: &Value) -> Reply {
@@ -386,15 +429,26 @@ impl Api {
     }
 
     pub async fn metrics(&self) -> String {
-        self.http.get(format!("{}/metrics", self.base)).send().await.expect("scrape").text().await.unwrap_or_default()
+        self.http
+            .get(format!("{}/metrics", self.base))
+            .send()
+            .await
+            .expect("scrape")
+            .text()
+            .await
+            .unwrap_or_default()
     }
 
     /// Ids returned by a query that must succeed.
     pub async fn query_ids(&self, q: &Value) -> Vec<String> {
         let (status, body) = self.query(q).await;
         assert_eq!(status, 200, "query {q} failed: {body}");
-        let mut ids: Vec<String> =
-            body["items"].as_array().expect("items").iter().map(|e| e["id"].as_str().unwrap().to_string()).collect();
+        let mut ids: Vec<String> = body["items"]
+            .as_array()
+            .expect("items")
+            .iter()
+            .map(|e| e["id"].as_str().unwrap().to_string())
+            .collect();
         ids.sort();
         ids
     }

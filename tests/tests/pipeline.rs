@@ -90,16 +90,24 @@ async fn compound_partial_in_and_array_indexes_answer_exactly() {
     let b = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
     let c = "cccccccccccccccccccccccccccccccc";
     let d = "dddddddddddddddddddddddddddddddd";
-    put(a, json!({"first_name": "Bret", "last_name": "Taylor", "bar": 1, "m": "right", "tags": ["x", "y"]})).await;
+    put(a, json!({"first_name": "Bret", "last_name": "Taylor", "bar": 1, "m": "right", "tags": ["x", "y"]}))
+        .await;
     put(b, json!({"first_name": "Bret", "bar": 1, "m": "wrong", "tags": "y"})).await;
     put(c, json!({"first_name": "Paul", "last_name": "Buchheit", "bar": 2, "m": "right", "tags": []})).await;
-    put(d, json!({"first_name": "Bret", "last_name": "Taylor", "bar": "1", "m": "right", "tags": ["z", 5]})).await;
+    put(d, json!({"first_name": "Bret", "last_name": "Taylor", "bar": "1", "m": "right", "tags": ["z", 5]}))
+        .await;
 
     let name = |f: Value, l: Value| json!({"where": {"first_name": f, "last_name": l}});
     until_query_is(&api, &name(json!("Bret"), json!("Taylor")), &[a, d]).await;
-    until_query_is(&api, &name(json!({"in": ["Bret", "Paul"]}), json!({"in": ["Taylor", "Buchheit"]})), &[a, c, d]).await;
+    until_query_is(
+        &api,
+        &name(json!({"in": ["Bret", "Paul"]}), json!({"in": ["Taylor", "Buchheit"]})),
+        &[a, c, d],
+    )
+    .await;
     // Conditions beyond the index are filters on the fetched entity.
-    until_query_is(&api, &json!({"where": {"first_name": "Bret", "last_name": "Taylor", "bar": 1}}), &[a]).await;
+    until_query_is(&api, &json!({"where": {"first_name": "Bret", "last_name": "Taylor", "bar": 1}}), &[a])
+        .await;
     // Partial index: only m = "right" entities, and only int bars.
     until_query_is(&api, &json!({"index": "index_foo", "where": {"bar": 1}}), &[a]).await;
     until_query_is(&api, &json!({"index": "index_foo", "where": {"bar": {"in": [1, 2]}}}), &[a, c]).await;
@@ -115,7 +123,8 @@ async fn compound_partial_in_and_array_indexes_answer_exactly() {
     assert_eq!(env.count_rows("index_tag").await, 4);
 
     // Leaving the partial index: m changes → the row goes.
-    put(a, json!({"first_name": "Bret", "last_name": "Taylor", "bar": 1, "m": "left", "tags": ["x", "y"]})).await;
+    put(a, json!({"first_name": "Bret", "last_name": "Taylor", "bar": 1, "m": "left", "tags": ["x", "y"]}))
+        .await;
     until_query_is(&api, &json!({"index": "index_foo", "where": {"bar": 1}}), &[]).await;
     eventually("index_foo to shrink", Duration::from_secs(10), || async {
         (env.count_rows("index_foo").await == 1).then_some(())
@@ -155,21 +164,26 @@ async fn hand_made_index_rows_never_reach_query_results() {
     // And a compound-index row for a name the entity does not have.
     let name_shard = schemas::shard_of(b"A", env.dsns.len());
     let name_pool = env.pool(name_shard).await;
-    sqlx::query("INSERT INTO index_user_name (first_name, last_name, entity_id, version) VALUES ('A', 'Z', ?, 1)")
-        .bind(hex(real))
-        .execute(&name_pool)
-        .await
-        .unwrap();
+    sqlx::query(
+        "INSERT INTO index_user_name (first_name, last_name, entity_id, version) VALUES ('A', 'Z', ?, 1)",
+    )
+    .bind(hex(real))
+    .execute(&name_pool)
+    .await
+    .unwrap();
 
     let (status, body) = api.query(&json!({"where": {"user_id": user}})).await;
     assert_eq!(status, 200);
-    let ids: Vec<&str> = body["items"].as_array().unwrap().iter().map(|e| e["id"].as_str().unwrap()).collect();
+    let ids: Vec<&str> =
+        body["items"].as_array().unwrap().iter().map(|e| e["id"].as_str().unwrap()).collect();
     assert_eq!(ids, vec![real], "{body}");
     assert_eq!(body["explain"]["index_rows_read"], 3, "{body}");
     assert_eq!(body["explain"]["dropped_by_refilter"], 2, "{body}");
     assert!(api.query_ids(&json!({"where": {"first_name": "A", "last_name": "Z"}})).await.is_empty());
     let metrics = api.metrics().await;
-    assert!(metric_sum(&metrics, "bagstore_reader_refilter_dropped_total", &[("index", "index_user_id")]) >= 2.0);
+    assert!(
+        metric_sum(&metrics, "bagstore_reader_refilter_dropped_total", &[("index", "index_user_id")]) >= 2.0
+    );
     dev.terminate().await;
 }
 

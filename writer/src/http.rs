@@ -65,7 +65,9 @@ fn entity_body(v: JsonValue, max_bytes: usize) -> Result<(Option<EntityId>, Bag)
     let id = match map.remove("id") {
         None => None,
         Some(JsonValue::String(s)) => Some(parse_id(&s)?),
-        Some(_) => return Err(Problem::bad_request("bad-id", "\"id\" must be a string of 32 hex digits or a UUID")),
+        Some(_) => {
+            return Err(Problem::bad_request("bad-id", "\"id\" must be a string of 32 hex digits or a UUID"))
+        }
     };
     for name in map.keys() {
         if name.is_empty() || name.len() > MAX_PROPERTY_NAME_BYTES || name.chars().any(char::is_control) {
@@ -143,13 +145,20 @@ async fn replace(
     let max = w.settings().writer.max_body_bytes;
     let (body_id, bag) = entity_body(read_json(body, max).await?, max)?;
     if body_id.is_some_and(|b| b != id) {
-        return Err(Problem::bad_request("id-mismatch", "the \"id\" in the body differs from the id in the path"));
+        return Err(Problem::bad_request(
+            "id-mismatch",
+            "the \"id\" in the body differs from the id in the path",
+        ));
     }
     let o = w.put(id, bag, pre).await.map_err(write_problem)?;
     Ok(answer(o, if o.created { StatusCode::CREATED } else { StatusCode::OK }))
 }
 
-async fn remove(State(w): State<Writer>, Path(id): Path<String>, headers: HeaderMap) -> Result<Response, Problem> {
+async fn remove(
+    State(w): State<Writer>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, Problem> {
     let id = parse_id(&id)?;
     let pre = precondition(&headers)?;
     if pre.if_absent {

@@ -30,7 +30,10 @@ impl Metrics {
                 &["shard"],
             )?,
             publish_failures: IntCounterVec::new(
-                Opts::new("bagstore_writer_publish_failures_total", "Change events Kafka did not acknowledge"),
+                Opts::new(
+                    "bagstore_writer_publish_failures_total",
+                    "Change events Kafka did not acknowledge",
+                ),
                 &["shard"],
             )?,
             outbox_backlog: IntGaugeVec::new(

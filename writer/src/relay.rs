@@ -29,7 +29,8 @@ impl Writer {
         for shard in 0..self.shards().count() {
             // One producer per shard: a fatal idempotence error then costs
             // only that shard a producer rebuild.
-            let producer: FutureProducer = schemas::kafka::producer_config(&self.settings().kafka).create()?;
+            let producer: FutureProducer =
+                schemas::kafka::producer_config(&self.settings().kafka).create()?;
             let writer = self.clone();
             let shutdown = shutdown.clone();
             tracker.spawn(async move { writer.relay(shard, producer, shutdown).await });
@@ -152,7 +153,11 @@ impl Writer {
         let acked = results.iter().take_while(|r| matches!(r, Ok(Ok(_)))).count();
         if acked < rows.len() {
             let failed = rows.len() - acked;
-            self.inner.metrics.publish_failures.with_label_values(&[&shard.to_string()]).inc_by(failed as u64);
+            self.inner
+                .metrics
+                .publish_failures
+                .with_label_values(&[&shard.to_string()])
+                .inc_by(failed as u64);
             if let Some(Ok(Err((e, _)))) = results.get(acked) {
                 tracing::warn!(shard, error = %e, failed, "Kafka did not acknowledge change events; will retry");
             }

@@ -66,7 +66,12 @@ impl Writer {
         self.write_one(id, Change::Delete, pre).await
     }
 
-    async fn write_one(&self, id: EntityId, change: Change, pre: Precondition) -> Result<Outcome, WriteError> {
+    async fn write_one(
+        &self,
+        id: EntityId,
+        change: Change,
+        pre: Precondition,
+    ) -> Result<Outcome, WriteError> {
         let shard = self.shards().of_id(&id);
         let mut attempt = 0;
         loop {
@@ -211,7 +216,8 @@ async fn write_in_tx(
         (None, None) => unreachable!("deleting an absent entity returned NotFound above"),
         (Some(_), body) => store::update_entity(shard, conn, id, version, now, body.as_deref()).await?,
     }
-    let event = ChangeEvent { id: *id, version, op, committed_at_us: now, shard: shard as u32, before, after };
+    let event =
+        ChangeEvent { id: *id, version, op, committed_at_us: now, shard: shard as u32, before, after };
     store::insert_outbox(shard, conn, id, version, now, &event.encode()).await?;
     Ok(Outcome { id: *id, version, created: live_version.is_none() })
 }

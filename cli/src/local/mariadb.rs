@@ -93,11 +93,10 @@ impl MariaDb {
             .context("mariadbd not found on PATH or in /usr/sbin; install mariadb-server")?;
         create_dir(dir).await?;
         // Absolute, because the wrapper may `rm -rf` it and mariadbd resolves paths itself.
-        let dir = dir
-            .canonicalize()
-            .with_context(|| format!("resolving {}", dir.display()))?;
+        let dir = dir.canonicalize().with_context(|| format!("resolving {}", dir.display()))?;
         for _ in 0..PORT_ATTEMPTS {
-            create_dir(&dir).await?; // an ephemeral failed attempt removed it
+            // Again each time: a failed ephemeral attempt removes the directory.
+            create_dir(&dir.join("tmp")).await?;
             init_datadir(&dir).await?;
             let port = match opts.port {
                 Some(port) => port,
@@ -106,10 +105,7 @@ impl MariaDb {
             if let Some(db) = launch(&dir, &mariadbd, port, &opts).await? {
                 return Ok(db);
             }
-            ensure!(
-                opts.port.is_none(),
-                "port {port} on 127.0.0.1 is already in use"
-            );
+            ensure!(opts.port.is_none(), "port {port} on 127.0.0.1 is already in use");
             tracing::warn!(port, "port taken before mariadbd could bind it; retrying");
         }
         bail!("mariadbd lost the race for a free port {PORT_ATTEMPTS} times")
@@ -154,15 +150,8 @@ impl MariaDb {
         if let Ok(status) = tokio::time::timeout(STOP_TIMEOUT, self.child.wait()).await {
             return status.context("waiting for the mariadbd wrapper");
         }
-        tracing::warn!(
-            pid = self.pid,
-            "mariadbd ignored SIGTERM for 30 s; sending SIGKILL"
-        );
-        let _ = Command::new("kill")
-            .arg("-KILL")
-            .arg(self.pid.to_string())
-            .status()
-            .await;
+        tracing::warn!(pid = self.pid, "mariadbd ignored SIGTERM for 30 s; sending SIGKILL");
+        let _ = Command::new("kill").arg("-KILL").arg(self.pid.to_string()).status().await;
         tokio::time::timeout(Duration::from_secs(10), self.child.wait())
             .await
             .context("the mariadbd wrapper did not exit after SIGKILL")?
@@ -182,10 +171,7 @@ impl MariaDb {
                     return Ok(());
                 }
                 Err(sqlx::Error::Database(e)) if is_access_denied(e.as_ref()) => {
-                    ensure!(
-                        !fixed,
-                        "root still cannot log in over TCP after fixing accounts: {e}"
-                    );
+                    ensure!(!fixed, "root still cannot log in over TCP after fixing accounts: {e}");
                     tracing::info!(error = %e, "root cannot log in over TCP; fixing via socket");
                     self.allow_root_over_tcp().await?;
                     fixed = true;
@@ -208,11 +194,7 @@ impl MariaDb {
             .output()
             .await
             .context("running the mariadb client")?;
-        ensure!(
-            out.status.success(),
-            "fixing root accounts failed: {}",
-            output_text(&out)
-        );
+        ensure!(out.status.success(), "fixing root accounts failed: {}", output_text(&out));
         Ok(())
     }
 }
@@ -227,12 +209,7 @@ impl Drop for MariaDb {
 
 /// Starts mariadbd on `port` and waits for it. `Ok(None)` means it lost the port to someone
 /// else and has been cleaned up.
-async fn launch(
-    dir: &Path,
-    mariadbd: &Path,
-    port: u16,
-    opts: &MariaDbOptions,
-) -> Result<Option<MariaDb>> {
+async fn launch(dir: &Path, mariadbd: &Path, port: u16, opts: &MariaDbOptions) -> Result<Option<MariaDb>> {
     let started = Instant::now();
     let log = dir.join("error.log");
     let log_start = std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
@@ -252,18 +229,8 @@ async fn launch(
     let death_pipe = child.stdin.take();
     let mut out = BufReader::new(child.stdout.take().context("wrapper stdout")?).lines();
     let pid_line = out.next_line().await.context("reading mariadbd's pid")?;
-    let pid = pid_line
-        .as_deref()
-        .unwrap_or("")
-        .parse()
-        .context("the wrapper printed no pid")?;
-    let mut db = MariaDb {
-        pid,
-        port,
-        dir: dir.to_owned(),
-        child,
-        death_pipe,
-    };
+    let pid = pid_line.and_then(|l| l.parse().ok()).context("the wrapper printed no pid")?;
+    let mut db = MariaDb { pid, port, dir: dir.to_owned(), child, death_pipe };
 
     let outcome = tokio::time::timeout(STARTUP_TIMEOUT, async {
         tokio::select! {
@@ -285,10 +252,7 @@ async fn launch(
         Ok(Err(e)) => format!("{e:#}"),
         Err(_) => format!("mariadbd did not accept connections within {STARTUP_TIMEOUT:?}"),
     };
-    bail!(
-        "starting mariadbd in {}: {why}\n--- tail of error.log ---\n{tail}",
-        dir.display()
-    )
+    bail!("starting mariadbd in {}: {why}\n--- tail of error.log ---\n{tail}", dir.display())
 }
 
 fn server_args(dir: &Path, port: u16, opts: &MariaDbOptions) -> Vec<OsString> {
@@ -299,6 +263,7 @@ fn server_args(dir: &Path, port: u16, opts: &MariaDbOptions) -> Vec<OsString> {
         flag("--socket=", &dir.join("mysqld.sock")),
         flag("--pid-file=", &dir.join("mysqld.pid")),
         flag("--log-error=", &dir.join("error.log")),
+        tmpdir_flag(dir),
         format!("--port={port}").into(),
         "--bind-address=127.0.0.1".into(),
         "--skip-name-resolve".into(),
@@ -323,39 +288,26 @@ async fn init_datadir(dir: &Path) -> Result<()> {
     }
     let tmp = dir.join("data.tmp");
     if tmp.exists() {
-        tokio::fs::remove_dir_all(&tmp)
-            .await
-            .with_context(|| format!("removing stale {}", tmp.display()))?;
+        tokio::fs::remove_dir_all(&tmp).await.with_context(|| format!("removing stale {}", tmp.display()))?;
     }
     let install = find_program(&["mariadb-install-db", "mysql_install_db"])
         .context("mariadb-install-db not found; install mariadb-server")?;
     let out = Command::new(&install)
         .arg("--no-defaults")
         .arg(flag("--datadir=", &tmp))
+        .arg(tmpdir_flag(dir))
         .args(run_as_root_flag())
         // `normal`: root@localhost/127.0.0.1/::1 without a password, as tests and dev expect.
         // `--force` skips its DNS lookup of the hostname, which can hang without DNS.
-        .args([
-            "--auth-root-authentication-method=normal",
-            "--skip-test-db",
-            "--force",
-        ])
+        .args(["--auth-root-authentication-method=normal", "--skip-test-db", "--force"])
         // Passed through to the bootstrap server, so the first start need not resize the log.
         .arg("--innodb-log-file-size=64M")
         .stdin(Stdio::null())
         .output()
         .await
         .with_context(|| format!("running {}", install.display()))?;
-    ensure!(
-        out.status.success(),
-        "{} failed ({}):\n{}",
-        install.display(),
-        out.status,
-        output_text(&out)
-    );
-    tokio::fs::rename(&tmp, &data)
-        .await
-        .with_context(|| format!("renaming {} to data", tmp.display()))?;
+    ensure!(out.status.success(), "{} failed ({}):\n{}", install.display(), out.status, output_text(&out));
+    tokio::fs::rename(&tmp, &data).await.with_context(|| format!("renaming {} to data", tmp.display()))?;
     Ok(())
 }
 
@@ -370,10 +322,7 @@ pub fn ensure_installed() -> Result<PathBuf> {
     for args in [&["update"][..], &["install", "-y", "mariadb-server"]] {
         eprintln!("+ apt-get {}", args.join(" "));
         // apt's chatter goes to our stderr so stdout stays clean for callers.
-        let to_stderr = std::io::stderr()
-            .as_fd()
-            .try_clone_to_owned()
-            .context("duplicating stderr")?;
+        let to_stderr = std::io::stderr().as_fd().try_clone_to_owned().context("duplicating stderr")?;
         let status = std::process::Command::new("apt-get")
             .args(args)
             .env("DEBIAN_FRONTEND", "noninteractive")
@@ -401,9 +350,7 @@ fn find_program(names: &[&str]) -> Option<PathBuf> {
     names
         .iter()
         .flat_map(|name| dirs.iter().map(move |d| d.join(name)))
-        .find(|p| {
-            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        })
+        .find(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
 }
 
 /// `--user=root` when we are root (mariadbd refuses to run as root without it); nothing
@@ -425,9 +372,14 @@ fn is_access_denied(e: &dyn sqlx::error::DatabaseError) -> bool {
 }
 
 async fn create_dir(dir: &Path) -> Result<()> {
-    tokio::fs::create_dir_all(dir)
-        .await
-        .with_context(|| format!("creating {}", dir.display()))
+    tokio::fs::create_dir_all(dir).await.with_context(|| format!("creating {}", dir.display()))
+}
+
+/// A private tmpdir: every mariadbd deletes all `#sql*` files in its tmpdir when it starts, so
+/// with a shared /tmp, starting one instance breaks the temporary tables of those already
+/// running (mariadb-install-db runs in parallel failed ~8% of the time that way).
+fn tmpdir_flag(dir: &Path) -> OsString {
+    flag("--tmpdir=", &dir.join("tmp"))
 }
 
 fn flag(name: &str, path: &Path) -> OsString {
@@ -439,17 +391,15 @@ fn flag(name: &str, path: &Path) -> OsString {
 /// The last 30 lines written to `log` since byte `from`.
 fn log_tail(log: &Path, from: u64) -> String {
     let bytes = std::fs::read(log).unwrap_or_default();
-    let text = String::from_utf8_lossy(bytes.get(from as usize..).unwrap_or_default());
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(30)..].join("\n")
+    last_lines(&String::from_utf8_lossy(bytes.get(from as usize..).unwrap_or_default()))
 }
 
 fn output_text(out: &std::process::Output) -> String {
-    let all = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lines: Vec<&str> = all.lines().collect();
+    let [stdout, stderr] = [&out.stdout, &out.stderr].map(|b| String::from_utf8_lossy(b));
+    last_lines(&format!("{stdout}{stderr}"))
+}
+
+fn last_lines(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(30)..].join("\n")
 }
