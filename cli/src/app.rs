@@ -18,6 +18,8 @@ pub struct Roles {
     pub reader: bool,
     /// One consumer group each.
     pub indexes: Vec<IndexSpec>,
+    /// The continuous cleaner (drift repair and backfills).
+    pub cleaner: bool,
 }
 
 /// Services started in this process.
@@ -58,6 +60,16 @@ pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running>
                 }
             });
         }
+    }
+    if roles.cleaner {
+        let c = indexer::Cleaner::new(
+            settings.clone(),
+            shards.clone(),
+            indexer::CleanerMetrics::register(&registry)?,
+        );
+        let stop = pipeline.clone();
+        let backfills = tracker.clone();
+        tracker.spawn(async move { c.run(&backfills, stop).await });
     }
     let router = router
         .merge(web::ops_router(registry))

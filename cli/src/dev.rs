@@ -88,7 +88,7 @@ async fn serve(settings: &schemas::Settings, args: &DevArgs, create_topics: bool
     let shards = store::Shards::connect_lazy(&settings.mysql)?;
     migrate::migrate(settings, &shards, create_topics).await?;
     shards.close().await;
-    let roles = Roles { writer: true, reader: true, indexes: settings.indexes.clone() };
+    let roles = Roles { writer: true, reader: true, indexes: settings.indexes.clone(), cleaner: true };
     let running = app::start(settings, roles).await?;
     let (listener, url) = app::bind(&args.http).await?;
     let dsns: Vec<String> = settings.mysql.shards.iter().map(Dsn::redacted).collect();

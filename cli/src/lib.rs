@@ -6,6 +6,7 @@
 //! depend on each other.
 //!
 //! Layout:
+//! - [`admin`]: one-shot operator commands (backfill one index, drop one).
 //! - [`app`]: assembling services (pools, metrics, routers, tasks) and
 //!   running them until a signal, shared by `dev` and the single services.
 //! - [`migrate`]: creating databases, tables, index metadata and topics.
@@ -13,6 +14,7 @@
 //! - [`local`]: the private `mariadbd` launcher (also used by the tests).
 //! - [`logging`]: tracing setup.
 
+pub mod admin;
 pub mod app;
 pub mod dev;
 pub mod local;

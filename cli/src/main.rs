@@ -1,7 +1,7 @@
 //! `bagstore`: see `bagstore --help` and the README.
 
 use anyhow::Context;
-use bagstore::{app, dev, logging, migrate};
+use bagstore::{admin, app, dev, logging, migrate};
 use clap::{Parser, Subcommand};
 use schemas::Settings;
 use std::path::PathBuf;
@@ -34,6 +34,35 @@ enum Command {
     },
     /// The read and query API.
     Reader(ServiceArgs),
+    /// Drift repair and backfills; with --index, backfill that index and exit when it is ACTIVE.
+    Cleaner {
+        #[command(flatten)]
+        service: ServiceArgs,
+        /// Backfill only this index, showing progress, and exit when it is ACTIVE.
+        #[arg(long)]
+        index: Option<String>,
+        /// Backfill speed limit, rows per second (0: unlimited; default from the config).
+        #[arg(long)]
+        rate: Option<u64>,
+        /// Shards a backfill scans at once (default from the config).
+        #[arg(long)]
+        concurrency: Option<usize>,
+    },
+    /// Index administration.
+    Index {
+        #[command(subcommand)]
+        command: IndexCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum IndexCommand {
+    /// Stop maintaining an index and drop its tables on every shard.
+    Drop {
+        table: String,
+        #[arg(long)]
+        config: PathBuf,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -83,6 +112,33 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Reader(a) => {
             let s = load(a.config.as_ref())?;
             app::serve(s, app::Roles { reader: true, ..Default::default() }, "reader", a.http).await
+        }
+        Command::Cleaner { service, index, rate, concurrency } => {
+            let mut s = load(service.config.as_ref())?;
+            if let Some(r) = rate {
+                s.cleaner.backfill_rate = r;
+            }
+            if let Some(c) = concurrency {
+                anyhow::ensure!(c > 0, "--concurrency must be at least 1");
+                s.cleaner.backfill_concurrency = c;
+            }
+            match index {
+                Some(table) => {
+                    anyhow::ensure!(
+                        !s.mysql.shards.is_empty(),
+                        "mysql.shards is empty: list one DSN per shard"
+                    );
+                    admin::backfill(s, &table).await
+                }
+                None => {
+                    app::serve(s, app::Roles { cleaner: true, ..Default::default() }, "cleaner", service.http)
+                        .await
+                }
+            }
+        }
+        Command::Index { command: IndexCommand::Drop { table, config } } => {
+            let s = load(Some(&config))?;
+            admin::drop_index(s, &table).await
         }
         Command::Indexer { service, indexes } => {
             let s = load(service.config.as_ref())?;

@@ -33,6 +33,12 @@ pub struct IndexConsumer {
     metrics: Metrics,
 }
 
+#[derive(Debug)]
+struct DropCheck {
+    checked: Option<Instant>,
+    dropped: bool,
+}
+
 /// A message that cannot be applied, and why.
 #[derive(Debug)]
 struct Poison {
@@ -60,6 +66,7 @@ impl IndexConsumer {
         tracing::info!(index = %table, group = %self.group(), "index consumer started");
         let batch_max = self.settings.indexer.batch_max;
         let batch_wait = Duration::from_millis(self.settings.indexer.batch_wait_ms);
+        let mut dropped = DropCheck { checked: None, dropped: false };
         loop {
             let first = tokio::select! {
                 m = consumer.recv() => m,
@@ -87,7 +94,10 @@ impl IndexConsumer {
                     Err(_) => break,
                 }
             }
-            if !self.process(&batch, &dlq, &shutdown).await {
+            if self.is_dropped(&mut dropped).await {
+                // `bagstore index drop` ran: consume and forget, nothing to maintain.
+                tracing::debug!(index = %table, events = batch.len(), "index dropped; skipping events");
+            } else if !self.process(&batch, &dlq, &shutdown).await {
                 // Stopped while retrying: these offsets were not earned.
                 break;
             }
@@ -114,6 +124,20 @@ impl IndexConsumer {
         self.metrics.assigned_partitions.with_label_values(&[&table]).set(0);
         tracing::info!(index = %table, "index consumer stopped");
         Ok(())
+    }
+
+    /// Whether the index was dropped (checked at most once a second; an
+    /// unreadable state counts as "not dropped", so events are kept).
+    async fn is_dropped(&self, check: &mut DropCheck) -> bool {
+        if check.checked.is_none_or(|t| t.elapsed() > Duration::from_secs(1)) {
+            check.checked = Some(Instant::now());
+            if let Ok(metas) = schemas::store::list_index_meta(self.shards.pool(0)).await {
+                check.dropped = metas.iter().any(|m| {
+                    m.spec.table == self.spec.table && m.state == schemas::store::IndexState::Dropping
+                });
+            }
+        }
+        check.dropped
     }
 
     fn report_assignment(&self, consumer: &StreamConsumer) {

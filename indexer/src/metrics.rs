@@ -69,3 +69,76 @@ impl Metrics {
         Ok(m)
     }
 }
+
+/// Cleaner series, `bagstore_cleaner_…` (and `bagstore_index_state`).
+#[derive(Debug, Clone)]
+pub struct CleanerMetrics {
+    /// Drift found, by index and kind (`missing`, `dangling`).
+    pub drift_found: IntCounterVec,
+    /// Drift repaired, by index and kind.
+    pub drift_fixed: IntCounterVec,
+    /// Entities (and index entity ids) examined, per index.
+    pub rows_scanned: IntCounterVec,
+    /// Completed full sweeps (every shard's entities and index tables).
+    pub sweeps: prometheus::IntCounter,
+    /// Duration of the last completed sweep.
+    pub sweep_seconds: prometheus::Gauge,
+    pub backfill_progress: GaugeVec,
+    pub backfill_rows: IntCounterVec,
+    /// 0 CREATING, 1 BACKFILLING, 2 ACTIVE, 3 DROPPING.
+    pub index_state: IntGaugeVec,
+}
+
+impl CleanerMetrics {
+    pub fn register(r: &Registry) -> prometheus::Result<CleanerMetrics> {
+        let m = CleanerMetrics {
+            drift_found: IntCounterVec::new(
+                Opts::new("bagstore_cleaner_drift_found_total", "Index rows found missing or dangling"),
+                &["index", "kind"],
+            )?,
+            drift_fixed: IntCounterVec::new(
+                Opts::new(
+                    "bagstore_cleaner_drift_fixed_total",
+                    "Missing rows written and dangling rows deleted",
+                ),
+                &["index", "kind"],
+            )?,
+            rows_scanned: IntCounterVec::new(
+                Opts::new("bagstore_cleaner_rows_scanned_total", "Entities checked against the index"),
+                &["index"],
+            )?,
+            sweeps: prometheus::IntCounter::new("bagstore_cleaner_sweeps_total", "Completed full sweeps")?,
+            sweep_seconds: prometheus::Gauge::new(
+                "bagstore_cleaner_sweep_duration_seconds",
+                "Duration of the last completed full sweep",
+            )?,
+            backfill_progress: GaugeVec::new(
+                Opts::new(
+                    "bagstore_cleaner_backfill_progress_ratio",
+                    "Fraction of entities the backfill has scanned",
+                ),
+                &["index"],
+            )?,
+            backfill_rows: IntCounterVec::new(
+                Opts::new("bagstore_cleaner_backfill_rows_total", "Entities scanned by backfills"),
+                &["index"],
+            )?,
+            index_state: IntGaugeVec::new(
+                Opts::new(
+                    "bagstore_index_state",
+                    "Index lifecycle: 0 CREATING, 1 BACKFILLING, 2 ACTIVE, 3 DROPPING",
+                ),
+                &["index"],
+            )?,
+        };
+        r.register(Box::new(m.drift_found.clone()))?;
+        r.register(Box::new(m.drift_fixed.clone()))?;
+        r.register(Box::new(m.rows_scanned.clone()))?;
+        r.register(Box::new(m.sweeps.clone()))?;
+        r.register(Box::new(m.sweep_seconds.clone()))?;
+        r.register(Box::new(m.backfill_progress.clone()))?;
+        r.register(Box::new(m.backfill_rows.clone()))?;
+        r.register(Box::new(m.index_state.clone()))?;
+        Ok(m)
+    }
+}

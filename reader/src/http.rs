@@ -79,9 +79,15 @@ async fn get_many(State(r): State<Reader>, body: Body) -> Result<Json<JsonValue>
 
 async fn run_query(State(r): State<Reader>, body: Body) -> Result<Json<JsonValue>, Problem> {
     let doc = read_json(body, MAX_REQUEST_BYTES).await?;
-    let q = query::parse(doc, r.settings())?;
-    let plan = query::plan(&q, r.settings())?;
-    let state = r.index_states().await.map_err(|e| Problem::internal(&e))?.get(&plan.spec.table).copied();
+    let q = query::parse(doc, &r.settings().reader)?;
+    let metas = r.index_metas().await.map_err(|e| Problem::internal(&e))?;
+    // Registered, not dropped, in a stable order (the planner breaks ties by it).
+    let mut live: Vec<&schemas::store::IndexMeta> =
+        metas.values().filter(|m| m.state != IndexState::Dropping).collect();
+    live.sort_by(|a, b| a.spec.table.cmp(&b.spec.table));
+    let specs: Vec<schemas::IndexSpec> = live.iter().map(|m| m.spec.clone()).collect();
+    let plan = query::plan(&q, &specs, &r.settings().reader)?;
+    let state = metas.get(&plan.spec.table).map(|m| m.state);
     if state != Some(IndexState::Active) && !q.allow_partial {
         let shown = state.map_or("NOT REGISTERED (run bagstore migrate)", |s| s.as_str());
         return Err(Problem::new(
@@ -113,22 +119,21 @@ async fn run_query(State(r): State<Reader>, body: Body) -> Result<Json<JsonValue
 async fn list_indexes(State(r): State<Reader>) -> Result<Json<JsonValue>, Problem> {
     let metas =
         schemas::store::list_index_meta(r.shards().pool(0)).await.map_err(|e| Problem::internal(&e))?;
-    let indexes: Vec<JsonValue> = r
-        .settings()
-        .indexes
+    let indexes: Vec<JsonValue> = metas
         .iter()
-        .map(|spec| {
-            let meta = metas.iter().find(|m| m.spec.table == spec.table);
+        .map(|m| {
+            let fraction = if m.state == IndexState::Active || m.rows_total == 0 {
+                1.0
+            } else {
+                (m.rows_done as f64 / m.rows_total as f64).min(1.0)
+            };
             json!({
-                "table": spec.table,
-                "properties": spec.properties,
-                "shard_on": spec.shard_on(),
-                "match_on": spec.match_on,
-                "state": meta.map_or("NOT REGISTERED", |m| m.state.as_str()),
-                "backfill": {
-                    "rows_done": meta.map_or(0, |m| m.rows_done),
-                    "rows_total": meta.map_or(0, |m| m.rows_total),
-                },
+                "table": m.spec.table,
+                "properties": m.spec.properties,
+                "shard_on": m.spec.shard_on(),
+                "match_on": m.spec.match_on,
+                "state": m.state.as_str(),
+                "backfill": {"fraction": fraction, "rows_done": m.rows_done, "rows_total": m.rows_total},
             })
         })
         .collect();

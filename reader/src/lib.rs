@@ -21,7 +21,7 @@ pub mod metrics;
 pub mod query;
 
 use prometheus::Registry;
-use schemas::store::{self, IndexState, Shards};
+use schemas::store::{self, IndexMeta, Shards};
 use schemas::Settings;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -40,8 +40,10 @@ struct Inner {
     settings: Settings,
     shards: Shards,
     metrics: metrics::Metrics,
-    /// Index states from `bagstore_indexes`, refreshed at most every STATE_TTL.
-    states: Mutex<Option<(Instant, HashMap<String, IndexState>)>>,
+    /// Index definitions and states from `bagstore_indexes` (the source of
+    /// truth, so a new index needs no reader restart), refreshed at most
+    /// every STATE_TTL.
+    states: Mutex<Option<(Instant, HashMap<String, IndexMeta>)>>,
 }
 
 impl Reader {
@@ -58,16 +60,16 @@ impl Reader {
         &self.inner.shards
     }
 
-    /// The state of every registered index (cached briefly).
-    pub async fn index_states(&self) -> Result<HashMap<String, IndexState>, store::StoreError> {
+    /// Every registered index with its state (cached briefly).
+    pub async fn index_metas(&self) -> Result<HashMap<String, IndexMeta>, store::StoreError> {
         if let Some((at, states)) = self.inner.states.lock().expect("not poisoned").as_ref() {
             if at.elapsed() < STATE_TTL {
                 return Ok(states.clone());
             }
         }
         let metas = store::list_index_meta(self.shards().pool(0)).await?;
-        let states: HashMap<String, IndexState> =
-            metas.into_iter().map(|m| (m.spec.table, m.state)).collect();
+        let states: HashMap<String, IndexMeta> =
+            metas.into_iter().map(|m| (m.spec.table.clone(), m)).collect();
         *self.inner.states.lock().expect("not poisoned") = Some((Instant::now(), states.clone()));
         Ok(states)
     }

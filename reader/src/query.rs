@@ -8,8 +8,9 @@
 
 use schemas::filter::Condition;
 use schemas::index::{IndexKey, IndexSpec, PropType};
+use schemas::settings::ReaderSettings;
 use schemas::web::Problem;
-use schemas::{Settings, Value};
+use schemas::Value;
 use serde_json::Value as Json;
 use std::collections::BTreeMap;
 
@@ -32,7 +33,7 @@ fn bad(detail: impl Into<String>) -> Problem {
     Problem::bad_request("bad-query", detail)
 }
 
-pub fn parse(doc: Json, settings: &Settings) -> Result<Query, Problem> {
+pub fn parse(doc: Json, settings: &ReaderSettings) -> Result<Query, Problem> {
     let Json::Object(mut top) = doc else { return Err(bad("the query must be a JSON object")) };
     let index = match top.remove("index") {
         None | Some(Json::Null) => None,
@@ -40,15 +41,10 @@ pub fn parse(doc: Json, settings: &Settings) -> Result<Query, Problem> {
         Some(_) => return Err(bad("\"index\" must be a string")),
     };
     let limit = match top.remove("limit") {
-        None | Some(Json::Null) => settings.reader.default_limit,
+        None | Some(Json::Null) => settings.default_limit,
         Some(v) => match v.as_u64() {
-            Some(n) if n >= 1 && n as usize <= settings.reader.max_limit => n as usize,
-            _ => {
-                return Err(bad(format!(
-                    "\"limit\" must be an integer from 1 to {}",
-                    settings.reader.max_limit
-                )))
-            }
+            Some(n) if n >= 1 && n as usize <= settings.max_limit => n as usize,
+            _ => return Err(bad(format!("\"limit\" must be an integer from 1 to {}", settings.max_limit))),
         },
     };
     let allow_partial = match top.remove("allow_partial") {
@@ -63,7 +59,7 @@ pub fn parse(doc: Json, settings: &Settings) -> Result<Query, Problem> {
     let conditions = match top.remove("where") {
         Some(Json::Object(w)) => w
             .into_iter()
-            .map(|(name, v)| Ok((name.clone(), condition(&name, v, settings.reader.max_in)?)))
+            .map(|(name, v)| Ok((name.clone(), condition(&name, v, settings.max_in)?)))
             .collect::<Result<BTreeMap<_, _>, Problem>>()?,
         None => return Err(bad("\"where\" is required: an object of conditions")),
         Some(_) => return Err(bad("\"where\" must be an object of conditions")),
@@ -113,12 +109,13 @@ fn type_name(p: &schemas::index::IndexProperty) -> String {
     }
 }
 
-/// Picks the index and expands the conditions on its properties into keys.
-pub fn plan(q: &Query, settings: &Settings) -> Result<Plan, Problem> {
+/// Picks the index among `indexes` (in registration order) and expands the
+/// conditions on its properties into keys.
+pub fn plan(q: &Query, indexes: &[IndexSpec], settings: &ReaderSettings) -> Result<Plan, Problem> {
     let usable = |s: &IndexSpec| s.properties.iter().all(|p| q.conditions.contains_key(&p.name));
     let spec = match &q.index {
         Some(name) => {
-            let spec = settings.index(name).ok_or_else(|| {
+            let spec = indexes.iter().find(|s| &s.table == name).ok_or_else(|| {
                 Problem::bad_request("unknown-index", format!("there is no index named {name:?}"))
             })?;
             if !usable(spec) {
@@ -127,12 +124,11 @@ pub fn plan(q: &Query, settings: &Settings) -> Result<Plan, Problem> {
             }
             spec
         }
-        None => settings
-            .indexes
+        None => indexes
             .iter()
             .filter(|s| usable(s))
             // Most specific first: the index fixing the most properties.
-            .max_by_key(|s| (s.properties.len(), std::cmp::Reverse(settings.indexes.iter().position(|o| o == *s))))
+            .max_by_key(|s| (s.properties.len(), std::cmp::Reverse(indexes.iter().position(|o| o == *s))))
             .ok_or_else(|| {
                 let names: Vec<&String> = q.conditions.keys().collect();
                 Problem::bad_request(
@@ -169,11 +165,11 @@ pub fn plan(q: &Query, settings: &Settings) -> Result<Plan, Problem> {
                 next.push(nk);
             }
         }
-        if next.len() > settings.reader.max_in {
+        if next.len() > settings.max_in {
             return Err(bad(format!(
                 "the in lists expand to {} index keys, over the limit of {}",
                 next.len(),
-                settings.reader.max_in
+                settings.max_in
             )));
         }
         keys = next;
@@ -187,8 +183,8 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn settings() -> Settings {
-        Settings::from_toml_and_env(
+    fn settings() -> schemas::Settings {
+        schemas::Settings::from_toml_and_env(
             r#"
             [[indexes]]
             table = "index_user_id"
@@ -207,7 +203,7 @@ mod tests {
 
     fn plan_of(q: Json) -> Result<Plan, Problem> {
         let s = settings();
-        plan(&parse(q, &s)?, &s)
+        plan(&parse(q, &s.reader)?, &s.indexes, &s.reader)
     }
 
     #[test]

@@ -42,6 +42,8 @@ pub struct Settings {
     #[serde(default)]
     pub reader: ReaderSettings,
     #[serde(default)]
+    pub cleaner: CleanerSettings,
+    #[serde(default)]
     pub indexes: Vec<IndexSpec>,
 }
 
@@ -228,6 +230,37 @@ impl Default for ReaderSettings {
     }
 }
 
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CleanerSettings {
+    /// Pause between sweep cycles (0: sweep as fast as possible).
+    pub interval_ms: u64,
+    /// Every cycle re-checks the entities updated this recently, so fresh
+    /// drift is repaired within one cycle.
+    pub recent_window_secs: u64,
+    /// Entities (or index entity ids) per shard per step.
+    pub batch: usize,
+    /// Backfill speed limit in rows per second (0: unlimited).
+    pub backfill_rate: u64,
+    /// Shards a backfill scans at the same time.
+    pub backfill_concurrency: usize,
+    /// Entities per backfill batch.
+    pub backfill_batch: usize,
+}
+
+impl Default for CleanerSettings {
+    fn default() -> Self {
+        CleanerSettings {
+            interval_ms: 1000,
+            recent_window_secs: 60,
+            batch: 500,
+            backfill_rate: 0,
+            backfill_concurrency: 2,
+            backfill_batch: 1000,
+        }
+    }
+}
+
 impl Settings {
     /// Reads `path` (if any), applies the process environment, validates.
     pub fn load(path: Option<&Path>) -> Result<Settings, SettingsError> {
@@ -288,6 +321,14 @@ impl Settings {
         }
         if self.writer.max_body_bytes == 0 || self.writer.max_batch == 0 || self.writer.relay_batch == 0 {
             return Err(SettingsError::Invalid("writer limits must be positive".into()));
+        }
+        if self.cleaner.batch == 0
+            || self.cleaner.backfill_batch == 0
+            || self.cleaner.backfill_concurrency == 0
+        {
+            return Err(SettingsError::Invalid(
+                "cleaner batch sizes and concurrency must be positive".into(),
+            ));
         }
         if self.indexer.batch_max == 0 || self.reader.max_limit == 0 || self.reader.max_in == 0 {
             return Err(SettingsError::Invalid("indexer and reader limits must be positive".into()));

@@ -312,6 +312,113 @@ pub async fn get_entities(shard: usize, pool: &MySqlPool, ids: &[EntityId]) -> R
     rows.iter().map(|r| stored_entity(shard, r)).collect()
 }
 
+// ---------------------------------------------------------------- sweeps
+
+/// An entity as the cleaner sees it: live or tombstone (`body` None).
+#[derive(Debug, Clone)]
+pub struct ScannedEntity {
+    pub added_id: u64,
+    pub id: EntityId,
+    pub version: u64,
+    pub updated_us: i64,
+    pub body: Option<Vec<u8>>,
+}
+
+const SCAN_COLUMNS: &str = "added_id, id, version, \
+     TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated) AS updated_us, body";
+
+fn scanned(shard: usize, r: &sqlx::mysql::MySqlRow) -> Result<ScannedEntity> {
+    let id: Vec<u8> = r.try_get("id").on(shard)?;
+    Ok(ScannedEntity {
+        added_id: r.try_get("added_id").on(shard)?,
+        id: EntityId::from_slice(&id).unwrap_or(EntityId([0; 16])),
+        version: r.try_get("version").on(shard)?,
+        updated_us: r.try_get("updated_us").on(shard)?,
+        body: r.try_get("body").on(shard)?,
+    })
+}
+
+/// Entities (tombstones included) in `(updated, added_id)` descending order,
+/// strictly before `before`, updated at or after `since_us`.
+pub async fn scan_entities_by_updated(
+    shard: usize,
+    pool: &MySqlPool,
+    since_us: i64,
+    before: Option<(i64, u64)>,
+    limit: usize,
+) -> Result<Vec<ScannedEntity>> {
+    let (b_us, b_added) = before.unwrap_or((i64::MAX / 2, u64::MAX));
+    let sql = format!(
+        "SELECT {SCAN_COLUMNS} FROM entities \
+         WHERE updated >= TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00') \
+           AND (updated < TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00') \
+                OR (updated = TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00') AND added_id < ?)) \
+         ORDER BY updated DESC, added_id DESC LIMIT ?"
+    );
+    let b_us = b_us.min(253_402_300_799_000_000); // TIMESTAMPADD's ceiling: year 9999
+    let rows = sqlx::query(&sql)
+        .bind(since_us.max(0))
+        .bind(b_us)
+        .bind(b_us)
+        .bind(b_added)
+        .bind(limit as u64)
+        .fetch_all(pool)
+        .await
+        .on(shard)?;
+    rows.iter().map(|r| scanned(shard, r)).collect()
+}
+
+/// Entities (tombstones included) in `added_id` descending order (newest
+/// insert first), strictly below `below`. Order is stable under updates, so
+/// a backfill visits every entity that existed when it started exactly once.
+pub async fn scan_entities_by_added_id(
+    shard: usize,
+    pool: &MySqlPool,
+    below: Option<u64>,
+    limit: usize,
+) -> Result<Vec<ScannedEntity>> {
+    let sql =
+        format!("SELECT {SCAN_COLUMNS} FROM entities WHERE added_id < ? ORDER BY added_id DESC LIMIT ?");
+    let rows = sqlx::query(&sql)
+        .bind(below.unwrap_or(u64::MAX))
+        .bind(limit as u64)
+        .fetch_all(pool)
+        .await
+        .on(shard)?;
+    rows.iter().map(|r| scanned(shard, r)).collect()
+}
+
+/// Entities among `ids` (all on this shard), tombstones included.
+pub async fn read_entities_any(
+    shard: usize,
+    pool: &MySqlPool,
+    ids: &[EntityId],
+) -> Result<Vec<ScannedEntity>> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let marks = vec!["?"; ids.len()].join(",");
+    let sql = format!("SELECT {SCAN_COLUMNS} FROM entities WHERE id IN ({marks})");
+    let mut q = sqlx::query(&sql);
+    for id in ids {
+        q = q.bind(&id.0[..]);
+    }
+    let rows = q.fetch_all(pool).await.on(shard)?;
+    rows.iter().map(|r| scanned(shard, r)).collect()
+}
+
+/// The highest `added_id` on the shard and how many rows are at or below it:
+/// a backfill's fixed upper bound (later inserts reach the index through
+/// the indexer) and its total.
+pub async fn entity_bounds(shard: usize, pool: &MySqlPool) -> Result<(u64, u64)> {
+    let row =
+        sqlx::query("SELECT CAST(COALESCE(MAX(added_id), 0) AS UNSIGNED) AS hi, COUNT(*) AS n FROM entities")
+            .fetch_one(pool)
+            .await
+            .on(shard)?;
+    Ok((row.try_get::<u64, _>("hi").on(shard)?, row.try_get::<i64, _>("n").on(shard)? as u64))
+}
+
 // ---------------------------------------------------------------- outbox
 
 pub async fn insert_outbox(
@@ -470,6 +577,146 @@ pub async fn delete_index_row_before(
     Ok(())
 }
 
+/// Writes many rows in one statement (see [`upsert_index_row`]).
+pub async fn upsert_index_rows(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    spec: &IndexSpec,
+    rows: &[(IndexKey, EntityId, u64)],
+) -> Result<()> {
+    let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
+    let tuple = format!("({}, ?, ?)", vec!["?"; cols.len()].join(", "));
+    for chunk in rows.chunks(500) {
+        let sql = format!(
+            "INSERT INTO `{}` ({}, entity_id, version) VALUES {} \
+             ON DUPLICATE KEY UPDATE version = GREATEST(version, VALUES(version))",
+            spec.table,
+            cols.join(", "),
+            vec![tuple.as_str(); chunk.len()].join(", ")
+        );
+        let mut q = sqlx::query(&sql);
+        for (key, entity, version) in chunk {
+            q = bind_key(q, key).bind(&entity.0[..]).bind(*version);
+        }
+        q.execute(&mut *conn).await.on(shard)?;
+    }
+    Ok(())
+}
+
+/// Deletes a row unless something newer than `version` rewrote it: the
+/// cleaner's guard against undoing a concurrent indexer write.
+pub async fn delete_index_row_upto(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    spec: &IndexSpec,
+    key: &IndexKey,
+    entity: &EntityId,
+    version: u64,
+) -> Result<u64> {
+    let sql =
+        format!("DELETE FROM `{}` WHERE {} AND entity_id = ? AND version <= ?", spec.table, key_equals(spec));
+    let done =
+        bind_key(sqlx::query(&sql), key).bind(&entity.0[..]).bind(version).execute(conn).await.on(shard)?;
+    Ok(done.rows_affected())
+}
+
+/// Decodes one index row's key columns.
+fn row_key(shard: usize, spec: &IndexSpec, r: &sqlx::mysql::MySqlRow) -> Result<Option<IndexKey>> {
+    use crate::index::PropType;
+    let mut key = Vec::with_capacity(spec.properties.len());
+    for p in &spec.properties {
+        let name = p.name.as_str();
+        let v = match p.ty {
+            PropType::Uuid => {
+                let b: Vec<u8> = r.try_get(name).on(shard)?;
+                match <[u8; 16]>::try_from(b.as_slice()) {
+                    Ok(a) => KeyValue::Uuid(a),
+                    Err(_) => return Ok(None),
+                }
+            }
+            PropType::String => {
+                let b: Vec<u8> = r.try_get(name).on(shard)?;
+                match String::from_utf8(b) {
+                    Ok(s) => KeyValue::Str(s),
+                    Err(_) => return Ok(None),
+                }
+            }
+            PropType::Int => KeyValue::Int(r.try_get(name).on(shard)?),
+            PropType::Float => KeyValue::Float(r.try_get(name).on(shard)?),
+            PropType::Bool => KeyValue::Bool(r.try_get(name).on(shard)?),
+        };
+        key.push(v);
+    }
+    Ok(Some(key))
+}
+
+/// One index row as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IndexRow {
+    pub key: IndexKey,
+    pub entity: EntityId,
+    pub version: u64,
+}
+
+/// Every row of the listed entities in this shard's copy of the index.
+/// Rows whose bytes cannot be decoded (hand-made garbage) are skipped.
+pub async fn index_rows_of(
+    shard: usize,
+    pool: &MySqlPool,
+    spec: &IndexSpec,
+    ids: &[EntityId],
+) -> Result<Vec<IndexRow>> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
+    let marks = vec!["?"; ids.len()].join(",");
+    let sql = format!(
+        "SELECT {}, entity_id, version FROM `{}` WHERE entity_id IN ({marks})",
+        cols.join(", "),
+        spec.table
+    );
+    let mut q = sqlx::query(&sql);
+    for id in ids {
+        q = q.bind(&id.0[..]);
+    }
+    let rows = q.fetch_all(pool).await.on(shard)?;
+    let mut out = Vec::with_capacity(rows.len());
+    for r in &rows {
+        let Some(key) = row_key(shard, spec, r)? else { continue };
+        let id: Vec<u8> = r.try_get("entity_id").on(shard)?;
+        out.push(IndexRow {
+            key,
+            entity: EntityId::from_slice(&id).unwrap_or(EntityId([0; 16])),
+            version: r.try_get("version").on(shard)?,
+        });
+    }
+    Ok(out)
+}
+
+/// Distinct entity ids in an index table after `after`, in id order: the
+/// index-side sweep walks these to find rows of entities that are gone.
+pub async fn index_entity_ids(
+    shard: usize,
+    pool: &MySqlPool,
+    spec: &IndexSpec,
+    after: Option<&EntityId>,
+    limit: usize,
+) -> Result<Vec<EntityId>> {
+    let sql = format!(
+        "SELECT DISTINCT entity_id FROM `{}` WHERE entity_id > ? ORDER BY entity_id LIMIT ?",
+        spec.table
+    );
+    let start = after.map(|a| a.0.to_vec()).unwrap_or_default();
+    let rows = sqlx::query(&sql).bind(start).bind(limit as u64).fetch_all(pool).await.on(shard)?;
+    rows.iter()
+        .map(|r| {
+            let id: Vec<u8> = r.try_get("entity_id").on(shard)?;
+            Ok(EntityId::from_slice(&id).unwrap_or(EntityId([0; 16])))
+        })
+        .collect()
+}
+
 /// Entity ids under one exact key, in id order, after `after` (keyset paging).
 pub async fn lookup_index(
     shard: usize,
@@ -568,6 +815,11 @@ pub async fn register_index(pool: &MySqlPool, spec: &IndexSpec, initial: IndexSt
         .on(0)?;
     let existing = list_index_meta(pool).await?;
     let meta = existing.into_iter().find(|m| m.spec.table == spec.table).expect("row just ensured");
+    if meta.state == IndexState::Dropping {
+        // A dropped index added again starts over with its new definition.
+        reregister_dropped_index(pool, spec, initial).await?;
+        return Ok(initial);
+    }
     if &meta.spec != spec {
         return Err(StoreError::SpecChanged { table: spec.table.clone() });
     }
@@ -582,6 +834,67 @@ pub async fn set_index_state(pool: &MySqlPool, table: &str, state: IndexState) -
         .await
         .on(0)?;
     Ok(())
+}
+
+/// Backfill progress: an opaque cursor (JSON) and row counts, written in
+/// one statement so the cursor and `rows_done` always agree.
+pub async fn set_backfill_progress(
+    pool: &MySqlPool,
+    table: &str,
+    cursor: Option<&str>,
+    rows_done: u64,
+    rows_total: u64,
+) -> Result<()> {
+    sqlx::query(
+        "UPDATE bagstore_indexes SET backfill_cursor = ?, rows_done = ?, rows_total = ?, changed = NOW(6) \
+         WHERE name = ?",
+    )
+    .bind(cursor)
+    .bind(rows_done)
+    .bind(rows_total)
+    .bind(table)
+    .execute(pool)
+    .await
+    .on(0)?;
+    Ok(())
+}
+
+pub async fn backfill_cursor(pool: &MySqlPool, table: &str) -> Result<Option<String>> {
+    let row = sqlx::query("SELECT backfill_cursor FROM bagstore_indexes WHERE name = ?")
+        .bind(table)
+        .fetch_optional(pool)
+        .await
+        .on(0)?;
+    match row {
+        Some(r) => Ok(r.try_get("backfill_cursor").on(0)?),
+        None => Ok(None),
+    }
+}
+
+/// Replaces a dropped index's metadata with a new definition.
+pub async fn reregister_dropped_index(pool: &MySqlPool, spec: &IndexSpec, initial: IndexState) -> Result<()> {
+    let spec_text = serde_json::to_string(spec).expect("index specs serialize");
+    sqlx::query(
+        "UPDATE bagstore_indexes SET spec = ?, state = ?, backfill_cursor = NULL, rows_done = 0, rows_total = 0, \
+         changed = NOW(6) WHERE name = ? AND state = 'DROPPING'",
+    )
+    .bind(spec_text)
+    .bind(initial.as_str())
+    .bind(&spec.table)
+    .execute(pool)
+    .await
+    .on(0)?;
+    Ok(())
+}
+
+/// Named lock making one process the backfiller of an index; held as long as `conn`.
+pub async fn try_backfill_lock(conn: &mut MySqlConnection, table: &str) -> Result<bool> {
+    let row = sqlx::query("SELECT GET_LOCK(CONCAT('bagstore.backfill.', DATABASE(), '.', ?), 0) AS got")
+        .bind(table)
+        .fetch_one(conn)
+        .await
+        .on(0)?;
+    Ok(row.try_get::<Option<i64>, _>("got").on(0)? == Some(1))
 }
 
 pub async fn delete_index_meta(pool: &MySqlPool, table: &str) -> Result<()> {

@@ -226,10 +226,51 @@ impl TestEnv {
 
     /// Runs `bagstore <args…> --config <this env's config>` and waits for ready.
     pub async fn spawn(&self, args: &[&str]) -> Proc {
+        self.spawn_env(args, &[]).await
+    }
+
+    /// [`TestEnv::spawn`] with extra environment (e.g. `BAGSTORE_CLEANER__INTERVAL_MS`).
+    pub async fn spawn_env(&self, args: &[&str], env: &[(&str, &str)]) -> Proc {
+        Proc::start(&self.args(args), self.dir.path(), env).await.expect("bagstore starts")
+    }
+
+    /// `args` followed by `--config <this env's config>`.
+    pub fn args(&self, args: &[&str]) -> Vec<String> {
         let mut all: Vec<String> = args.iter().map(|s| s.to_string()).collect();
         all.push("--config".into());
         all.push(self.config_path().display().to_string());
-        Proc::start(&all, self.dir.path(), &[]).await.expect("bagstore starts")
+        all
+    }
+
+    /// Kafka settings pointing at this env (for lag checks from the test).
+    pub fn kafka_settings(&self) -> schemas::settings::KafkaSettings {
+        schemas::settings::KafkaSettings {
+            brokers: self.brokers(),
+            topic: self.topic.clone(),
+            ..Default::default()
+        }
+    }
+
+    /// Waits until every outbox is empty and every index group has applied
+    /// everything on the topic.
+    pub async fn until_caught_up(&self, indexes: &[&str]) {
+        let k = self.kafka_settings();
+        eventually("outbox empty and every index caught up", Duration::from_secs(60), || {
+            let k = k.clone();
+            async move {
+                if self.count_rows("outbox").await != 0 {
+                    return None;
+                }
+                for table in indexes {
+                    let lag = schemas::kafka::group_lag(&k, &k.group_for(table)).await.ok()?;
+                    if lag.iter().map(|p| p.lag()).sum::<i64>() != 0 {
+                        return None;
+                    }
+                }
+                Some(())
+            }
+        })
+        .await
     }
 
     /// Migrated, with writer, reader and all indexers in one `bagstore dev`

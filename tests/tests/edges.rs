@@ -159,5 +159,17 @@ async fn dev_started_as_the_readme_says_keeps_its_data_across_a_restart() {
     until_query_is(&api, &json!({"where": {"user_id": user}}), &[id]).await;
     // Writes after the restart flow through the fresh embedded Kafka.
     assert_eq!(api.put(id, &json!({"user_id": user, "title": "again"})).await.0, 200);
+    let shard_dsns: Vec<String> = dev
+        .ready_line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("shards="))
+        .unwrap()
+        .split(',')
+        .map(str::to_string)
+        .collect();
     assert_eq!(dev.terminate().await, Some(0));
+    // Stopping dev stopped the mariadbd servers it started.
+    for dsn in shard_dsns {
+        assert!(sqlx::MySqlPool::connect(&dsn).await.is_err(), "{dsn} still answers after dev stopped");
+    }
 }

@@ -159,16 +159,24 @@ impl MariaDb {
         Ok(ExitStatus::default()) // we killed it on purpose; that is not a crash
     }
 
-    /// Polls a TCP login as root until it succeeds. If the server rejects the login (a data
-    /// dir initialised elsewhere, e.g. with socket auth), fixes the accounts once over the
-    /// unix socket and goes on polling.
+    /// Polls a TCP login as root to this very server until it succeeds. If the server rejects
+    /// it (a data dir initialised elsewhere, e.g. with socket auth), fixes the accounts once
+    /// over the unix socket and goes on polling.
     async fn wait_ready(&self) -> Result<()> {
+        let ours = self.dir.join("mysqld.sock");
         let mut fixed = false;
         loop {
             match MySqlConnection::connect(&self.server_dsn()).await {
-                Ok(conn) => {
+                Ok(mut conn) => {
+                    let socket: sqlx::Result<String> =
+                        sqlx::query_scalar("SELECT @@socket").fetch_one(&mut conn).await;
                     let _ = conn.close().await;
-                    return Ok(());
+                    // Someone else's mariadbd may hold "our" port; ours then exits with a bind
+                    // error, which `launch` sees. Until then, that server does not count.
+                    if socket.is_ok_and(|s| ours.to_str().is_none_or(|o| o == s)) {
+                        return Ok(());
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
                 }
                 Err(sqlx::Error::Database(e)) if is_access_denied(e.as_ref()) => {
                     ensure!(!fixed, "root still cannot log in over TCP after fixing accounts: {e}");

@@ -1,0 +1,228 @@
+//! Online backfill of a new index.
+//!
+//! Walks every shard's entities newest insert first (`added_id`
+//! descending, below the highest id present when the backfill started:
+//! later writes reach the index through its consumer group, which starts
+//! with the index), writes their rows with multi-row upserts, and persists
+//! a cursor after every batch, in one statement with the row count, so a
+//! backfill killed at any point resumes where it stopped and rows counted
+//! as scanned are never scanned again. A named lock keeps one backfiller
+//! per index; a rate limit and a shard concurrency keep live traffic healthy.
+
+use schemas::codec;
+use schemas::store::{self, IndexState, ScannedEntity, StoreError};
+use schemas::{EntityId, IndexKey, IndexSpec};
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{Mutex, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use super::{Cleaner, CleanerError};
+
+/// Persisted in `bagstore_indexes.backfill_cursor` as JSON.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Cursor {
+    /// Per shard: scan entities with `added_id` below this.
+    below: Vec<u64>,
+    done: Vec<bool>,
+}
+
+/// Progress as shown to the operator.
+#[derive(Debug, Clone, Copy)]
+pub struct Progress {
+    pub rows_done: u64,
+    pub rows_total: u64,
+    /// Rows this process scanned.
+    pub scanned_this_run: u64,
+    pub elapsed: Duration,
+}
+
+impl Progress {
+    pub fn ratio(&self) -> f64 {
+        if self.rows_total == 0 {
+            1.0
+        } else {
+            (self.rows_done as f64 / self.rows_total as f64).min(1.0)
+        }
+    }
+
+    pub fn rate(&self) -> f64 {
+        self.scanned_this_run as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
+
+struct Shared {
+    cursor: Cursor,
+    rows_done: u64,
+    scanned_this_run: u64,
+}
+
+impl Cleaner {
+    /// Backfills `spec` to ACTIVE. `report` is called after every batch.
+    pub async fn backfill(
+        &self,
+        spec: &IndexSpec,
+        report: &(dyn Fn(Progress) + Sync),
+        shutdown: &CancellationToken,
+    ) -> Result<Progress, CleanerError> {
+        let table = spec.table.clone();
+        let shards = self.shards();
+        let n = shards.count();
+        let meta = self
+            .index_metas()
+            .await?
+            .into_iter()
+            .find(|m| m.spec.table == table && m.state != IndexState::Dropping)
+            .ok_or_else(|| CleanerError::UnknownIndex(table.clone()))?;
+        let start = Instant::now();
+        if meta.state == IndexState::Active {
+            return Ok(Progress {
+                rows_done: meta.rows_done,
+                rows_total: meta.rows_total,
+                scanned_this_run: 0,
+                elapsed: start.elapsed(),
+            });
+        }
+        // Held for the whole backfill: closing this connection frees it.
+        let mut lock = store::dedicated_connection(shards.dsn(0))
+            .await
+            .map_err(|source| StoreError::Shard { shard: 0, source })?;
+        if !store::try_backfill_lock(&mut lock, &table).await? {
+            return Err(CleanerError::Busy(table));
+        }
+        for shard in 0..n {
+            store::create_index_table(shard, shards.pool(shard), &meta.spec).await?;
+        }
+        if meta.state == IndexState::Creating {
+            store::set_index_state(shards.pool(0), &table, IndexState::Backfilling).await?;
+        }
+        let meta0 = shards.pool(0);
+        let (cursor, rows_done, rows_total) = match store::backfill_cursor(meta0, &table).await? {
+            Some(text) => {
+                let c: Cursor = serde_json::from_str(&text)
+                    .map_err(|source| CleanerError::BadCursor { table: table.clone(), source })?;
+                (c, meta.rows_done, meta.rows_total)
+            }
+            None => {
+                let mut below = Vec::new();
+                let mut total = 0;
+                for shard in 0..n {
+                    let (hi, count) = store::entity_bounds(shard, shards.pool(shard)).await?;
+                    below.push(hi + 1);
+                    total += count;
+                }
+                let c = Cursor { below, done: vec![false; n] };
+                let text = serde_json::to_string(&c).expect("cursor serializes");
+                store::set_backfill_progress(meta0, &table, Some(&text), 0, total).await?;
+                (c, 0, total)
+            }
+        };
+        tracing::info!(index = %table, rows_done, rows_total, "backfill running");
+        let shared = Arc::new(Mutex::new(Shared { cursor, rows_done, scanned_this_run: 0 }));
+        let gate = Semaphore::new(self.settings().cleaner.backfill_concurrency);
+        let progress_now = |s: &Shared| Progress {
+            rows_done: s.rows_done,
+            rows_total,
+            scanned_this_run: s.scanned_this_run,
+            elapsed: start.elapsed(),
+        };
+        let jobs = (0..n).map(|shard| {
+            let shared = shared.clone();
+            let gate = &gate;
+            let spec = &meta.spec;
+            let table = &table;
+            async move {
+                let _permit = gate.acquire().await.expect("semaphore open");
+                loop {
+                    let below = {
+                        let s = shared.lock().await;
+                        if s.cursor.done[shard] {
+                            return Ok(());
+                        }
+                        s.cursor.below[shard]
+                    };
+                    if shutdown.is_cancelled() {
+                        return Err(CleanerError::Interrupted(table.to_string()));
+                    }
+                    let batch = store::scan_entities_by_added_id(
+                        shard,
+                        shards.pool(shard),
+                        Some(below),
+                        self.settings().cleaner.backfill_batch,
+                    )
+                    .await?;
+                    self.write_rows(spec, &batch).await?;
+                    let mut s = shared.lock().await;
+                    match batch.last() {
+                        Some(last) => s.cursor.below[shard] = last.added_id,
+                        None => s.cursor.done[shard] = true,
+                    }
+                    s.rows_done += batch.len() as u64;
+                    s.scanned_this_run += batch.len() as u64;
+                    let text = serde_json::to_string(&s.cursor).expect("cursor serializes");
+                    store::set_backfill_progress(meta0, table, Some(&text), s.rows_done, rows_total).await?;
+                    let p = progress_now(&s);
+                    drop(s);
+                    self.metrics().backfill_rows.with_label_values(&[table]).inc_by(batch.len() as u64);
+                    self.metrics().backfill_progress.with_label_values(&[table]).set(p.ratio());
+                    report(p);
+                    self.throttle(p.scanned_this_run, start).await;
+                }
+            }
+        });
+        for r in futures::future::join_all(jobs).await {
+            r?;
+        }
+        store::set_index_state(meta0, &table, IndexState::Active).await?;
+        self.metrics().index_state.with_label_values(&[&table]).set(super::state_code(IndexState::Active));
+        let s = shared.lock().await;
+        let p = progress_now(&s);
+        self.metrics().backfill_progress.with_label_values(&[&table]).set(1.0);
+        report(p);
+        Ok(p)
+    }
+
+    /// Keeps the whole backfill at or under `backfill_rate` rows/s.
+    async fn throttle(&self, scanned: u64, start: Instant) {
+        let rate = self.settings().cleaner.backfill_rate;
+        if rate == 0 {
+            return;
+        }
+        let due = Duration::from_secs_f64(scanned as f64 / rate as f64);
+        if let Some(wait) = due.checked_sub(start.elapsed()) {
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// Upserts the rows of a batch of entities, grouped by target shard.
+    async fn write_rows(&self, spec: &IndexSpec, batch: &[ScannedEntity]) -> Result<(), StoreError> {
+        let n = self.shards().count();
+        let mut per_shard: Vec<Vec<(IndexKey, EntityId, u64)>> = vec![Vec::new(); n];
+        for e in batch {
+            let Some(body) = e.body.as_deref() else { continue };
+            match codec::decode_body(body) {
+                Ok(bag) => {
+                    for key in spec.keys(&bag) {
+                        per_shard[spec.shard_of_key(&key, n)].push((key, e.id, e.version));
+                    }
+                }
+                Err(err) => tracing::error!(id = %e.id, error = %err, "corrupt entity body; not indexed"),
+            }
+        }
+        let jobs =
+            per_shard.iter().enumerate().filter(|(_, r)| !r.is_empty()).map(|(shard, rows)| async move {
+                let mut conn = self
+                    .shards()
+                    .pool(shard)
+                    .acquire()
+                    .await
+                    .map_err(|source| StoreError::Shard { shard, source })?;
+                store::upsert_index_rows(shard, &mut conn, spec, rows).await
+            });
+        for r in futures::future::join_all(jobs).await {
+            r?;
+        }
+        Ok(())
+    }
+}

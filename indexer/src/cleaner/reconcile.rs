@@ -1,0 +1,113 @@
+//! Per-entity drift repair for one index (see the module docs of
+//! [`crate::cleaner`] for the rules that keep it safe under live traffic).
+
+use schemas::codec;
+use schemas::store::{self, IndexRow, ScannedEntity, StoreError};
+use schemas::{EntityId, IndexKey, IndexSpec};
+use std::collections::HashMap;
+
+use super::{Cleaner, CleanerError};
+
+/// What an entity should have in the index: its version and keys (none for
+/// a tombstone, an absent id, or a body that cannot be decoded).
+fn expected_keys(spec: &IndexSpec, e: Option<&ScannedEntity>) -> (u64, Vec<IndexKey>) {
+    match e {
+        None => (0, Vec::new()),
+        Some(e) => {
+            let keys = match e.body.as_deref().map(codec::decode_body) {
+                Some(Ok(bag)) => spec.keys(&bag),
+                Some(Err(err)) => {
+                    tracing::error!(id = %e.id, error = %err, "corrupt entity body; it gets no index rows");
+                    Vec::new()
+                }
+                None => Vec::new(),
+            };
+            (e.version, keys)
+        }
+    }
+}
+
+/// Repairs the rows of `ids` in `spec`'s index, given what was read of them.
+pub async fn reconcile(
+    cleaner: &Cleaner,
+    spec: &IndexSpec,
+    ids: &[EntityId],
+    found: &[ScannedEntity],
+) -> Result<(), CleanerError> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let shards = cleaner.shards();
+    let n = shards.count();
+    let by_id: HashMap<EntityId, &ScannedEntity> = found.iter().map(|e| (e.id, e)).collect();
+    let expected: HashMap<EntityId, (u64, Vec<IndexKey>)> =
+        ids.iter().map(|id| (*id, expected_keys(spec, by_id.get(id).copied()))).collect();
+
+    // The rows these entities have, on every shard.
+    let unique: Vec<EntityId> = expected.keys().copied().collect();
+    let reads = (0..n).map(|shard| store::index_rows_of(shard, shards.pool(shard), spec, &unique));
+    let mut actual: Vec<(usize, IndexRow)> = Vec::new();
+    for (shard, r) in futures::future::join_all(reads).await.into_iter().enumerate() {
+        actual.extend(r?.into_iter().map(|row| (shard, row)));
+    }
+
+    // Missing: a key the entity produces without its row.
+    let mut missing: Vec<Vec<(IndexKey, EntityId, u64)>> = vec![Vec::new(); n];
+    let mut missing_count = 0u64;
+    for (id, (version, keys)) in &expected {
+        for key in keys {
+            if !actual.iter().any(|(_, r)| r.entity == *id && &r.key == key) {
+                missing[spec.shard_of_key(key, n)].push((key.clone(), *id, *version));
+                missing_count += 1;
+            }
+        }
+    }
+    // Dangling candidates: a row for a key the entity does not produce (or
+    // a row on a shard that key does not route to).
+    let candidates: Vec<(usize, IndexRow)> = actual
+        .into_iter()
+        .filter(|(shard, r)| {
+            let produced = expected.get(&r.entity).is_some_and(|(_, keys)| keys.contains(&r.key));
+            !produced || spec.shard_of_key(&r.key, n) != *shard
+        })
+        .collect();
+
+    let table = spec.table.as_str();
+    let m = cleaner.metrics();
+    if missing_count > 0 {
+        m.drift_found.with_label_values(&[table, "missing"]).inc_by(missing_count);
+        for (shard, rows) in missing.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
+            let mut conn =
+                shards.pool(shard).acquire().await.map_err(|source| StoreError::Shard { shard, source })?;
+            store::upsert_index_rows(shard, &mut conn, spec, rows).await?;
+        }
+        m.drift_fixed.with_label_values(&[table, "missing"]).inc_by(missing_count);
+        tracing::info!(index = table, rows = missing_count, "wrote missing index rows");
+    }
+    if candidates.is_empty() {
+        return Ok(());
+    }
+    m.drift_found.with_label_values(&[table, "dangling"]).inc_by(candidates.len() as u64);
+    // Re-read right before deleting: the entity may have changed since the scan.
+    let reread_ids: Vec<EntityId> = candidates.iter().map(|(_, r)| r.entity).collect();
+    let reread = cleaner.read_any(&reread_ids).await?;
+    let now: HashMap<EntityId, &ScannedEntity> = reread.iter().map(|e| (e.id, e)).collect();
+    let mut fixed = 0u64;
+    for (shard, row) in candidates {
+        let (version, keys) = expected_keys(spec, now.get(&row.entity).copied());
+        if keys.contains(&row.key) && spec.shard_of_key(&row.key, n) == shard {
+            continue; // Valid again: the entity changed under us.
+        }
+        // Only rows no newer than what we judged: a row rewritten by a newer
+        // event (higher version) is the indexer's, and stays.
+        let upto = version.max(row.version);
+        let mut conn =
+            shards.pool(shard).acquire().await.map_err(|source| StoreError::Shard { shard, source })?;
+        fixed += store::delete_index_row_upto(shard, &mut conn, spec, &row.key, &row.entity, upto).await?;
+    }
+    m.drift_fixed.with_label_values(&[table, "dangling"]).inc_by(fixed);
+    if fixed > 0 {
+        tracing::info!(index = table, rows = fixed, "deleted dangling index rows");
+    }
+    Ok(())
+}
