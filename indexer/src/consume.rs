@@ -97,7 +97,7 @@ impl IndexConsumer {
             if self.is_dropped(&mut dropped).await {
                 // `bagstore index drop` ran: consume and forget, nothing to maintain.
                 tracing::debug!(index = %table, events = batch.len(), "index dropped; skipping events");
-            } else if !self.process(&batch, &dlq, &shutdown).await {
+            } else if !self.process(&batch, &dlq, &shutdown, &mut dropped).await {
                 // Stopped while retrying: these offsets were not earned.
                 break;
             }
@@ -152,6 +152,7 @@ impl IndexConsumer {
         batch: &[OwnedMessage],
         dlq: &FutureProducer,
         shutdown: &CancellationToken,
+        dropped: &mut DropCheck,
     ) -> bool {
         let table = &self.spec.table;
         let mut ops: Vec<RowOp> = Vec::new();
@@ -185,6 +186,11 @@ impl IndexConsumer {
                     tracing::warn!(index = %table, error = %e, source = ?std::error::Error::source(&e).map(|s| s.to_string()),
                         "applying a batch failed; retrying");
                 }
+            }
+            if self.is_dropped(dropped).await {
+                // Dropped while we retried (its tables are gone): nothing to apply.
+                tracing::info!(index = %table, "index dropped; abandoning the batch");
+                return true;
             }
             if !sleep_or_stop(shutdown, backoff).await {
                 return false;

@@ -236,3 +236,63 @@ async fn the_continuous_cleaner_repairs_missing_and_dangling_rows_within_two_sec
     eprintln!("drift repaired {took:?} after the tampering");
     dev.terminate().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_index_stops_being_maintained_and_can_be_added_again() {
+    let env = TestEnv::new("drop", STANDARD_INDEXES).await;
+    env.migrate().await;
+    let writer = env.spawn(&["writer"]).await;
+    let reader = env.spawn(&["reader"]).await;
+    let indexer = env.spawn(&["indexer"]).await;
+    let api = writer.api();
+    let rapi = reader.api();
+    for i in 0..10 {
+        api.put(&id(i), &json!({"tags": ["x", format!("t{i}")]})).await;
+    }
+    until_query_is(&rapi, &json!({"where": {"tags": "t3"}}), &[&id(3)]).await;
+
+    let out = tokio::process::Command::new(bagstore_bin())
+        .args(["index", "drop", "index_tag", "--config"])
+        .arg(env.config_path())
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(index_state(&rapi, "index_tag").await.as_deref(), Some("DROPPING"));
+    for s in 0..env.dsns.len() {
+        let pool = env.pool(s).await;
+        let (n,): (i64,) = sqlx::query_as(
+            "SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = 'index_tag'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(n, 0, "index_tag still exists on shard {s}");
+        pool.close().await;
+    }
+    eventually("the reader to forget index_tag", Duration::from_secs(5), || async {
+        let (s, doc) = rapi.query(&json!({"index": "index_tag", "where": {"tags": "x"}})).await;
+        (s == 400 && doc["type"] == "/problems/unknown-index").then_some(())
+    })
+    .await;
+    // Writes go on; the indexer moves past the dropped index's events
+    // instead of retrying them forever against tables that are gone.
+    for i in 10..20 {
+        assert_eq!(api.put(&id(i), &json!({"tags": "x", "user_id": format!("{:032x}", i)})).await.0, 201);
+    }
+    env.until_caught_up(&["index_tag", "index_user_id"]).await;
+
+    // Adding it back (migrate) starts it over: CREATING, then a backfill.
+    assert!(env.migrate().await.contains("index index_tag: CREATING"));
+    let cleaner = env.spawn(&["cleaner"]).await;
+    eventually("index_tag to be ACTIVE again", Duration::from_secs(30), || async {
+        (index_state(&rapi, "index_tag").await.as_deref() == Some("ACTIVE")).then_some(())
+    })
+    .await;
+    let all: Vec<String> = (0..20).map(id).collect();
+    let all: Vec<&str> = all.iter().map(String::as_str).collect();
+    until_query_is(&rapi, &json!({"where": {"tags": "x"}, "limit": 100}), &all).await;
+    for p in [writer, reader, indexer, cleaner] {
+        p.terminate().await;
+    }
+}
