@@ -204,6 +204,10 @@ impl IndexConsumer {
         }
         self.metrics.applied.with_label_values(&[table]).inc_by(applied);
         if let Some(us) = newest_commit {
+            // Freshness for readers; losing one update only delays it.
+            if let Err(e) = schemas::store::record_index_progress(self.shards.pool(0), table, us).await {
+                tracing::debug!(index = %table, error = %e, "cannot record index progress");
+            }
             let g = self.metrics.last_applied.with_label_values(&[table]);
             g.set(g.get().max(us as f64 / 1e6));
         }

@@ -1,12 +1,24 @@
-//! Running a plan: index lookup → fetch → re-filter, until the limit is met
-//! or every key is exhausted, so stale rows never shorten a result.
+//! Running a plan: index scan → fetch → re-filter, until the limit is met
+//! or the index range is exhausted, so stale rows never shorten a page.
+//!
+//! Each equality prefix is scanned in index order on its one shard (when
+//! the prefix fixes `shard_on`) or on every shard in parallel, merged k-way
+//! by (remaining columns, entity id). A candidate row is kept only if the
+//! entity, as stored now, matches every condition *and* this row's key is
+//! the entity's first matching key in scan order: stale rows and the extra
+//! rows of multi-valued properties are skipped, so an entity appears once
+//! across all pages. The page token is the position of the last entity
+//! returned.
 
 use schemas::codec;
-use schemas::store::{self, StoreError, StoredEntity};
+use schemas::index::{IndexKey, KeyValue};
+use schemas::store::{self, IndexScan, StoreError, StoredEntity};
+use schemas::web::Problem;
 use schemas::{Bag, EntityId};
-use std::collections::HashSet;
+use serde::{Deserialize, Serialize};
+use std::collections::{HashSet, VecDeque};
 
-use crate::query::{Plan, Query};
+use crate::query::{cmp_keys, Plan, Query};
 use crate::Reader;
 
 /// A live entity, decoded.
@@ -22,6 +34,7 @@ pub struct Entity {
 #[derive(Debug, Default)]
 pub struct Outcome {
     pub items: Vec<Entity>,
+    pub next_page_token: Option<String>,
     pub shards_touched: usize,
     pub index_rows: u64,
     pub dropped: u64,
@@ -44,6 +57,55 @@ fn decode(shard: usize, s: StoredEntity) -> Result<Entity, ReadError> {
     let properties =
         codec::decode_body(&s.body).map_err(|source| ReadError::Corrupt { id: s.id, shard, source })?;
     Ok(Entity { id: s.id, version: s.version, updated_us: s.updated_us, properties })
+}
+
+/// The opaque page token: where the last page stopped, bound to its query.
+#[derive(Debug, Serialize, Deserialize)]
+struct Token {
+    /// Fingerprint of index, conditions and order.
+    f: u64,
+    key: IndexKey,
+    id: EntityId,
+}
+
+fn fingerprint(plan: &Plan, q: &Query) -> u64 {
+    let text = format!("{}|{:?}|{}", plan.spec.table, q.conditions, plan.descending);
+    xxhash_rust::xxh3::xxh3_64(text.as_bytes())
+}
+
+fn encode_token(t: &Token) -> String {
+    let json = serde_json::to_vec(t).expect("tokens serialize");
+    json.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn decode_token(s: &str) -> Option<Token> {
+    if s.len() % 2 != 0 || s.len() > 16_384 {
+        return None;
+    }
+    let bytes: Option<Vec<u8>> =
+        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok()).collect();
+    serde_json::from_slice(&bytes?).ok()
+}
+
+/// The page token for `q`, checked against the plan; a 400 if it belongs
+/// to another query or is not ours.
+pub fn page_start(plan: &Plan, q: &Query) -> Result<Option<(IndexKey, EntityId)>, Problem> {
+    let Some(raw) = &q.page_token else { return Ok(None) };
+    let bad = || Problem::bad_request("bad-page-token", "the page_token is not one this query returned");
+    let t = decode_token(raw).ok_or_else(bad)?;
+    if t.f != fingerprint(plan, q) || t.key.len() != plan.spec.properties.len() {
+        return Err(bad());
+    }
+    Ok(Some((t.key, t.id)))
+}
+
+/// One shard's stream of rows for one prefix.
+#[derive(Debug)]
+struct Stream {
+    shard: usize,
+    buf: VecDeque<(IndexKey, EntityId)>,
+    after: Option<(Vec<KeyValue>, EntityId)>,
+    done: bool,
 }
 
 impl Reader {
@@ -95,57 +157,148 @@ impl Reader {
             })
     }
 
-    pub async fn run(&self, plan: &Plan, q: &Query) -> Result<Outcome, ReadError> {
+    /// The entity's first key in scan order among those the scan covers.
+    fn canonical_key(plan: &Plan, bag: &Bag) -> Option<IndexKey> {
+        let covered = plan.spec.keys(bag).into_iter().filter(|k| {
+            plan.prefixes.iter().any(|p| k[..plan.prefix_len] == p[..])
+                && plan.range.as_ref().is_none_or(|r| r.contains(&k[plan.prefix_len]))
+        });
+        if plan.descending {
+            covered.max_by(|a, b| cmp_keys(a, b))
+        } else {
+            covered.min_by(|a, b| cmp_keys(a, b))
+        }
+    }
+
+    pub async fn run(&self, plan: &Plan, q: &Query) -> Result<Outcome, Problem> {
+        let start = page_start(plan, q)?;
+        self.scan(plan, q, start).await.map_err(|e| Problem::internal(&e))
+    }
+
+    async fn scan(
+        &self,
+        plan: &Plan,
+        q: &Query,
+        start: Option<(IndexKey, EntityId)>,
+    ) -> Result<Outcome, ReadError> {
         let table = plan.spec.table.as_str();
-        let shards = self.shards().count();
+        let n = self.shards().count();
+        let k = plan.prefix_len;
         let mut out = Outcome::default();
         let mut seen: HashSet<EntityId> = HashSet::new();
         let mut touched = HashSet::new();
-        'keys: for key in &plan.keys {
-            let shard = plan.spec.shard_of_key(key, shards);
-            touched.insert(shard);
-            let mut after: Option<EntityId> = None;
+        let in_order = |a: &IndexKey, b: &IndexKey| {
+            let o = cmp_keys(a, b);
+            if plan.descending {
+                o.reverse()
+            } else {
+                o
+            }
+        };
+        for prefix in &plan.prefixes {
+            // Where the previous page stopped decides where this prefix starts.
+            let after = match &start {
+                Some((key, id)) => match in_order(prefix, &key[..k].to_vec()) {
+                    std::cmp::Ordering::Less => continue,
+                    std::cmp::Ordering::Equal => Some((key[k..].to_vec(), *id)),
+                    std::cmp::Ordering::Greater => None,
+                },
+                None => None,
+            };
+            let shards: Vec<usize> = if plan.shard_fixed {
+                let pos = plan.spec.shard_on_position();
+                vec![schemas::shard_of(&prefix[pos].canonical_bytes(), n)]
+            } else {
+                (0..n).collect()
+            };
+            touched.extend(shards.iter().copied());
+            let mut streams: Vec<Stream> = shards
+                .iter()
+                .map(|&shard| Stream { shard, buf: VecDeque::new(), after: after.clone(), done: false })
+                .collect();
             loop {
-                // Ask for a little more than is missing: some candidates may be stale.
-                let want = (q.limit - out.items.len()).clamp(16, 1000) * 2;
-                let ids = store::lookup_index(
-                    shard,
-                    self.shards().pool(shard),
-                    &plan.spec,
-                    key,
-                    after.as_ref(),
-                    want,
-                )
-                .await?;
-                self.inner.metrics.shard_reads.with_label_values(&[table, &shard.to_string()]).inc();
-                out.index_rows += ids.len() as u64;
-                let exhausted = ids.len() < want;
-                after = ids.last().copied();
-                let fresh: Vec<EntityId> = ids.into_iter().filter(|id| !seen.contains(id)).collect();
-                for e in self.get_many(&fresh).await? {
-                    seen.insert(e.id);
-                    if Self::refilter(plan, q, &e.properties) {
-                        out.items.push(e);
-                        if out.items.len() == q.limit {
-                            break 'keys;
+                let want = ((q.limit - out.items.len()) * 2).clamp(32, 1000);
+                let refills =
+                    streams.iter_mut().filter(|s| s.buf.is_empty() && !s.done).map(|s| async move {
+                        let scan = IndexScan {
+                            prefix,
+                            range: plan.range.as_ref(),
+                            after: s.after.as_ref().map(|(rest, id)| (&rest[..], *id)),
+                            descending: plan.descending,
+                            limit: want,
+                        };
+                        let rows = store::scan_index(s.shard, self.shards().pool(s.shard), &plan.spec, &scan)
+                            .await?;
+                        s.done = rows.len() < want;
+                        if let Some((key, id)) = rows.last() {
+                            s.after = Some((key[k..].to_vec(), *id));
                         }
-                    } else {
-                        out.dropped += 1;
+                        s.buf.extend(rows);
+                        Ok::<_, StoreError>(())
+                    });
+                for r in futures::future::join_all(refills).await {
+                    r?;
+                }
+                for s in &streams {
+                    self.inner.metrics.shard_reads.with_label_values(&[table, &s.shard.to_string()]).inc();
+                }
+                // Merge while every live stream has a head (so order holds).
+                let mut candidates: Vec<(IndexKey, EntityId)> = Vec::new();
+                while candidates.len() < want && !streams.iter().any(|s| s.buf.is_empty() && !s.done) {
+                    let best = streams
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, s)| s.buf.front().map(|h| (i, h)))
+                        .min_by(|(_, a), (_, b)| {
+                            in_order(&a.0, &b.0).then_with(|| {
+                                if plan.descending {
+                                    b.1.cmp(&a.1)
+                                } else {
+                                    a.1.cmp(&b.1)
+                                }
+                            })
+                        })
+                        .map(|(i, _)| i);
+                    match best {
+                        Some(i) => candidates.push(streams[i].buf.pop_front().expect("has a head")),
+                        None => break,
                     }
                 }
-                // Ids the fetch did not find are dangling rows.
-                out.dropped += fresh.iter().filter(|id| !seen.contains(id)).count() as u64;
-                for id in fresh {
-                    seen.insert(id);
-                }
-                if exhausted {
+                if candidates.is_empty() && streams.iter().all(|s| s.done && s.buf.is_empty()) {
                     break;
+                }
+                out.index_rows += candidates.len() as u64;
+                let ids: Vec<EntityId> = candidates.iter().map(|(_, id)| *id).collect();
+                let found: std::collections::HashMap<EntityId, Entity> =
+                    self.get_many(&ids).await?.into_iter().map(|e| (e.id, e)).collect();
+                for (key, id) in candidates {
+                    let keep = found.get(&id).is_some_and(|e| {
+                        !seen.contains(&id)
+                            && Self::refilter(plan, q, &e.properties)
+                            && Self::canonical_key(plan, &e.properties).is_some_and(|c| c == key)
+                    });
+                    if !keep {
+                        out.dropped += 1;
+                        continue;
+                    }
+                    seen.insert(id);
+                    out.items.push(found[&id].clone());
+                    if out.items.len() == q.limit {
+                        out.next_page_token = Some(encode_token(&Token { f: fingerprint(plan, q), key, id }));
+                        out.shards_touched = touched.len();
+                        self.count(table, &out);
+                        return Ok(out);
+                    }
                 }
             }
         }
         out.shards_touched = touched.len();
+        self.count(table, &out);
+        Ok(out)
+    }
+
+    fn count(&self, table: &str, out: &Outcome) {
         self.inner.metrics.index_rows.with_label_values(&[table]).inc_by(out.index_rows);
         self.inner.metrics.dropped.with_label_values(&[table]).inc_by(out.dropped);
-        Ok(out)
     }
 }

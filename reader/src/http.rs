@@ -15,6 +15,7 @@ use schemas::value::bag_to_json_map;
 use schemas::web::{read_json, Problem};
 use schemas::EntityId;
 use serde_json::{json, Value as JsonValue};
+use std::time::Duration;
 
 use crate::execute::{Entity, ReadError};
 use crate::query;
@@ -102,13 +103,33 @@ async fn run_query(State(r): State<Reader>, body: Body) -> Result<Json<JsonValue
         .with("index", plan.spec.table.clone())
         .with("state", shown));
     }
-    let out = r.run(&plan, &q).await.map_err(read_problem)?;
+    let timeout = Duration::from_millis(r.settings().reader.query_timeout_ms);
+    let deadline = tokio::time::Instant::now() + timeout;
+    if !q.consistent_with.is_empty() {
+        r.wait_applied(&plan.spec, &q.consistent_with, deadline).await?;
+    }
+    let out = tokio::time::timeout_at(deadline, r.run(&plan, &q)).await.map_err(|_| {
+        Problem::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "query-timeout",
+            "Query timed out",
+            format!(
+                "the query did not finish within {} ms; narrow it or lower its limit",
+                timeout.as_millis()
+            ),
+        )
+    })??;
+    let freshness = r.freshness(&plan.spec.table).await.map_err(|e| Problem::internal(&e))?;
     Ok(Json(json!({
         "items": out.items.iter().map(entity_json).collect::<Vec<_>>(),
         "index": plan.spec.table,
-        "next_page_token": null,
+        "next_page_token": out.next_page_token,
+        "index_lag_ms": freshness.lag_ms,
+        "index_applied_through_us": freshness.applied_through_us,
         "explain": {
-            "keys": plan.keys.len(),
+            "prefixes": plan.prefixes.len(),
+            "range": plan.range.is_some(),
+            "order": if plan.descending { "desc" } else { "asc" },
             "shards_touched": out.shards_touched,
             "index_rows_read": out.index_rows,
             "dropped_by_refilter": out.dropped,

@@ -7,7 +7,9 @@
 //! Layout:
 //! - [`http`]: routes and the JSON shapes.
 //! - [`query`]: parsing a query, choosing the index, expanding keys.
-//! - [`execute`]: reading the index, fetching entities, re-filtering.
+//! - [`execute`]: scanning the index in order, merging shards, fetching
+//!   entities, re-filtering, page tokens.
+//! - [`consistency`]: read-your-writes (`consistent_with`) and freshness.
 //! - [`metrics`]: the series this crate exports.
 //!
 //! Invariant R: index rows are only ever candidates. Every returned entity
@@ -15,6 +17,7 @@
 //! its canonical stored properties, so stale, duplicated or hand-made index
 //! rows can cost time but never produce a wrong answer.
 
+pub mod consistency;
 pub mod execute;
 pub mod http;
 pub mod metrics;

@@ -42,6 +42,15 @@ pub const INDEX_META: &str = "CREATE TABLE IF NOT EXISTS bagstore_indexes (
     PRIMARY KEY (name)
 ) ENGINE=InnoDB";
 
+/// Per index, the commit time of the newest event its indexers applied
+/// (shard 0): the reader's index freshness.
+pub const INDEX_PROGRESS: &str = "CREATE TABLE IF NOT EXISTS bagstore_index_progress (
+    name VARCHAR(64) NOT NULL,
+    last_applied_commit_us BIGINT NOT NULL,
+    changed TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    PRIMARY KEY (name)
+) ENGINE=InnoDB";
+
 pub fn column_type(ty: PropType, max_len: u32) -> String {
     match ty {
         PropType::Uuid => "BINARY(16)".into(),

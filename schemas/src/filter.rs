@@ -4,6 +4,8 @@
 //! fetched entity, whatever the index said. The same equality decides
 //! `match_on` in the indexer, so both agree on what a partial index holds.
 
+use std::cmp::Ordering;
+
 use crate::index::{IndexProperty, KeyValue};
 use crate::value::{Bag, Value};
 
@@ -14,20 +16,38 @@ pub enum Condition {
     Eq(Value),
     /// Equal to one of the values.
     In(Vec<Value>),
+    /// Within bounds: `(value, inclusive)`; numbers compare with numbers,
+    /// strings with strings (byte order), booleans with booleans. For an
+    /// array property one element must be within.
+    Range { lower: Option<(Value, bool)>, upper: Option<(Value, bool)> },
+    /// Present and not null (`true`), or missing or null (`false`).
+    Exists(bool),
 }
 
 impl Condition {
-    /// The values an equality-like condition admits.
+    /// The values an equality-like condition admits (empty for others).
     pub fn values(&self) -> &[Value] {
         match self {
             Condition::Eq(v) => std::slice::from_ref(v),
             Condition::In(vs) => vs,
+            Condition::Range { .. } | Condition::Exists(_) => &[],
         }
+    }
+
+    pub fn is_equality(&self) -> bool {
+        matches!(self, Condition::Eq(_) | Condition::In(_))
     }
 
     /// Generic evaluation for a property no index types.
     pub fn matches(&self, actual: Option<&Value>) -> bool {
-        self.values().iter().any(|want| value_eq(actual, want))
+        match self {
+            Condition::Eq(_) | Condition::In(_) => self.values().iter().any(|want| value_eq(actual, want)),
+            Condition::Range { lower, upper } => scalars(actual).any(|v| {
+                lower.as_ref().is_none_or(|(b, inc)| bound_ok(generic_cmp(v, b), *inc, Ordering::Greater))
+                    && upper.as_ref().is_none_or(|(b, inc)| bound_ok(generic_cmp(v, b), *inc, Ordering::Less))
+            }),
+            Condition::Exists(want) => !matches!(actual, None | Some(Value::Null)) == *want,
+        }
     }
 
     /// Typed evaluation for a property of the index in use: the entity's
@@ -35,7 +55,74 @@ impl Condition {
     /// accepted exactly when the entity really produces that key.
     pub fn matches_typed(&self, prop: &IndexProperty, actual: Option<&Value>) -> bool {
         let have = prop.typed_all(actual);
-        self.values().iter().filter_map(|w| prop.typed(w)).any(|w: KeyValue| have.contains(&w))
+        match self {
+            Condition::Eq(_) | Condition::In(_) => {
+                self.values().iter().filter_map(|w| prop.typed(w)).any(|w: KeyValue| have.contains(&w))
+            }
+            Condition::Range { .. } => match self.typed_range(prop) {
+                Some(r) => have.iter().any(|k| r.contains(k)),
+                None => false,
+            },
+            Condition::Exists(_) => self.matches(actual),
+        }
+    }
+
+    /// The range converted to an index column's type; `None` if a bound
+    /// does not fit the column (or this is not a range).
+    pub fn typed_range(&self, prop: &IndexProperty) -> Option<KeyRange> {
+        let Condition::Range { lower, upper } = self else { return None };
+        let conv = |b: &Option<(Value, bool)>| -> Option<Option<(KeyValue, bool)>> {
+            match b {
+                None => Some(None),
+                Some((v, inc)) => prop.typed(v).map(|k| Some((k, *inc))),
+            }
+        };
+        Some(KeyRange { lower: conv(lower)?, upper: conv(upper)? })
+    }
+}
+
+/// A range over one typed index column.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeyRange {
+    pub lower: Option<(KeyValue, bool)>,
+    pub upper: Option<(KeyValue, bool)>,
+}
+
+impl KeyRange {
+    pub fn contains(&self, k: &KeyValue) -> bool {
+        self.lower.as_ref().is_none_or(|(b, inc)| bound_ok(k.partial_cmp(b), *inc, Ordering::Greater))
+            && self.upper.as_ref().is_none_or(|(b, inc)| bound_ok(k.partial_cmp(b), *inc, Ordering::Less))
+    }
+}
+
+fn bound_ok(ord: Option<Ordering>, inclusive: bool, want: Ordering) -> bool {
+    match ord {
+        Some(o) if o == want => true,
+        Some(Ordering::Equal) => inclusive,
+        _ => false,
+    }
+}
+
+/// The scalars a property value offers to a comparison: itself, or each
+/// element of an array.
+fn scalars(actual: Option<&Value>) -> Box<dyn Iterator<Item = &Value> + '_> {
+    match actual {
+        None | Some(Value::Null) => Box::new(std::iter::empty()),
+        Some(Value::Array(items)) => Box::new(items.iter()),
+        Some(v) => Box::new(std::iter::once(v)),
+    }
+}
+
+/// Order between two scalars of comparable kinds, else `None`.
+pub fn generic_cmp(a: &Value, b: &Value) -> Option<Ordering> {
+    match (a, b) {
+        (Value::Int(x), Value::Int(y)) => Some(x.cmp(y)),
+        (Value::Int(_) | Value::Float(_), Value::Int(_) | Value::Float(_)) => {
+            a.as_f64()?.partial_cmp(&b.as_f64()?)
+        }
+        (Value::String(x), Value::String(y)) => Some(x.as_bytes().cmp(y.as_bytes())),
+        (Value::Bool(x), Value::Bool(y)) => Some(x.cmp(y)),
+        _ => None,
     }
 }
 
@@ -87,6 +174,24 @@ mod tests {
         assert!(value_eq(Some(&arr), &arr.clone()));
         assert!(value_eq(None, &Value::Null));
         assert!(!value_eq(None, &Value::Int(0)));
+    }
+
+    #[test]
+    fn ranges_compare_like_kinds_and_any_array_element() {
+        let r =
+            Condition::Range { lower: Some((Value::Int(2), true)), upper: Some((Value::Float(5.5), false)) };
+        assert!(r.matches(Some(&Value::Int(2))));
+        assert!(r.matches(Some(&Value::Float(5.4))));
+        assert!(!r.matches(Some(&Value::Float(5.5))));
+        assert!(!r.matches(Some(&Value::String("3".into()))));
+        assert!(!r.matches(None));
+        assert!(r.matches(Some(&Value::Array(vec![Value::Int(9), Value::Int(3)]))));
+        let s = Condition::Range { lower: Some((Value::String("b".into()), false)), upper: None };
+        assert!(s.matches(Some(&Value::String("ba".into()))));
+        assert!(!s.matches(Some(&Value::String("b".into()))));
+        assert!(Condition::Exists(true).matches(Some(&Value::Int(0))));
+        assert!(Condition::Exists(false).matches(Some(&Value::Null)));
+        assert!(!Condition::Exists(false).matches(Some(&Value::Bool(false))));
     }
 
     #[test]

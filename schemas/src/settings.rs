@@ -222,11 +222,19 @@ pub struct ReaderSettings {
     /// Most values in one `in` list, and most index keys one query may expand to.
     pub max_in: usize,
     pub max_batch_get: usize,
+    /// Longest a query may take, including a `consistent_with` wait.
+    pub query_timeout_ms: u64,
 }
 
 impl Default for ReaderSettings {
     fn default() -> Self {
-        ReaderSettings { default_limit: 100, max_limit: 1000, max_in: 1000, max_batch_get: 1000 }
+        ReaderSettings {
+            default_limit: 100,
+            max_limit: 1000,
+            max_in: 1000,
+            max_batch_get: 1000,
+            query_timeout_ms: 5000,
+        }
     }
 }
 

@@ -182,6 +182,7 @@ pub async fn create_base_tables(shard: usize, pool: &MySqlPool) -> Result<()> {
     }
     if shard == 0 {
         sqlx::query(ddl::INDEX_META).execute(pool).await.on(shard)?;
+        sqlx::query(ddl::INDEX_PROGRESS).execute(pool).await.on(shard)?;
     }
     Ok(())
 }
@@ -715,6 +716,147 @@ pub async fn index_entity_ids(
             Ok(EntityId::from_slice(&id).unwrap_or(EntityId([0; 16])))
         })
         .collect()
+}
+
+/// How an index scan is bounded and ordered: equality on a prefix of the
+/// index's properties, an optional range on the next one, and a keyset
+/// position (the remaining columns and the entity id) to continue after.
+#[derive(Debug, Clone)]
+pub struct IndexScan<'a> {
+    pub prefix: &'a [KeyValue],
+    pub range: Option<&'a crate::filter::KeyRange>,
+    /// Continue strictly after (before, when descending) this position:
+    /// the values of the properties after the prefix, then the entity id.
+    pub after: Option<(&'a [KeyValue], EntityId)>,
+    pub descending: bool,
+    pub limit: usize,
+}
+
+/// Rows of one shard's index table in index order: full keys and entity ids.
+pub async fn scan_index(
+    shard: usize,
+    pool: &MySqlPool,
+    spec: &IndexSpec,
+    scan: &IndexScan<'_>,
+) -> Result<Vec<(IndexKey, EntityId)>> {
+    let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
+    let k = scan.prefix.len();
+    let mut wheres: Vec<String> = cols[..k].iter().map(|c| format!("{c} = ?")).collect();
+    let mut binds: Vec<KeyValue> = scan.prefix.to_vec();
+    if let Some(r) = scan.range {
+        if let Some((v, inc)) = &r.lower {
+            wheres.push(format!("{} {} ?", cols[k], if *inc { ">=" } else { ">" }));
+            binds.push(v.clone());
+        }
+        if let Some((v, inc)) = &r.upper {
+            wheres.push(format!("{} {} ?", cols[k], if *inc { "<=" } else { "<" }));
+            binds.push(v.clone());
+        }
+    }
+    let mut id_bind: Vec<Vec<u8>> = Vec::new();
+    if let Some((rest, id)) = &scan.after {
+        // (r1, …, rm, entity_id) > (a1, …, am, id), spelled out so every
+        // MySQL dialect can use the primary key for it.
+        let op = if scan.descending { "<" } else { ">" };
+        let rest_cols = &cols[k..];
+        let mut ors = Vec::new();
+        for i in 0..=rest.len() {
+            let mut parts: Vec<String> = rest_cols[..i].iter().map(|c| format!("{c} = ?")).collect();
+            binds.extend(rest[..i].iter().cloned());
+            if i < rest.len() {
+                parts.push(format!("{} {op} ?", rest_cols[i]));
+                binds.push(rest[i].clone());
+            } else {
+                parts.push(format!("entity_id {op} ?"));
+            }
+            ors.push(format!("({})", parts.join(" AND ")));
+        }
+        wheres.push(format!("({})", ors.join(" OR ")));
+        id_bind.push(id.0.to_vec());
+    }
+    let dir = if scan.descending { " DESC" } else { "" };
+    let order: Vec<String> =
+        cols[k..].iter().map(|c| format!("{c}{dir}")).chain([format!("entity_id{dir}")]).collect();
+    let sql = format!(
+        "SELECT {}, entity_id FROM `{}` {} ORDER BY {} LIMIT ?",
+        cols.join(", "),
+        spec.table,
+        if wheres.is_empty() { String::new() } else { format!("WHERE {}", wheres.join(" AND ")) },
+        order.join(", ")
+    );
+    // Placeholders in SQL order: prefix, range bounds, the keyset terms
+    // (whose very last placeholder is the entity id), then the limit.
+    let mut q = sqlx::query(&sql);
+    for v in &binds {
+        q = bind_one(q, v);
+    }
+    if let Some(id) = id_bind.pop() {
+        q = q.bind(id);
+    }
+    let rows = q.bind(scan.limit as u64).fetch_all(pool).await.on(shard)?;
+    let mut out = Vec::with_capacity(rows.len());
+    for r in &rows {
+        let Some(key) = row_key(shard, spec, r)? else { continue };
+        let id: Vec<u8> = r.try_get("entity_id").on(shard)?;
+        out.push((key, EntityId::from_slice(&id).unwrap_or(EntityId([0; 16]))));
+    }
+    Ok(out)
+}
+
+fn bind_one<'q>(q: Query<'q, MySql, MySqlArguments>, v: &KeyValue) -> Query<'q, MySql, MySqlArguments> {
+    match v {
+        KeyValue::Uuid(b) => q.bind(b.to_vec()),
+        KeyValue::Str(s) => q.bind(s.as_bytes().to_vec()),
+        KeyValue::Int(i) => q.bind(*i),
+        KeyValue::Float(f) => q.bind(*f),
+        KeyValue::Bool(b) => q.bind(*b),
+    }
+}
+
+/// The version of one index row, if it exists.
+pub async fn index_row_version(
+    shard: usize,
+    pool: &MySqlPool,
+    spec: &IndexSpec,
+    key: &IndexKey,
+    entity: &EntityId,
+) -> Result<Option<u64>> {
+    let sql = format!("SELECT version FROM `{}` WHERE {} AND entity_id = ?", spec.table, key_equals(spec));
+    let row = bind_key(sqlx::query(&sql), key).bind(&entity.0[..]).fetch_optional(pool).await.on(shard)?;
+    row.map(|r| r.try_get("version").on(shard)).transpose()
+}
+
+/// Records that an index applied events committed up to `commit_us`.
+pub async fn record_index_progress(pool: &MySqlPool, table: &str, commit_us: i64) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO bagstore_index_progress (name, last_applied_commit_us) VALUES (?, ?)          ON DUPLICATE KEY UPDATE last_applied_commit_us = GREATEST(last_applied_commit_us,          VALUES(last_applied_commit_us)), changed = NOW(6)",
+    )
+    .bind(table)
+    .bind(commit_us)
+    .execute(pool)
+    .await
+    .on(0)?;
+    Ok(())
+}
+
+pub async fn index_progress(pool: &MySqlPool, table: &str) -> Result<Option<i64>> {
+    let row = sqlx::query("SELECT last_applied_commit_us FROM bagstore_index_progress WHERE name = ?")
+        .bind(table)
+        .fetch_optional(pool)
+        .await
+        .on(0)?;
+    row.map(|r| r.try_get("last_applied_commit_us").on(0)).transpose()
+}
+
+/// Commit time of the newest live or deleted entity on the shard.
+pub async fn newest_commit_us(shard: usize, pool: &MySqlPool) -> Result<Option<i64>> {
+    let row = sqlx::query(
+        "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MAX(updated)) AS newest FROM entities",
+    )
+    .fetch_one(pool)
+    .await
+    .on(shard)?;
+    row.try_get("newest").on(shard)
 }
 
 /// Entity ids under one exact key, in id order, after `after` (keyset paging).

@@ -32,7 +32,8 @@ async fn the_seed_entity_is_found_through_its_index_and_follows_updates_and_dele
 
     let (status, body) = api.post_entity(&seed_entity()).await;
     assert_eq!(status, 201, "{body}");
-    assert_eq!(body, json!({"id": SEED_ID, "version": 1}));
+    assert_eq!((body["id"].clone(), body["version"].clone()), (json!(SEED_ID), json!(1)), "{body}");
+    assert_eq!(body["write_token"], format!("{SEED_ID}.1"));
 
     let (status, got) = api.get(SEED_ID).await;
     assert_eq!(status, 200);

@@ -94,8 +94,10 @@ fn entity_body(v: JsonValue, max_bytes: usize) -> Result<(Option<EntityId>, Bag)
     Ok((id, bag))
 }
 
+/// `write_token` is what a query passes in `consistent_with` to see this
+/// write through an index (read-your-writes).
 fn outcome_json(o: &Outcome) -> JsonValue {
-    json!({"id": o.id.to_hex(), "version": o.version})
+    json!({"id": o.id.to_hex(), "version": o.version, "write_token": format!("{}.{}", o.id.to_hex(), o.version)})
 }
 
 fn answer(o: Outcome, status: StatusCode) -> Response {

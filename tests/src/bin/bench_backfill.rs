@@ -48,6 +48,8 @@ shard_on = "link"
 
 const LOAD_BATCH: usize = 1000;
 const LOAD_IN_FLIGHT: usize = 4;
+/// Tries per batch item (503 answers are retried).
+const LOAD_ATTEMPTS: usize = 20;
 /// How long the indexers may take to work through the topic.
 const CATCH_UP_DEADLINE: Duration = Duration::from_secs(900);
 
@@ -181,10 +183,47 @@ fn loaded_entity(i: usize) -> Value {
     })
 }
 
-/// Loads `n` entities, `LOAD_BATCH` per request, `LOAD_IN_FLIGHT` requests at a time.
-async fn load(api: &Api, n: usize) -> anyhow::Result<()> {
-    let mut tasks: JoinSet<anyhow::Result<usize>> = JoinSet::new();
-    let (mut next, mut done) = (0usize, 0usize);
+/// Sends one batch; items answered 503 ("safe to retry": the writer gave up
+/// on a deadlocked shard transaction) are sent again after a backoff.
+/// Returns the number of retried items.
+async fn load_batch(api: Api, items: Vec<Value>) -> anyhow::Result<u64> {
+    let mut pending = items;
+    let mut retried = 0u64;
+    for attempt in 0..LOAD_ATTEMPTS {
+        let (status, body) = api.batch(&pending).await;
+        if status != 200 {
+            bail!("batch answered {status}: {body}");
+        }
+        let results = body["results"].as_array().context("batch answer without results")?;
+        if results.len() != pending.len() {
+            bail!("batch of {} answered {} results", pending.len(), results.len());
+        }
+        let mut again = Vec::new();
+        for (item, r) in pending.iter().zip(results) {
+            if r["version"].is_u64() {
+                continue;
+            }
+            if r["status"] != 503 || attempt + 1 == LOAD_ATTEMPTS {
+                bail!("a batch item was not stored: {r}");
+            }
+            again.push(item.clone());
+        }
+        if again.is_empty() {
+            return Ok(retried);
+        }
+        retried += again.len() as u64;
+        pending = again;
+        let jitter = rand::random::<u64>() % 100;
+        tokio::time::sleep(Duration::from_millis(50 * (attempt as u64 + 1) + jitter)).await;
+    }
+    unreachable!("the last attempt returns or fails")
+}
+
+/// Loads `n` entities, `LOAD_BATCH` per request, `LOAD_IN_FLIGHT` requests
+/// at a time; returns how many items had to be retried.
+async fn load(api: &Api, n: usize) -> anyhow::Result<u64> {
+    let mut tasks: JoinSet<anyhow::Result<(usize, u64)>> = JoinSet::new();
+    let (mut next, mut done, mut retried) = (0usize, 0usize, 0u64);
     let started = Instant::now();
     let mut shown = Instant::now();
     while next < n || !tasks.is_empty() {
@@ -193,31 +232,26 @@ async fn load(api: &Api, n: usize) -> anyhow::Result<()> {
             let items: Vec<Value> = (next..end).map(loaded_entity).collect();
             let api = api.clone();
             tasks.spawn(async move {
-                let (status, body) = api.batch(&items).await;
-                if status != 200 {
-                    bail!("batch answered {status}: {body}");
-                }
-                let results = body["results"].as_array().context("batch answer without results")?;
-                if results.len() != items.len() {
-                    bail!("batch of {} answered {} results", items.len(), results.len());
-                }
-                if let Some(bad) = results.iter().find(|r| r["version"] != 1) {
-                    bail!("a batch item was not created: {bad}");
-                }
-                Ok(items.len())
+                let len = items.len();
+                Ok((len, load_batch(api, items).await?))
             });
             next = end;
         }
         if let Some(joined) = tasks.join_next().await {
-            done += joined.context("batch task")??;
+            let (len, r) = joined.context("batch task")??;
+            done += len;
+            retried += r;
         }
         if shown.elapsed() >= Duration::from_secs(5) {
             shown = Instant::now();
             let t = secs(started.elapsed());
-            println!("  loaded {done}/{n} in {t:.0} s ({:.0} entities/s)", done as f64 / t);
+            println!(
+                "  loaded {done}/{n} in {t:.0} s ({:.0} entities/s; {retried} items retried after 503)",
+                done as f64 / t
+            );
         }
     }
-    Ok(())
+    Ok(retried)
 }
 
 // ------------------------------------------------------- steady writer
@@ -682,10 +716,13 @@ async fn measure(
     // 2. Load.
     println!("loading {n} entities ({LOAD_BATCH} per batch, {LOAD_IN_FLIGHT} batches in flight)…");
     let t = Instant::now();
-    load(api, n).await?;
+    let load_retried = load(api, n).await?;
     let load_time = t.elapsed();
     let load_rate = n as f64 / secs(load_time);
-    println!("loaded {n} entities in {:.1} s: {load_rate:.0} entities/s", secs(load_time));
+    println!(
+        "loaded {n} entities in {:.1} s: {load_rate:.0} entities/s ({load_retried} items retried after 503)",
+        secs(load_time)
+    );
     let t = Instant::now();
     wait_caught_up(env, &["index_user_id"]).await;
     let user_id_catch_up = t.elapsed();
@@ -718,6 +755,7 @@ async fn measure(
     }
     println!("migrate: index_link is CREATING");
     let link_indexer = env.spawn(&["indexer", "--index", "index_link"]).await;
+    let lag_at_start = total_lag(env, "index_link").await;
     println!(
         "backfill: cleaner --index index_link --rate {} with the steady writer running…",
         opts.backfill_rate
@@ -745,9 +783,13 @@ async fn measure(
 
     // 6. Exactness: one index_link row per entity, loaded or written.
     let t = Instant::now();
+    let (stop, stopped) = watch::channel(false);
+    let cpu = tokio::spawn(CpuSampler::run(stopped));
     wait_caught_up(env, &["index_user_id", "index_link"]).await;
-    env.until_caught_up(&["index_link"]).await;
     let link_catch_up = t.elapsed();
+    stop.send(true).ok();
+    let after_cpu = cpu.await.context("catch-up sampler")?;
+    env.until_caught_up(&["index_link"]).await;
     let expected = n as i64 + base.created as i64 + during.created as i64;
     let count = tokio::time::timeout(
         Duration::from_secs(30),
@@ -791,63 +833,83 @@ async fn measure(
         format!("{} rows/s", opts.backfill_rate)
     };
     let mut table = String::new();
-    let mut row = |k: &str, a: String, b: String| table.push_str(&format!("| {k} | {a} | {b} |\n"));
-    row("", "**baseline**".into(), "**during backfill**".into());
-    row("---", "---:".into(), "---:".into());
-    row("entities loaded", n.to_string(), String::new());
+    let mut row =
+        |k: &str, a: String, b: String, c: String| table.push_str(&format!("| {k} | {a} | {b} | {c} |\n"));
+    let none = String::new;
+    row("", "**baseline**".into(), "**during backfill**".into(), "**index_link catch-up**".into());
+    row("---", "---:".into(), "---:".into(), "---:".into());
+    row("entities loaded", n.to_string(), none(), none());
+    row("load: items retried after a 503 (deadlock)", load_retried.to_string(), none(), none());
     row(
         "load (batch 1000, 4 in flight)",
         format!("{:.1} s, {load_rate:.0} entities/s", secs(load_time)),
-        String::new(),
+        none(),
+        none(),
     );
     row(
         "backfill rows (this run / total)",
-        String::new(),
+        none(),
         format!("{} ({} of {})", backfill.scanned, backfill.rows_done, backfill.rows_total),
+        none(),
     );
     row(
         "backfill rate, bagstore's line",
-        String::new(),
+        none(),
         format!("{:.0} rows/s ({:.1} s)", backfill.reported_rate, backfill.reported_secs),
+        none(),
     );
     row(
         "backfill rate, wall clock (spawn → exit)",
-        String::new(),
+        none(),
         format!("{wall_rate:.0} rows/s ({:.1} s)", secs(backfill.wall)),
+        none(),
     );
     row(
         "writer requests (achieved rate)",
         format!("{} ({base_rate:.0}/s)", base.sent),
         format!("{} ({during_rate:.0}/s)", during.sent),
+        none(),
     );
-    row("writer errors", base.errors.to_string(), during.errors.to_string());
-    row("writer p50 (ms)", ms(base_lat.p50), ms(during_lat.p50));
-    row("writer p99 (ms)", ms(base_lat.p99), ms(during_lat.p99));
-    row("writer max (ms)", ms(base_lat.max), ms(during_lat.max));
-    row("writer p99 ratio (during / baseline)", String::new(), format!("{ratio:.2}×"));
+    row("writer errors", base.errors.to_string(), during.errors.to_string(), none());
+    row("writer p50 (ms)", ms(base_lat.p50), ms(during_lat.p50), none());
+    row("writer p99 (ms)", ms(base_lat.p99), ms(during_lat.p99), none());
+    row("writer max (ms)", ms(base_lat.max), ms(during_lat.max), none());
+    row("writer p99 ratio (during / baseline)", none(), format!("{ratio:.2}×"), none());
+    let lag = |l: Option<i64>| l.map_or("?".into(), |l| l.to_string());
+    row(
+        "index_link group lag, events (start → end of phase)",
+        none(),
+        format!("{} → {}", lag(lag_at_start), lag(lag_at_end)),
+        format!("{} → 0", lag(lag_at_end)),
+    );
+    row(
+        "phase wall time (s)",
+        format!("{:.1}", secs(base.elapsed)),
+        format!("{:.1}", secs(backfill.wall)),
+        format!("{:.1}", secs(link_catch_up)),
+    );
     row(
         &format!("machine cores busy (of {cores}), all processes"),
         format!("{:.2}", base_cpu.machine_cores_busy(cores)),
         format!("{:.2}", during_cpu.machine_cores_busy(cores)),
+        format!("{:.2}", after_cpu.machine_cores_busy(cores)),
     );
     let base_by = base_cpu.per_label();
     let during_by = during_cpu.per_label();
-    let labels: std::collections::BTreeSet<&String> = base_by.keys().chain(during_by.keys()).collect();
+    let after_by = after_cpu.per_label();
+    let labels: std::collections::BTreeSet<&String> =
+        base_by.keys().chain(during_by.keys()).chain(after_by.keys()).collect();
     for label in labels {
         let a = base_by.get(label).copied().unwrap_or(0.0);
         let b = during_by.get(label).copied().unwrap_or(0.0);
-        if a + b >= 0.05 {
-            row(&format!("CPU s: {label}"), format!("{a:.1}"), format!("{b:.1}"));
+        let c = after_by.get(label).copied().unwrap_or(0.0);
+        if a + b + c >= 0.05 {
+            row(&format!("CPU s: {label}"), format!("{a:.1}"), format!("{b:.1}"), format!("{c:.1}"));
         }
     }
     println!();
     println!("bench_backfill results ({date}; {cores} CPUs, {mem}; backfill {rate_name}):");
     print!("{table}");
-    println!(
-        "index_link group lag when the backfill ended: {}; caught up {:.1} s later",
-        lag_at_end.map_or("?".into(), |l| l.to_string()),
-        secs(link_catch_up)
-    );
     println!("verification: {}", if exact { "OK" } else { "FAILED" });
 
     let report = json!({
@@ -860,7 +922,7 @@ async fn measure(
             "backfill_rate": opts.backfill_rate,
             "quick": opts.quick,
         },
-        "load": {"seconds": secs(load_time), "entities_per_sec": load_rate, "index_user_id_catch_up_secs": secs(user_id_catch_up)},
+        "load": {"seconds": secs(load_time), "entities_per_sec": load_rate, "items_retried_after_503": load_retried, "index_user_id_catch_up_secs": secs(user_id_catch_up)},
         "backfill": {
             "done_line": backfill.done_line,
             "scanned": backfill.scanned,
@@ -870,6 +932,7 @@ async fn measure(
             "reported_rows_per_sec": backfill.reported_rate,
             "wall_secs": secs(backfill.wall),
             "wall_rows_per_sec": wall_rate,
+            "index_link_lag_at_start": lag_at_start,
             "index_link_lag_at_end": lag_at_end,
             "index_link_catch_up_secs": secs(link_catch_up),
         },
@@ -878,7 +941,8 @@ async fn measure(
             "during_backfill": writer_json(&during, &during_lat),
             "p99_ratio": ratio,
         },
-        "cpu": {"baseline": cpu_json(&base_cpu, cores), "during_backfill": cpu_json(&during_cpu, cores)},
+        "cpu": {"baseline": cpu_json(&base_cpu, cores), "during_backfill": cpu_json(&during_cpu, cores),
+            "index_link_catch_up": cpu_json(&after_cpu, cores)},
         "verify": {
             "index_link_rows": rows,
             "entities": entities,
