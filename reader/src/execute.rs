@@ -79,7 +79,7 @@ fn encode_token(t: &Token) -> String {
 }
 
 fn decode_token(s: &str) -> Option<Token> {
-    if s.len() % 2 != 0 || s.len() > 16_384 {
+    if !s.len().is_multiple_of(2) || s.len() > 16_384 {
         return None;
     }
     let bytes: Option<Vec<u8>> =
