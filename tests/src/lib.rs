@@ -317,7 +317,10 @@ impl Proc {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(logfile)
-            .env("RUST_LOG", "info,bagstore=debug")
+            .env(
+                "RUST_LOG",
+                "info,bagstore=debug,bagstore_indexer=debug,bagstore_writer=debug,bagstore_reader=debug",
+            )
             .kill_on_drop(true);
         for (k, v) in env {
             cmd.env(k, v);

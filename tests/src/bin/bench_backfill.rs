@@ -50,6 +50,9 @@ const LOAD_BATCH: usize = 1000;
 const LOAD_IN_FLIGHT: usize = 4;
 /// Tries per batch item (503 answers are retried).
 const LOAD_ATTEMPTS: usize = 20;
+/// The services log at the production level, whatever the harness's
+/// test-time default is, so that logging does not skew the figures.
+const SERVICE_ENV: &[(&str, &str)] = &[("RUST_LOG", "info")];
 /// How long the indexers may take to work through the topic.
 const CATCH_UP_DEADLINE: Duration = Duration::from_secs(900);
 
@@ -551,6 +554,7 @@ async fn run_backfill(env: &TestEnv, rate: u64) -> anyhow::Result<BackfillRun> {
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(&log)?)
+        .envs(SERVICE_ENV.iter().copied())
         .kill_on_drop(true)
         .spawn()
         .context("spawn bagstore cleaner")?;
@@ -613,6 +617,18 @@ async fn index_state(api: &Api, table: &str) -> Option<String> {
 
 // --------------------------------------------------------------- report
 
+/// `git describe --always --dirty` of the workspace this binary was built from.
+fn source_version() -> String {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    std::process::Command::new("git")
+        .args(["-C", root, "describe", "--always", "--dirty"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "?".into())
+}
+
 fn machine() -> (usize, String) {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let mem = std::process::Command::new("free")
@@ -674,14 +690,14 @@ async fn run(opts: Options) -> anyhow::Result<bool> {
         if opts.quick { " (--quick)" } else { "" }
     );
     println!("machine: {cores} CPUs, {mem} memory; load average {}", loadavg());
-    println!("bagstore binary: {}", bagstore_bin().display());
+    println!("bagstore binary: {}; source {}", bagstore_bin().display(), source_version());
 
     // 1. The stack, with index_user_id only.
     let mut env = TestEnv::new("bench", INDEX_USER_ID).await;
     env.migrate().await;
-    let writer = env.spawn(&["writer"]).await;
-    let indexer = env.spawn(&["indexer"]).await;
-    let reader = env.spawn(&["reader"]).await;
+    let writer = env.spawn_env(&["writer"], SERVICE_ENV).await;
+    let indexer = env.spawn_env(&["indexer"], SERVICE_ENV).await;
+    let reader = env.spawn_env(&["reader"], SERVICE_ENV).await;
     let api = writer.api();
     let rapi = reader.api();
     println!(
@@ -754,7 +770,7 @@ async fn measure(
         bail!("migrate did not register index_link as CREATING:\n{out}");
     }
     println!("migrate: index_link is CREATING");
-    let link_indexer = env.spawn(&["indexer", "--index", "index_link"]).await;
+    let link_indexer = env.spawn_env(&["indexer", "--index", "index_link"], SERVICE_ENV).await;
     let lag_at_start = total_lag(env, "index_link").await;
     println!(
         "backfill: cleaner --index index_link --rate {} with the steady writer running…",
@@ -914,6 +930,8 @@ async fn measure(
 
     let report = json!({
         "date": date,
+        "source": source_version(),
+        "bagstore_bin": bagstore_bin().display().to_string(),
         "machine": {"cpus": cores, "memory": mem},
         "options": {
             "entities": n,
