@@ -69,7 +69,10 @@ pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running>
         );
         let stop = pipeline.clone();
         let backfills = tracker.clone();
+        let lag = c.clone();
+        let lag_stop = stop.clone();
         tracker.spawn(async move { c.run(&backfills, stop).await });
+        tracker.spawn(async move { lag.report_lag(lag_stop).await });
     }
     let router = router
         .merge(web::ops_router(registry))

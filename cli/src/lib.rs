@@ -7,6 +7,7 @@
 //!
 //! Layout:
 //! - [`admin`]: one-shot operator commands (backfill one index, drop one).
+//! - [`client`]: the HTTP client commands (`put`, `get`, `query`, `lag`, …).
 //! - [`app`]: assembling services (pools, metrics, routers, tasks) and
 //!   running them until a signal, shared by `dev` and the single services.
 //! - [`migrate`]: creating databases, tables, index metadata and topics.
@@ -16,6 +17,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod client;
 pub mod dev;
 pub mod local;
 pub mod logging;

@@ -1,6 +1,7 @@
 //! `bagstore`: see `bagstore --help` and the README.
 
 use anyhow::Context;
+use bagstore::client::{self, ClientArgs};
 use bagstore::{admin, app, dev, logging, migrate};
 use clap::{Parser, Subcommand};
 use schemas::Settings;
@@ -53,15 +54,58 @@ enum Command {
         #[command(subcommand)]
         command: IndexCommand,
     },
+    /// Create or replace an entity: JSON inline, `@file` or `-` (stdin).
+    Put {
+        #[command(flatten)]
+        client: ClientArgs,
+        body: String,
+        /// Entity id (otherwise the body's "id", or a new one).
+        #[arg(long)]
+        id: Option<String>,
+        /// Only if the entity is at this version.
+        #[arg(long)]
+        if_match: Option<u64>,
+    },
+    /// Print an entity.
+    Get {
+        #[command(flatten)]
+        client: ClientArgs,
+        id: String,
+    },
+    /// Delete an entity.
+    Delete {
+        #[command(flatten)]
+        client: ClientArgs,
+        id: String,
+    },
+    /// Run a query: JSON inline, `@file` or `-` (stdin).
+    Query {
+        #[command(flatten)]
+        client: ClientArgs,
+        query: String,
+    },
+    /// Per-index lag: events not yet applied and milliseconds behind.
+    Lag {
+        #[command(flatten)]
+        client: ClientArgs,
+    },
 }
 
 #[derive(Debug, Subcommand)]
 enum IndexCommand {
-    /// Stop maintaining an index and drop its tables on every shard.
+    /// List indexes with state and backfill progress.
+    List {
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Stop maintaining an index and drop its tables on every shard
+    /// (through the HTTP API, or straight on the shards with --config).
     Drop {
         table: String,
         #[arg(long)]
-        config: PathBuf,
+        config: Option<PathBuf>,
+        #[command(flatten)]
+        client: ClientArgs,
     },
 }
 
@@ -136,10 +180,21 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 }
             }
         }
-        Command::Index { command: IndexCommand::Drop { table, config } } => {
+        Command::Index { command: IndexCommand::Drop { table, config: Some(config), .. } } => {
             let s = load(Some(&config))?;
             admin::drop_index(s, &table).await
         }
+        Command::Index { command: IndexCommand::Drop { table, config: None, client } } => {
+            client::index_drop(&client, &table).await
+        }
+        Command::Index { command: IndexCommand::List { client } } => client::index_list(&client).await,
+        Command::Put { client, body, id, if_match } => {
+            client::put(&client, id.as_deref(), client::json_arg(&body)?, if_match).await
+        }
+        Command::Get { client, id } => client::get(&client, &id).await,
+        Command::Delete { client, id } => client::delete(&client, &id).await,
+        Command::Query { client, query } => client::query(&client, client::json_arg(&query)?).await,
+        Command::Lag { client } => client::lag(&client).await,
         Command::Indexer { service, indexes } => {
             let s = load(service.config.as_ref())?;
             let specs = if indexes.is_empty() {

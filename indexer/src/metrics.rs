@@ -87,6 +87,16 @@ pub struct CleanerMetrics {
     pub backfill_rows: IntCounterVec,
     /// 0 CREATING, 1 BACKFILLING, 2 ACTIVE, 3 DROPPING.
     pub index_state: IntGaugeVec,
+    /// Events on the topic the index's group has not committed, per partition.
+    pub partition_lag: IntGaugeVec,
+    /// The same, summed over partitions.
+    pub lag_events: IntGaugeVec,
+    /// Newest commit on any shard minus the newest commit the index applied.
+    pub lag_seconds: GaugeVec,
+    /// Commit time of the newest event the index applied (from MySQL).
+    pub applied_through: GaugeVec,
+    /// Live members of the index's consumer group.
+    pub consumers: IntGaugeVec,
 }
 
 impl CleanerMetrics {
@@ -130,6 +140,35 @@ impl CleanerMetrics {
                 ),
                 &["index"],
             )?,
+            partition_lag: IntGaugeVec::new(
+                Opts::new(
+                    "bagstore_index_partition_lag_events",
+                    "Change events not yet applied, per partition",
+                ),
+                &["index", "partition"],
+            )?,
+            lag_events: IntGaugeVec::new(
+                Opts::new("bagstore_index_lag_events", "Change events not yet applied, all partitions"),
+                &["index"],
+            )?,
+            lag_seconds: GaugeVec::new(
+                Opts::new(
+                    "bagstore_index_lag_seconds",
+                    "Newest commit minus the newest commit the index applied",
+                ),
+                &["index"],
+            )?,
+            applied_through: GaugeVec::new(
+                Opts::new(
+                    "bagstore_index_applied_through_timestamp_seconds",
+                    "Commit time of the newest change event the index applied",
+                ),
+                &["index"],
+            )?,
+            consumers: IntGaugeVec::new(
+                Opts::new("bagstore_index_consumers", "Live members of the index's consumer group"),
+                &["index"],
+            )?,
         };
         r.register(Box::new(m.drift_found.clone()))?;
         r.register(Box::new(m.drift_fixed.clone()))?;
@@ -139,6 +178,11 @@ impl CleanerMetrics {
         r.register(Box::new(m.backfill_progress.clone()))?;
         r.register(Box::new(m.backfill_rows.clone()))?;
         r.register(Box::new(m.index_state.clone()))?;
+        r.register(Box::new(m.partition_lag.clone()))?;
+        r.register(Box::new(m.lag_events.clone()))?;
+        r.register(Box::new(m.lag_seconds.clone()))?;
+        r.register(Box::new(m.applied_through.clone()))?;
+        r.register(Box::new(m.consumers.clone()))?;
         Ok(m)
     }
 }

@@ -30,6 +30,8 @@ pub fn router(reader: Reader) -> Router {
         .route("/v1/entities/get", post(get_many))
         .route("/v1/query", post(run_query))
         .route("/v1/indexes", get(list_indexes))
+        .route("/v1/indexes/{table}", axum::routing::delete(drop_index))
+        .route("/v1/lag", get(lag))
         .with_state(reader)
 }
 
@@ -159,4 +161,53 @@ async fn list_indexes(State(r): State<Reader>) -> Result<Json<JsonValue>, Proble
         })
         .collect();
     Ok(Json(json!({ "indexes": indexes })))
+}
+
+/// Stops maintaining an index and drops its table on every shard.
+async fn drop_index(State(r): State<Reader>, Path(table): Path<String>) -> Result<Json<JsonValue>, Problem> {
+    let shards = r.shards();
+    let metas = schemas::store::list_index_meta(shards.pool(0)).await.map_err(|e| Problem::internal(&e))?;
+    if !metas.iter().any(|m| m.spec.table == table && m.state != IndexState::Dropping) {
+        return Err(Problem::not_found(format!("no index named {table:?}")));
+    }
+    schemas::store::set_index_state(shards.pool(0), &table, IndexState::Dropping)
+        .await
+        .map_err(|e| Problem::internal(&e))?;
+    for shard in 0..shards.count() {
+        schemas::store::drop_index_table(shard, shards.pool(shard), &table)
+            .await
+            .map_err(|e| Problem::internal(&e))?;
+    }
+    Ok(Json(json!({"table": table, "state": "DROPPING", "shards": shards.count()})))
+}
+
+/// Per index: events not yet applied (from Kafka, when the reader knows the
+/// brokers) and time lag (from MySQL).
+async fn lag(State(r): State<Reader>) -> Result<Json<JsonValue>, Problem> {
+    let metas =
+        schemas::store::list_index_meta(r.shards().pool(0)).await.map_err(|e| Problem::internal(&e))?;
+    let k = &r.settings().kafka;
+    let mut out = Vec::new();
+    for m in metas.iter().filter(|m| m.state != IndexState::Dropping) {
+        let table = &m.spec.table;
+        let fresh = r.freshness(table).await.map_err(|e| Problem::internal(&e))?;
+        let events = if k.brokers.is_empty() {
+            None
+        } else {
+            schemas::kafka::group_lag(k, &k.group_for(table)).await.ok().map(|parts| {
+                let per: Vec<JsonValue> =
+                    parts.iter().map(|p| json!({"partition": p.partition, "lag": p.lag()})).collect();
+                (parts.iter().map(|p| p.lag()).sum::<i64>(), per)
+            })
+        };
+        out.push(json!({
+            "index": table,
+            "state": m.state.as_str(),
+            "lag_events": events.as_ref().map(|e| e.0),
+            "partitions": events.map(|e| e.1),
+            "lag_ms": fresh.lag_ms,
+            "applied_through_us": fresh.applied_through_us,
+        }));
+    }
+    Ok(Json(json!({ "indexes": out })))
 }

@@ -149,3 +149,17 @@ pub async fn group_lag(k: &KafkaSettings, group: &str) -> Result<Vec<PartitionLa
     .await
     .map_err(|_| KafkaError::Canceled)?
 }
+
+/// Members of a consumer group (the indexer processes consuming for one
+/// index), as the group coordinator reports them.
+pub async fn group_members(k: &KafkaSettings, group: &str) -> Result<usize, KafkaError> {
+    let cfg = base_config(k);
+    let group = group.to_string();
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = cfg.create()?;
+        let list = consumer.fetch_group_list(Some(&group), Duration::from_secs(5))?;
+        Ok(list.groups().iter().filter(|g| g.name() == group).map(|g| g.members().len()).sum())
+    })
+    .await
+    .map_err(|_| KafkaError::Canceled)?
+}

@@ -42,14 +42,14 @@ pub enum StoreError {
 }
 
 impl StoreError {
-    /// Deadlocks and lock wait timeouts: the transaction was rolled back and
-    /// may simply be run again.
+    /// Deadlocks, lock wait timeouts and a lost race to insert the same new
+    /// id: the transaction was rolled back and may simply be run again.
     pub fn is_retryable_conflict(&self) -> bool {
         match self {
             StoreError::Shard { source: sqlx::Error::Database(db), .. } => {
                 matches!(
                     db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().map(|e| e.number()),
-                    Some(1213 | 1205)
+                    Some(1213 | 1205 | 1062)
                 )
             }
             _ => false,
@@ -93,6 +93,18 @@ impl Shards {
                 MySqlPoolOptions::new()
                     .max_connections(settings.max_connections)
                     .acquire_timeout(Duration::from_millis(settings.connect_timeout_ms))
+                    // READ COMMITTED: a locking read of an absent id takes no
+                    // gap lock, so concurrent inserts of different new ids do
+                    // not deadlock; two inserts of the same new id collide on
+                    // the unique key instead, and the loser retries.
+                    .after_connect(|conn, _| {
+                        Box::pin(async move {
+                            sqlx::query("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                                .execute(&mut *conn)
+                                .await
+                                .map(|_| ())
+                        })
+                    })
                     .connect_lazy_with(opts),
             );
         }

@@ -98,6 +98,12 @@ impl Writer {
         for (i, (id, _)) in items.iter().enumerate() {
             per_shard[self.shards().of_id(id)].push(i);
         }
+        // Lock rows in id order in every batch, so two batches touching the
+        // same ids cannot deadlock; the sort is stable, so repeated ids keep
+        // their order within the batch.
+        for idx in &mut per_shard {
+            idx.sort_by_key(|&i| items[i].0);
+        }
         let jobs = per_shard.iter().enumerate().filter(|(_, idx)| !idx.is_empty()).map(|(shard, idx)| {
             let batch: Vec<(EntityId, Change, Precondition)> = idx
                 .iter()

@@ -15,6 +15,7 @@
 //! every CREATING or BACKFILLING index ([`backfill`]).
 
 pub mod backfill;
+pub mod lag;
 pub mod reconcile;
 
 use schemas::store::{self, IndexMeta, IndexState, ScannedEntity, Shards, StoreError};

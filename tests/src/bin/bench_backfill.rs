@@ -617,8 +617,9 @@ async fn index_state(api: &Api, table: &str) -> Option<String> {
 
 // --------------------------------------------------------------- report
 
-/// `git describe --always --dirty` of the workspace this binary was built from.
-fn source_version() -> String {
+/// `git describe --always --dirty` of the workspace this binary was built
+/// in, as it is now (the binaries may be older than that).
+fn workspace_now() -> String {
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
     std::process::Command::new("git")
         .args(["-C", root, "describe", "--always", "--dirty"])
@@ -690,7 +691,7 @@ async fn run(opts: Options) -> anyhow::Result<bool> {
         if opts.quick { " (--quick)" } else { "" }
     );
     println!("machine: {cores} CPUs, {mem} memory; load average {}", loadavg());
-    println!("bagstore binary: {}; source {}", bagstore_bin().display(), source_version());
+    println!("bagstore binary: {}; workspace now at {}", bagstore_bin().display(), workspace_now());
 
     // 1. The stack, with index_user_id only.
     let mut env = TestEnv::new("bench", INDEX_USER_ID).await;
@@ -930,7 +931,7 @@ async fn measure(
 
     let report = json!({
         "date": date,
-        "source": source_version(),
+        "workspace_at_run": workspace_now(),
         "bagstore_bin": bagstore_bin().display().to_string(),
         "machine": {"cpus": cores, "memory": mem},
         "options": {
