@@ -48,6 +48,12 @@ struct Poison {
 
 impl IndexConsumer {
     pub fn new(settings: Settings, spec: IndexSpec, shards: Shards, metrics: Metrics) -> IndexConsumer {
+        // The index's series exist from the start (at 0), so increase() sees the first event.
+        let t = [spec.table.as_str()];
+        metrics.applied.with_label_values(&t);
+        metrics.failed.with_label_values(&t);
+        metrics.dead_lettered.with_label_values(&t);
+        metrics.assigned_partitions.with_label_values(&t);
         IndexConsumer { settings, spec, shards, metrics }
     }
 

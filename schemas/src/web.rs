@@ -112,7 +112,9 @@ pub struct HttpMetrics {
 }
 
 impl HttpMetrics {
-    /// `component` is `writer`, `reader` or `dev`: one series family per service.
+    /// Registers `bagstore_<component>_requests_total` and
+    /// `…_request_duration_seconds` (the services use `http`: one family,
+    /// told apart by the `route` label).
     pub fn register(registry: &Registry, component: &str) -> prometheus::Result<HttpMetrics> {
         let requests = IntCounterVec::new(
             Opts::new(format!("bagstore_{component}_requests_total"), "HTTP requests answered"),

@@ -48,6 +48,17 @@ struct Inner {
 impl Writer {
     pub fn new(settings: Settings, shards: Shards, registry: &Registry) -> prometheus::Result<Writer> {
         let metrics = metrics::Metrics::register(registry)?;
+        // Every shard's series exist from the start (at 0), so dashboards and
+        // increase() see the first failure.
+        for shard in 0..shards.count() {
+            let s = shard.to_string();
+            metrics.published.with_label_values(&[&s]);
+            metrics.publish_failures.with_label_values(&[&s]);
+            metrics.relay_leader.with_label_values(&[&s]);
+            for kind in ["put", "delete"] {
+                metrics.writes.with_label_values(&[&s, kind]);
+            }
+        }
         let wake = (0..shards.count()).map(|_| Notify::new()).collect();
         Ok(Writer { inner: Arc::new(Inner { settings, shards, metrics, wake }) })
     }

@@ -71,6 +71,9 @@ impl Writer {
                 sleep_or_stop(&shutdown, poll).await;
             }
             leader_gauge.set(0);
+            // Only the leader knows the backlog; a follower exports none.
+            let _ = self.inner.metrics.outbox_backlog.remove_label_values(&[&label]);
+            let _ = self.inner.metrics.outbox_oldest.remove_label_values(&[&label]);
         }
     }
 

@@ -152,7 +152,19 @@ impl Cleaner {
                         self.settings().cleaner.backfill_batch,
                     )
                     .await?;
-                    self.write_rows(spec, &batch).await?;
+                    // Live indexer writes can deadlock with ours; InnoDB rolled
+                    // the statement back, so run it again (upserts are idempotent).
+                    let mut attempt = 0u32;
+                    loop {
+                        match self.write_rows(spec, &batch).await {
+                            Ok(()) => break,
+                            Err(e) if e.is_retryable_conflict() && attempt < 20 => {
+                                attempt += 1;
+                                tokio::time::sleep(Duration::from_millis(10 << attempt.min(6))).await;
+                            }
+                            Err(e) => return Err(e.into()),
+                        }
+                    }
                     let mut s = shared.lock().await;
                     match batch.last() {
                         Some(last) => s.cursor.below[shard] = last.added_id,

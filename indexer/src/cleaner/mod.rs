@@ -148,6 +148,18 @@ impl Cleaner {
             .filter(|m| matches!(m.state, IndexState::Active | IndexState::Backfilling))
             .map(|m| m.spec)
             .collect();
+        // Per index: commit time of the newest event applied; later commits
+        // are still in flight and not judged this cycle.
+        let mut settled = HashMap::new();
+        for spec in &specs {
+            let at = store::index_progress(self.shards().pool(0), &spec.table).await?.unwrap_or(i64::MIN);
+            settled.insert(spec.table.clone(), at);
+            for kind in ["missing", "dangling"] {
+                // Present from the start, so increase() sees the first drift.
+                self.inner.metrics.drift_found.with_label_values(&[&spec.table, kind]);
+                self.inner.metrics.drift_fixed.with_label_values(&[&spec.table, kind]);
+            }
+        }
         let n = self.shards().count();
         if st.deep.len() != n {
             *st = SweepState { deep: vec![None; n], deep_done: vec![false; n], ..Default::default() };
@@ -169,7 +181,7 @@ impl Cleaner {
                 batch,
             )
             .await?;
-            self.reconcile_scanned(&specs, recent).await?;
+            self.reconcile_scanned(&specs, &settled, recent).await?;
             // One step of the deep pass.
             if !st.deep_done[shard] {
                 let rows = store::scan_entities_by_updated(
@@ -182,7 +194,7 @@ impl Cleaner {
                 .await?;
                 st.deep[shard] = rows.last().map(|e| (e.updated_us, e.added_id));
                 st.deep_done[shard] = rows.len() < batch;
-                self.reconcile_scanned(&specs, rows).await?;
+                self.reconcile_scanned(&specs, &settled, rows).await?;
             }
             // One step of each index table's pass.
             for spec in &specs {
@@ -200,7 +212,7 @@ impl Cleaner {
                 st.index_pass.insert(k, ids.last().copied());
                 let found = self.read_any(&ids).await?;
                 self.inner.metrics.rows_scanned.with_label_values(&[&spec.table]).inc_by(ids.len() as u64);
-                reconcile::reconcile(self, spec, &ids, &found).await?;
+                reconcile::reconcile(self, spec, &ids, &found, settled[&spec.table]).await?;
             }
         }
         let all_index_done =
@@ -216,6 +228,7 @@ impl Cleaner {
     async fn reconcile_scanned(
         &self,
         specs: &[IndexSpec],
+        settled: &HashMap<String, i64>,
         rows: Vec<ScannedEntity>,
     ) -> Result<(), CleanerError> {
         if rows.is_empty() {
@@ -224,7 +237,7 @@ impl Cleaner {
         let ids: Vec<EntityId> = rows.iter().map(|e| e.id).collect();
         for spec in specs {
             self.inner.metrics.rows_scanned.with_label_values(&[&spec.table]).inc_by(rows.len() as u64);
-            reconcile::reconcile(self, spec, &ids, &rows).await?;
+            reconcile::reconcile(self, spec, &ids, &rows, settled[&spec.table]).await?;
         }
         Ok(())
     }

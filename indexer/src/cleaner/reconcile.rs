@@ -28,12 +28,21 @@ fn expected_keys(spec: &IndexSpec, e: Option<&ScannedEntity>) -> (u64, Vec<Index
 }
 
 /// Repairs the rows of `ids` in `spec`'s index, given what was read of them.
+///
+/// Entities committed after `settled_us` (the commit time of the newest
+/// event the index applied) are left alone: their events may still be on
+/// their way through Kafka, and that is lag, not drift.
 pub async fn reconcile(
     cleaner: &Cleaner,
     spec: &IndexSpec,
     ids: &[EntityId],
     found: &[ScannedEntity],
+    settled_us: i64,
 ) -> Result<(), CleanerError> {
+    let in_flight: std::collections::HashSet<EntityId> =
+        found.iter().filter(|e| e.updated_us > settled_us).map(|e| e.id).collect();
+    let ids: Vec<EntityId> = ids.iter().filter(|id| !in_flight.contains(id)).copied().collect();
+    let ids = &ids[..];
     if ids.is_empty() {
         return Ok(());
     }
@@ -94,6 +103,9 @@ pub async fn reconcile(
     let now: HashMap<EntityId, &ScannedEntity> = reread.iter().map(|e| (e.id, e)).collect();
     let mut fixed = 0u64;
     for (shard, row) in candidates {
+        if now.get(&row.entity).is_some_and(|e| e.updated_us > settled_us) {
+            continue; // Changed since the scan and not yet indexed: the indexer's turn.
+        }
         let (version, keys) = expected_keys(spec, now.get(&row.entity).copied());
         if keys.contains(&row.key) && spec.shard_of_key(&row.key, n) == shard {
             continue; // Valid again: the entity changed under us.
