@@ -44,5 +44,15 @@ pub async fn migrate(settings: &Settings, shards: &Shards, kafka: bool) -> anyho
     if kafka {
         schemas::kafka::ensure_topics(&settings.kafka).await.context("creating the Kafka topics")?;
     }
+    // A CREATING index has not been scanned yet, so its consumer group may
+    // start at the end of the topic: the backfill covers everything older.
+    for (table, state) in &report.indexes {
+        if *state == IndexState::Creating && !settings.kafka.brokers.is_empty() {
+            let group = settings.kafka.group_for(table);
+            if let Err(e) = schemas::kafka::start_group_at_end(&settings.kafka, &group).await {
+                tracing::warn!(index = %table, error = %e, "could not start the new consumer group at the topic's end; it will replay the topic");
+            }
+        }
+    }
     Ok(report)
 }

@@ -4,7 +4,7 @@
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use std::time::Duration;
@@ -159,6 +159,32 @@ pub async fn group_members(k: &KafkaSettings, group: &str) -> Result<usize, Kafk
         let consumer: BaseConsumer = cfg.create()?;
         let list = consumer.fetch_group_list(Some(&group), Duration::from_secs(5))?;
         Ok(list.groups().iter().filter(|g| g.name() == group).map(|g| g.members().len()).sum())
+    })
+    .await
+    .map_err(|_| KafkaError::Canceled)?
+}
+
+/// Commits the group's offsets at the topic's current end, so a consumer
+/// group created for a new index does not replay the whole topic: the
+/// backfill that follows reads every entity as it is now, and later events
+/// are consumed normally. Fails (harmlessly) if the group has live members.
+pub async fn start_group_at_end(k: &KafkaSettings, group: &str) -> Result<(), KafkaError> {
+    let k = k.clone();
+    let group = group.to_string();
+    tokio::task::spawn_blocking(move || {
+        let mut cfg = base_config(&k);
+        cfg.set("group.id", &group).set("enable.auto.commit", "false");
+        let consumer: BaseConsumer = cfg.create()?;
+        let timeout = Duration::from_secs(5);
+        let md = consumer.fetch_metadata(Some(&k.topic), timeout)?;
+        let mut tpl = TopicPartitionList::new();
+        for t in md.topics() {
+            for p in t.partitions() {
+                let (_, high) = consumer.fetch_watermarks(&k.topic, p.id(), timeout)?;
+                tpl.add_partition_offset(&k.topic, p.id(), Offset::Offset(high))?;
+            }
+        }
+        consumer.commit(&tpl, CommitMode::Sync)
     })
     .await
     .map_err(|_| KafkaError::Canceled)?

@@ -55,9 +55,18 @@ async fn a_new_index_is_backfilled_online_through_creating_backfilling_active() 
     let rapi = reader.api();
     load(&api, 600).await;
 
+    eventually("the outbox to drain", Duration::from_secs(30), || async {
+        (env.count_rows("outbox").await == 0).then_some(())
+    })
+    .await;
     env.indexes_toml.push_str(INDEX_LINK);
     let out = env.migrate().await;
     assert!(out.contains("index index_link: CREATING"), "{out}");
+    // Its consumer group starts at the topic's end: the backfill covers the past.
+    let k = env.kafka_settings();
+    let lag = schemas::kafka::group_lag(&k, &k.group_for("index_link")).await.unwrap();
+    assert!(lag.iter().all(|p| p.committed == Some(p.high_watermark)), "{lag:?}");
+    assert!(lag.iter().map(|p| p.high_watermark).sum::<i64>() >= 600);
     assert_eq!(index_state(&rapi, "index_link").await.as_deref(), Some("CREATING"));
     let (s, doc) = rapi.query(&by_links(0..10)).await;
     assert_eq!((s, doc["type"].clone()), (409, json!("/problems/index-not-ready")), "{doc}");
