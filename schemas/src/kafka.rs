@@ -55,7 +55,10 @@ pub fn consumer_config(k: &KafkaSettings, group: &str) -> ClientConfig {
         .set("auto.offset.reset", "earliest")
         .set("session.timeout.ms", k.session_timeout_ms.to_string())
         .set("heartbeat.interval.ms", (k.session_timeout_ms / 4).max(100).to_string())
-        .set("partition.assignment.strategy", "cooperative-sticky");
+        .set("partition.assignment.strategy", "cooperative-sticky")
+        // Index lag is the product: do not let an idle fetch sit for the
+        // default 500 ms when a broker is slow to answer early.
+        .set("fetch.wait.max.ms", "100");
     with_options(c, k)
 }
 
