@@ -77,6 +77,10 @@ pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running>
     let router = router
         .merge(web::ops_router(registry))
         .fallback(web::not_found)
+        .route_layer(axum::middleware::from_fn_with_state(
+            std::sync::Arc::new(settings.auth.clone()),
+            web::authorize,
+        ))
         .layer(axum::middleware::from_fn_with_state(http_metrics, web::track));
     Ok(Running { router, shards, tracker, pipeline })
 }

@@ -14,6 +14,9 @@ pub struct ClientArgs {
     /// Print the server's JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Bearer token, when the server requires one.
+    #[arg(long, env = "BAGSTORE_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
 }
 
 /// A JSON argument: inline text, `@file`, or `-` for standard input.
@@ -31,6 +34,7 @@ pub fn json_arg(arg: &str) -> anyhow::Result<Value> {
 }
 
 async fn call(
+    c: &ClientArgs,
     method: reqwest::Method,
     url: String,
     body: Option<&Value>,
@@ -38,6 +42,9 @@ async fn call(
 ) -> anyhow::Result<Value> {
     let client = reqwest::Client::new();
     let mut req = client.request(method, &url);
+    if let Some(t) = &c.token {
+        req = req.bearer_auth(t);
+    }
     if let Some(b) = body {
         req = req.json(b);
     }
@@ -99,9 +106,9 @@ pub async fn put(c: &ClientArgs, id: Option<&str>, body: Value, if_match: Option
     let header = if_match.map(|v| ("If-Match", format!("\"{v}\"")));
     let doc = match id {
         Some(id) => {
-            call(reqwest::Method::PUT, format!("{}/v1/entities/{id}", c.url), Some(&body), header).await?
+            call(c, reqwest::Method::PUT, format!("{}/v1/entities/{id}", c.url), Some(&body), header).await?
         }
-        None => call(reqwest::Method::POST, format!("{}/v1/entities", c.url), Some(&body), header).await?,
+        None => call(c, reqwest::Method::POST, format!("{}/v1/entities", c.url), Some(&body), header).await?,
     };
     if c.json {
         println!("{doc}");
@@ -117,7 +124,7 @@ pub async fn put(c: &ClientArgs, id: Option<&str>, body: Value, if_match: Option
 }
 
 pub async fn get(c: &ClientArgs, id: &str) -> anyhow::Result<()> {
-    let doc = call(reqwest::Method::GET, format!("{}/v1/entities/{id}", c.url), None, None).await?;
+    let doc = call(c, reqwest::Method::GET, format!("{}/v1/entities/{id}", c.url), None, None).await?;
     if c.json {
         println!("{doc}");
     } else {
@@ -127,7 +134,7 @@ pub async fn get(c: &ClientArgs, id: &str) -> anyhow::Result<()> {
 }
 
 pub async fn delete(c: &ClientArgs, id: &str) -> anyhow::Result<()> {
-    let doc = call(reqwest::Method::DELETE, format!("{}/v1/entities/{id}", c.url), None, None).await?;
+    let doc = call(c, reqwest::Method::DELETE, format!("{}/v1/entities/{id}", c.url), None, None).await?;
     if c.json {
         println!("{doc}");
     } else {
@@ -137,7 +144,7 @@ pub async fn delete(c: &ClientArgs, id: &str) -> anyhow::Result<()> {
 }
 
 pub async fn query(c: &ClientArgs, q: Value) -> anyhow::Result<()> {
-    let doc = call(reqwest::Method::POST, format!("{}/v1/query", c.url), Some(&q), None).await?;
+    let doc = call(c, reqwest::Method::POST, format!("{}/v1/query", c.url), Some(&q), None).await?;
     if c.json {
         println!("{doc}");
         return Ok(());
@@ -162,7 +169,7 @@ pub async fn query(c: &ClientArgs, q: Value) -> anyhow::Result<()> {
 }
 
 pub async fn index_list(c: &ClientArgs) -> anyhow::Result<()> {
-    let doc = call(reqwest::Method::GET, format!("{}/v1/indexes", c.url), None, None).await?;
+    let doc = call(c, reqwest::Method::GET, format!("{}/v1/indexes", c.url), None, None).await?;
     if c.json {
         println!("{doc}");
         return Ok(());
@@ -201,7 +208,8 @@ pub async fn index_list(c: &ClientArgs) -> anyhow::Result<()> {
 }
 
 pub async fn index_drop(c: &ClientArgs, table_name: &str) -> anyhow::Result<()> {
-    let doc = call(reqwest::Method::DELETE, format!("{}/v1/indexes/{table_name}", c.url), None, None).await?;
+    let doc =
+        call(c, reqwest::Method::DELETE, format!("{}/v1/indexes/{table_name}", c.url), None, None).await?;
     if c.json {
         println!("{doc}");
     } else {
@@ -211,7 +219,7 @@ pub async fn index_drop(c: &ClientArgs, table_name: &str) -> anyhow::Result<()> 
 }
 
 pub async fn lag(c: &ClientArgs) -> anyhow::Result<()> {
-    let doc = call(reqwest::Method::GET, format!("{}/v1/lag", c.url), None, None).await?;
+    let doc = call(c, reqwest::Method::GET, format!("{}/v1/lag", c.url), None, None).await?;
     if c.json {
         println!("{doc}");
         return Ok(());

@@ -44,7 +44,50 @@ pub struct Settings {
     #[serde(default)]
     pub cleaner: CleanerSettings,
     #[serde(default)]
+    pub auth: AuthSettings,
+    #[serde(default)]
     pub indexes: Vec<IndexSpec>,
+}
+
+/// A bearer token. It never appears in Debug output or logs.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl Secret {
+    /// Compares without stopping at the first differing byte.
+    pub fn matches(&self, presented: &str) -> bool {
+        let (a, b) = (self.0.as_bytes(), presented.as_bytes());
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+fn secrets_list_or_csv<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Secret>, D::Error> {
+    Ok(list_or_csv(d)?.into_iter().map(|dsn| Secret(dsn.0)).collect())
+}
+
+/// Optional bearer tokens per role. A role with no tokens is open; admin
+/// tokens are accepted everywhere.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthSettings {
+    /// Writes: `POST/PUT/DELETE /v1/entities…`.
+    #[serde(deserialize_with = "secrets_list_or_csv")]
+    pub write_tokens: Vec<Secret>,
+    /// Reads: entity gets, queries, index list, lag.
+    #[serde(deserialize_with = "secrets_list_or_csv")]
+    pub read_tokens: Vec<Secret>,
+    /// Index administration (`DELETE /v1/indexes/{table}`), and everything else.
+    #[serde(deserialize_with = "secrets_list_or_csv")]
+    pub admin_tokens: Vec<Secret>,
+    /// Require a read token for `/metrics` too.
+    pub protect_metrics: bool,
 }
 
 /// A MySQL connection URL. Its password never appears in Debug or Display.
@@ -421,6 +464,20 @@ mod tests {
         assert!(Settings::from_toml_and_env("", env(&[("BAGSTORE_KAFKA__PARTITIONS", "0")])).is_err());
         let dup = "[[indexes]]\ntable='t'\nproperties=[{name='a',type='int'}]\n".repeat(2);
         assert!(Settings::from_toml_and_env(&dup, env(&[])).is_err());
+    }
+
+    #[test]
+    fn tokens_never_show_in_debug_output_and_compare_exactly() {
+        let s = Settings::from_toml_and_env(
+            "[auth]\nwrite_tokens = [\"sekrit\"]",
+            env(&[("BAGSTORE_AUTH__READ_TOKENS", "r1,r2")]),
+        )
+        .unwrap();
+        assert!(!format!("{s:?}").contains("sekrit"));
+        assert_eq!(s.auth.read_tokens.len(), 2);
+        assert!(s.auth.write_tokens[0].matches("sekrit"));
+        assert!(!s.auth.write_tokens[0].matches("sekri"));
+        assert!(!s.auth.write_tokens[0].matches("sekriT"));
     }
 
     #[test]

@@ -165,6 +165,84 @@ pub fn ops_router(registry: Registry) -> Router {
     )
 }
 
+/// Which token a route needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Open,
+    Read,
+    Write,
+    Admin,
+}
+
+/// The role a request needs, by method and matched route.
+pub fn role_of(method: &axum::http::Method, route: &str, protect_metrics: bool) -> Role {
+    use axum::http::Method;
+    match (method, route) {
+        (_, "/health") => Role::Open,
+        (_, "/metrics") if protect_metrics => Role::Read,
+        (_, "/metrics") => Role::Open,
+        (&Method::DELETE, "/v1/indexes/{table}") => Role::Admin,
+        (&Method::POST, "/v1/entities" | "/v1/entities/batch")
+        | (&Method::PUT | &Method::DELETE, "/v1/entities/{id}") => Role::Write,
+        (_, r) if r.starts_with("/v1/") => Role::Read,
+        _ => Role::Open,
+    }
+}
+
+/// Middleware: bearer tokens per role (see `AuthSettings`). Missing or
+/// unknown token → 401; a valid token of another role → 403. Runs before
+/// the handler, so a refused request writes nothing.
+pub async fn authorize(
+    State(auth): State<std::sync::Arc<crate::settings::AuthSettings>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let route = req.extensions().get::<MatchedPath>().map(|p| p.as_str().to_string()).unwrap_or_default();
+    let role = role_of(req.method(), &route, auth.protect_metrics);
+    let needed = match role {
+        Role::Open => None,
+        Role::Read => Some(&auth.read_tokens),
+        Role::Write => Some(&auth.write_tokens),
+        Role::Admin => Some(&auth.admin_tokens),
+    };
+    let Some(needed) = needed.filter(|t| !t.is_empty()) else {
+        return next.run(req).await;
+    };
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let Some(token) = presented else {
+        return unauthorized("this route needs a bearer token (Authorization: Bearer <token>)");
+    };
+    if needed.iter().chain(&auth.admin_tokens).any(|s| s.matches(token)) {
+        return next.run(req).await;
+    }
+    let known = [&auth.read_tokens, &auth.write_tokens, &auth.admin_tokens]
+        .iter()
+        .any(|l| l.iter().any(|s| s.matches(token)));
+    if known {
+        Problem::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "Forbidden",
+            "this token's role may not use this route",
+        )
+        .into_response()
+    } else {
+        unauthorized("the bearer token is not valid")
+    }
+}
+
+fn unauthorized(detail: &str) -> Response {
+    let mut resp =
+        Problem::new(StatusCode::UNAUTHORIZED, "unauthorized", "Unauthorized", detail).into_response();
+    resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    resp
+}
+
 /// Answers 404 problems for unknown routes instead of an empty body.
 pub async fn not_found() -> Problem {
     Problem::not_found("no such route")
