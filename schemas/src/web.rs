@@ -149,20 +149,28 @@ pub async fn track(State(m): State<HttpMetrics>, req: Request, next: Next) -> Re
     resp
 }
 
-/// `/metrics` (Prometheus text) and `/health`.
+/// The OpenAPI description of the v1 HTTP API.
+pub const OPENAPI: &str = include_str!("openapi.json");
+
+/// `/metrics` (Prometheus text), `/health` and `/v1/openapi.json`.
 pub fn ops_router(registry: Registry) -> Router {
-    Router::new().route("/health", get(|| async { axum::Json(json!({"status": "ok"})) })).route(
-        "/metrics",
-        get(move || {
-            let registry = registry.clone();
-            async move {
-                match TextEncoder::new().encode_to_string(&registry.gather()) {
-                    Ok(text) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response(),
-                    Err(e) => Problem::internal(&e).into_response(),
+    Router::new()
+        .route("/health", get(|| async { axum::Json(json!({"status": "ok"})) }))
+        .route("/v1/openapi.json", get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }))
+        .route(
+            "/metrics",
+            get(move || {
+                let registry = registry.clone();
+                async move {
+                    match TextEncoder::new().encode_to_string(&registry.gather()) {
+                        Ok(text) => {
+                            ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+                        }
+                        Err(e) => Problem::internal(&e).into_response(),
+                    }
                 }
-            }
-        }),
-    )
+            }),
+        )
 }
 
 /// Which token a route needs.
@@ -178,7 +186,7 @@ pub enum Role {
 pub fn role_of(method: &axum::http::Method, route: &str, protect_metrics: bool) -> Role {
     use axum::http::Method;
     match (method, route) {
-        (_, "/health") => Role::Open,
+        (_, "/health" | "/v1/openapi.json") => Role::Open,
         (_, "/metrics") if protect_metrics => Role::Read,
         (_, "/metrics") => Role::Open,
         (&Method::DELETE, "/v1/indexes/{table}") => Role::Admin,
