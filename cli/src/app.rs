@@ -77,6 +77,7 @@ pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running>
     let router = router
         .merge(web::ops_router(registry))
         .fallback(web::not_found)
+        .method_not_allowed_fallback(web::method_not_allowed)
         .route_layer(axum::middleware::from_fn_with_state(
             std::sync::Arc::new(settings.auth.clone()),
             web::authorize,

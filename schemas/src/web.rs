@@ -251,6 +251,16 @@ fn unauthorized(detail: &str) -> Response {
     resp
 }
 
+/// Answers 405 problems for a known route with another method.
+pub async fn method_not_allowed() -> Problem {
+    Problem::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method-not-allowed",
+        "Method not allowed",
+        "this route does not take this HTTP method; see /v1/openapi.json",
+    )
+}
+
 /// Answers 404 problems for unknown routes instead of an empty body.
 pub async fn not_found() -> Problem {
     Problem::not_found("no such route")

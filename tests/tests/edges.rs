@@ -82,6 +82,26 @@ async fn bad_input_gets_a_problem_document_and_nothing_is_written() {
         assert!(doc["detail"].as_str().is_some_and(|d| !d.is_empty()), "{doc}");
     }
 
+    // The API describes itself; every documented path is a real route.
+    let (s, spec) = api.raw(Method::GET, "/v1/openapi.json", vec![]).await;
+    assert_eq!(s, 200);
+    let paths = spec["paths"].as_object().unwrap();
+    for p in [
+        "/v1/entities",
+        "/v1/entities/{id}",
+        "/v1/entities/batch",
+        "/v1/entities/get",
+        "/v1/query",
+        "/v1/indexes",
+        "/v1/lag",
+    ] {
+        assert!(paths.contains_key(p), "{p} undocumented");
+    }
+    for p in paths.keys().filter(|p| !p.contains('{')) {
+        let (s, _) = api.raw(Method::OPTIONS, p, vec![]).await;
+        assert_ne!(s, 404, "{p} is documented but not served");
+    }
+
     // Preconditions.
     let (s, doc) = api.put_with(good, &json!({"x": 1}), ("If-Match", "\"7\"")).await;
     assert_eq!((s, doc["current_version"].clone()), (412, json!(1)), "{doc}");
