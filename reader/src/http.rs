@@ -12,8 +12,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use schemas::store::IndexState;
 use schemas::value::bag_to_json_map;
-use schemas::web::{read_json, Problem};
-use schemas::EntityId;
+use schemas::web::{parse_id, read_json, Problem};
 use serde_json::{json, Value as JsonValue};
 use std::time::Duration;
 
@@ -47,10 +46,6 @@ pub fn entity_json(e: &Entity) -> JsonValue {
 
 fn read_problem(e: ReadError) -> Problem {
     Problem::internal(&e)
-}
-
-fn parse_id(s: &str) -> Result<EntityId, Problem> {
-    EntityId::parse(s).map_err(|e| Problem::bad_request("bad-id", e.to_string()))
 }
 
 async fn get_one(State(r): State<Reader>, Path(id): Path<String>) -> Result<Json<JsonValue>, Problem> {

@@ -101,6 +101,19 @@ pub async fn ensure_topics(k: &KafkaSettings) -> Result<(), KafkaError> {
     Ok(())
 }
 
+/// A consumer that speaks for `group` (reads and commits its offsets)
+/// without subscribing, so it never joins the group or triggers a rebalance.
+fn group_consumer(k: &KafkaSettings, group: &str) -> Result<BaseConsumer, KafkaError> {
+    let mut cfg = base_config(k);
+    cfg.set("group.id", group).set("enable.auto.commit", "false");
+    cfg.create()
+}
+
+fn topic_partitions(consumer: &BaseConsumer, topic: &str, timeout: Duration) -> Result<Vec<i32>, KafkaError> {
+    let md = consumer.fetch_metadata(Some(topic), timeout)?;
+    Ok(md.topics().iter().flat_map(|t| t.partitions().iter().map(|p| p.id())).collect())
+}
+
 /// Lag of one partition for one consumer group.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PartitionLag {
@@ -126,13 +139,9 @@ pub async fn group_lag(k: &KafkaSettings, group: &str) -> Result<Vec<PartitionLa
     let k = k.clone();
     let group = group.to_string();
     tokio::task::spawn_blocking(move || {
-        let mut cfg = base_config(&k);
-        cfg.set("group.id", &group).set("enable.auto.commit", "false");
-        let consumer: BaseConsumer = cfg.create()?;
+        let consumer = group_consumer(&k, &group)?;
         let timeout = Duration::from_secs(5);
-        let md = consumer.fetch_metadata(Some(&k.topic), timeout)?;
-        let partitions: Vec<i32> =
-            md.topics().iter().flat_map(|t| t.partitions().iter().map(|p| p.id())).collect();
+        let partitions = topic_partitions(&consumer, &k.topic, timeout)?;
         let mut tpl = TopicPartitionList::new();
         for p in &partitions {
             tpl.add_partition(&k.topic, *p);
@@ -175,17 +184,12 @@ pub async fn start_group_at_end(k: &KafkaSettings, group: &str) -> Result<(), Ka
     let k = k.clone();
     let group = group.to_string();
     tokio::task::spawn_blocking(move || {
-        let mut cfg = base_config(&k);
-        cfg.set("group.id", &group).set("enable.auto.commit", "false");
-        let consumer: BaseConsumer = cfg.create()?;
+        let consumer = group_consumer(&k, &group)?;
         let timeout = Duration::from_secs(5);
-        let md = consumer.fetch_metadata(Some(&k.topic), timeout)?;
         let mut tpl = TopicPartitionList::new();
-        for t in md.topics() {
-            for p in t.partitions() {
-                let (_, high) = consumer.fetch_watermarks(&k.topic, p.id(), timeout)?;
-                tpl.add_partition_offset(&k.topic, p.id(), Offset::Offset(high))?;
-            }
+        for p in topic_partitions(&consumer, &k.topic, timeout)? {
+            let (_, high) = consumer.fetch_watermarks(&k.topic, p, timeout)?;
+            tpl.add_partition_offset(&k.topic, p, Offset::Offset(high))?;
         }
         consumer.commit(&tpl, CommitMode::Sync)
     })

@@ -70,6 +70,14 @@ impl<T> OnShard<T> for std::result::Result<T, sqlx::Error> {
     }
 }
 
+/// Reads a `BINARY(16)` id column. Every id column is `BINARY(16) NOT
+/// NULL`, so a wrong length cannot come from our own writes; it reads as
+/// the all-zero id rather than failing a whole scan.
+fn id_column(shard: usize, r: &sqlx::mysql::MySqlRow, col: &str) -> Result<EntityId> {
+    let bytes: Vec<u8> = r.try_get(col).on(shard)?;
+    Ok(EntityId::from_slice(&bytes).unwrap_or(EntityId([0; 16])))
+}
+
 /// One connection pool per shard, in shard order.
 #[derive(Debug, Clone)]
 pub struct Shards {
@@ -295,9 +303,8 @@ const ENTITY_COLUMNS: &str =
     "id, version, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated) AS updated_us, body";
 
 fn stored_entity(shard: usize, r: &sqlx::mysql::MySqlRow) -> Result<StoredEntity> {
-    let id: Vec<u8> = r.try_get("id").on(shard)?;
     Ok(StoredEntity {
-        id: EntityId::from_slice(&id).unwrap_or(EntityId([0; 16])),
+        id: id_column(shard, r, "id")?,
         version: r.try_get("version").on(shard)?,
         updated_us: r.try_get("updated_us").on(shard)?,
         body: r.try_get("body").on(shard)?,
@@ -341,10 +348,9 @@ const SCAN_COLUMNS: &str = "added_id, id, version, \
      TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated) AS updated_us, body";
 
 fn scanned(shard: usize, r: &sqlx::mysql::MySqlRow) -> Result<ScannedEntity> {
-    let id: Vec<u8> = r.try_get("id").on(shard)?;
     Ok(ScannedEntity {
         added_id: r.try_get("added_id").on(shard)?,
-        id: EntityId::from_slice(&id).unwrap_or(EntityId([0; 16])),
+        id: id_column(shard, r, "id")?,
         version: r.try_get("version").on(shard)?,
         updated_us: r.try_get("updated_us").on(shard)?,
         body: r.try_get("body").on(shard)?,
@@ -473,10 +479,9 @@ pub async fn read_outbox(shard: usize, pool: &MySqlPool, limit: usize) -> Result
         .on(shard)?;
     rows.iter()
         .map(|r| {
-            let id: Vec<u8> = r.try_get("entity_id").on(shard)?;
             Ok(OutboxRow {
                 seq: r.try_get("seq").on(shard)?,
-                entity_id: EntityId::from_slice(&id).unwrap_or(EntityId([0; 16])),
+                entity_id: id_column(shard, r, "entity_id")?,
                 event: r.try_get("event").on(shard)?,
             })
         })
@@ -697,10 +702,9 @@ pub async fn index_rows_of(
     let mut out = Vec::with_capacity(rows.len());
     for r in &rows {
         let Some(key) = row_key(shard, spec, r)? else { continue };
-        let id: Vec<u8> = r.try_get("entity_id").on(shard)?;
         out.push(IndexRow {
             key,
-            entity: EntityId::from_slice(&id).unwrap_or(EntityId([0; 16])),
+            entity: id_column(shard, r, "entity_id")?,
             version: r.try_get("version").on(shard)?,
         });
     }
@@ -722,12 +726,7 @@ pub async fn index_entity_ids(
     );
     let start = after.map(|a| a.0.to_vec()).unwrap_or_default();
     let rows = sqlx::query(&sql).bind(start).bind(limit as u64).fetch_all(pool).await.on(shard)?;
-    rows.iter()
-        .map(|r| {
-            let id: Vec<u8> = r.try_get("entity_id").on(shard)?;
-            Ok(EntityId::from_slice(&id).unwrap_or(EntityId([0; 16])))
-        })
-        .collect()
+    rows.iter().map(|r| id_column(shard, r, "entity_id")).collect()
 }
 
 /// How an index scan is bounded and ordered: equality on a prefix of the
@@ -809,8 +808,7 @@ pub async fn scan_index(
     let mut out = Vec::with_capacity(rows.len());
     for r in &rows {
         let Some(key) = row_key(shard, spec, r)? else { continue };
-        let id: Vec<u8> = r.try_get("entity_id").on(shard)?;
-        out.push((key, EntityId::from_slice(&id).unwrap_or(EntityId([0; 16]))));
+        out.push((key, id_column(shard, r, "entity_id")?));
     }
     Ok(out)
 }
@@ -888,12 +886,7 @@ pub async fn lookup_index(
     let start = after.map(|a| a.0.to_vec()).unwrap_or_default();
     let rows =
         bind_key(sqlx::query(&sql), key).bind(start).bind(limit as u64).fetch_all(pool).await.on(shard)?;
-    rows.iter()
-        .map(|r| {
-            let id: Vec<u8> = r.try_get("entity_id").on(shard)?;
-            Ok(EntityId::from_slice(&id).unwrap_or(EntityId([0; 16])))
-        })
-        .collect()
+    rows.iter().map(|r| id_column(shard, r, "entity_id")).collect()
 }
 
 // ---------------------------------------------------------------- index metadata

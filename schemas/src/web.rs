@@ -90,6 +90,11 @@ impl IntoResponse for Problem {
     }
 }
 
+/// An id from a path or body, or a 400 `bad-id` problem.
+pub fn parse_id(s: &str) -> Result<crate::EntityId, Problem> {
+    crate::EntityId::parse(s).map_err(|e| Problem::bad_request("bad-id", e.to_string()))
+}
+
 /// Reads at most `limit` bytes and parses them as JSON.
 pub async fn read_json(body: Body, limit: usize) -> Result<Json, Problem> {
     let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {

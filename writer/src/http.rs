@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, post, put};
 use axum::{Json, Router};
 use schemas::value::{bag_from_json_map, Bag};
-use schemas::web::{read_json, Problem};
+use schemas::web::{parse_id, read_json, Problem};
 use schemas::EntityId;
 use serde_json::{json, Value as JsonValue};
 
@@ -32,10 +32,6 @@ pub fn router(writer: Writer) -> Router {
         .route("/v1/entities/{id}", put(replace))
         .route("/v1/entities/{id}", delete(remove))
         .with_state(writer)
-}
-
-fn parse_id(s: &str) -> Result<EntityId, Problem> {
-    EntityId::parse(s).map_err(|e| Problem::bad_request("bad-id", e.to_string()))
 }
 
 /// `If-Match: "3"` (or `3`, or `W/"3"`) and `If-None-Match: *`.
