@@ -57,7 +57,7 @@ async fn get_one(State(r): State<Reader>, Path(id): Path<String>) -> Result<Json
 }
 
 async fn get_many(State(r): State<Reader>, body: Body) -> Result<Json<JsonValue>, Problem> {
-    let doc = read_json(body, MAX_REQUEST_BYTES).await?;
+    let doc = read_json(body, MAX_REQUEST_BYTES, r.settings().http.request_timeout()).await?;
     let Some(JsonValue::Array(raw)) = doc.get("ids") else {
         return Err(Problem::bad_request("bad-request", "the body must be {\"ids\": [\"<id>\", ...]}"));
     };
@@ -76,7 +76,7 @@ async fn get_many(State(r): State<Reader>, body: Body) -> Result<Json<JsonValue>
 }
 
 async fn run_query(State(r): State<Reader>, body: Body) -> Result<Json<JsonValue>, Problem> {
-    let doc = read_json(body, MAX_REQUEST_BYTES).await?;
+    let doc = read_json(body, MAX_REQUEST_BYTES, r.settings().http.request_timeout()).await?;
     let q = query::parse(doc, &r.settings().reader)?;
     let metas = r.index_metas().await.map_err(|e| Problem::internal(&e))?;
     // Registered, not dropped, in a stable order (the planner breaks ties by it).

@@ -4,12 +4,14 @@
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
+use rdkafka::config::FromClientConfig;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::types::RDKafkaConfRes;
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use std::time::Duration;
 
-use crate::settings::KafkaSettings;
+use crate::settings::{is_secret_kafka_option, KafkaSettings};
 
 /// Settings every client shares. Reconnect backoff is capped at 1 s so a
 /// broker that comes back is used again quickly.
@@ -20,6 +22,28 @@ pub fn base_config(k: &KafkaSettings) -> ClientConfig {
         c.set(key, value);
     }
     c
+}
+
+/// Creates a client from `cfg`, like [`ClientConfig::create`], except that a
+/// rejected property's value is left out of the error when it may be a
+/// secret (rdkafka quotes the value, and these errors end up in logs).
+pub fn create<C: FromClientConfig>(cfg: &ClientConfig) -> Result<C, KafkaError> {
+    cfg.create().map_err(redact_config_error)
+}
+
+/// Hides the value in a `ClientConfig` error about a secret property, or
+/// about a property librdkafka does not know: that is a misspelt key, and
+/// nobody can tell which secret it was meant to be.
+pub fn redact_config_error(e: KafkaError) -> KafkaError {
+    match e {
+        KafkaError::ClientConfig(code, desc, key, value)
+            if code == RDKafkaConfRes::RD_KAFKA_CONF_UNKNOWN || is_secret_kafka_option(&key) =>
+        {
+            let desc = if value.is_empty() { desc } else { desc.replace(&value, "***") };
+            KafkaError::ClientConfig(code, desc, key, "***".into())
+        }
+        other => other,
+    }
 }
 
 /// The relay's producer: idempotent with `acks=all`, so retries inside
@@ -69,7 +93,7 @@ async fn topic_exists(k: &KafkaSettings, topic: &str) -> Result<bool, KafkaError
     let cfg = base_config(k);
     let topic = topic.to_string();
     tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = cfg.create()?;
+        let consumer: BaseConsumer = create(&cfg)?;
         let md = consumer.fetch_metadata(Some(&topic), Duration::from_secs(10))?;
         Ok(md.topics().iter().any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty()))
     })
@@ -82,7 +106,7 @@ pub async fn ensure_topics(k: &KafkaSettings) -> Result<(), KafkaError> {
     if topic_exists(k, &k.topic).await? && topic_exists(k, &k.dlq_topic()).await? {
         return Ok(());
     }
-    let admin: AdminClient<DefaultClientContext> = base_config(k).create()?;
+    let admin: AdminClient<DefaultClientContext> = create(&base_config(k))?;
     let dlq = k.dlq_topic();
     let topics = [
         NewTopic::new(&k.topic, k.partitions, TopicReplication::Fixed(k.replication_factor)),
@@ -106,7 +130,7 @@ pub async fn ensure_topics(k: &KafkaSettings) -> Result<(), KafkaError> {
 fn group_consumer(k: &KafkaSettings, group: &str) -> Result<BaseConsumer, KafkaError> {
     let mut cfg = base_config(k);
     cfg.set("group.id", group).set("enable.auto.commit", "false");
-    cfg.create()
+    create(&cfg)
 }
 
 fn topic_partitions(consumer: &BaseConsumer, topic: &str, timeout: Duration) -> Result<Vec<i32>, KafkaError> {
@@ -168,7 +192,7 @@ pub async fn group_members(k: &KafkaSettings, group: &str) -> Result<usize, Kafk
     let cfg = base_config(k);
     let group = group.to_string();
     tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = cfg.create()?;
+        let consumer: BaseConsumer = create(&cfg)?;
         let list = consumer.fetch_group_list(Some(&group), Duration::from_secs(5))?;
         Ok(list.groups().iter().filter(|g| g.name() == group).map(|g| g.members().len()).sum())
     })
@@ -195,4 +219,71 @@ pub async fn start_group_at_end(k: &KafkaSettings, group: &str) -> Result<(), Ka
     })
     .await
     .map_err(|_| KafkaError::Canceled)?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The error creating a client from `cfg` (clients are not Debug, so no `expect_err`).
+    fn creation_error(result: Result<BaseConsumer, KafkaError>) -> KafkaError {
+        match result {
+            Ok(_) => panic!("the client was created"),
+            Err(e) => e,
+        }
+    }
+
+    fn settings_with(key: &str, value: &str) -> KafkaSettings {
+        let mut k = KafkaSettings { brokers: "127.0.0.1:9".into(), ..Default::default() };
+        k.options.insert(key.into(), value.into());
+        k
+    }
+
+    #[test]
+    fn a_rejected_secret_option_is_named_but_its_value_is_not_quoted() {
+        // A misspelt property: librdkafka rejects it, and rdkafka's error
+        // would quote the value. Even a name that does not look secret
+        // (`sasl.pw` for `sasl.password`) is kept out.
+        let k = settings_with("sasl.pw", "hunter2");
+        let raw = creation_error(base_config(&k).create());
+        assert!(raw.to_string().contains("hunter2"), "rdkafka quotes the value: {raw}");
+        let err = creation_error(create(&base_config(&k)));
+        let text = format!("{err} / {err:?}");
+        assert!(text.contains("sasl.pw"), "{text}");
+        assert!(!text.contains("hunter2"), "{text}");
+    }
+
+    #[test]
+    fn a_known_secret_property_rejected_by_librdkafka_is_redacted_everywhere() {
+        // E.g. an OAuth secret on a librdkafka built without libcurl.
+        let err = redact_config_error(KafkaError::ClientConfig(
+            RDKafkaConfRes::RD_KAFKA_CONF_INVALID,
+            "Invalid value \"hunter2\" for configuration property".into(),
+            "sasl.oauthbearer.client.secret".into(),
+            "hunter2".into(),
+        ));
+        let text = format!("{err} / {err:?}");
+        assert!(text.contains("sasl.oauthbearer.client.secret"), "{text}");
+        assert!(!text.contains("hunter2"), "{text}");
+    }
+
+    #[test]
+    fn a_rejected_ordinary_option_keeps_its_value_in_the_error() {
+        let k = settings_with("security.protocol", "tls");
+        let err = creation_error(create(&producer_config(&k)));
+        assert!(err.to_string().contains("tls"), "{err}");
+    }
+
+    #[test]
+    fn every_client_config_carries_the_operator_options() {
+        let mut k = settings_with("security.protocol", "ssl");
+        k.options.insert("ssl.ca.location".into(), "/etc/bagstore/ca.pem".into());
+        k.options.insert("acks".into(), "1".into());
+        for cfg in [base_config(&k), producer_config(&k), consumer_config(&k, "g")] {
+            assert_eq!(cfg.get("security.protocol"), Some("ssl"));
+            assert_eq!(cfg.get("ssl.ca.location"), Some("/etc/bagstore/ca.pem"));
+        }
+        // Applied last, so they override bagstore's own defaults.
+        assert_eq!(producer_config(&k).get("acks"), Some("1"));
+    }
 }

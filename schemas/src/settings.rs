@@ -100,20 +100,60 @@ impl Dsn {
         &self.0
     }
 
-    /// The URL with any password replaced by `***`.
+    /// The URL with any password replaced by `***`: the one in the user
+    /// info, and the value of any query parameter that names a password
+    /// (sqlx ignores those, but DSNs copied from other drivers carry them).
+    /// TLS parameters (`ssl-mode`, `ssl-ca`, `ssl-cert`, `ssl-key`) are paths
+    /// and modes, not secrets, and stay readable.
     pub fn redacted(&self) -> String {
         let s = &self.0;
         let Some(scheme_end) = s.find("://").map(|i| i + 3) else { return s.clone() };
-        let rest = &s[scheme_end..];
-        let at = match rest.find('@') {
-            Some(at) if !rest[..at].contains('/') => at,
-            _ => return s.clone(),
-        };
-        match rest[..at].find(':') {
-            Some(colon) => format!("{}{}:***{}", &s[..scheme_end], &rest[..colon], &rest[at..]),
-            None => s.clone(),
+        // The authority ends at the first '/', '?' or '#'. The user info is
+        // everything before its *last* '@', so an unescaped '@' inside a
+        // password does not leave the password's tail visible.
+        let authority_end = s[scheme_end..].find(['/', '?', '#']).map_or(s.len(), |i| scheme_end + i);
+        let authority = &s[scheme_end..authority_end];
+        let mut out = String::with_capacity(s.len());
+        out.push_str(&s[..scheme_end]);
+        match authority.rfind('@') {
+            Some(at) => {
+                let user_info = &authority[..at];
+                match user_info.split_once(':') {
+                    Some((user, _password)) => {
+                        out.push_str(user);
+                        out.push_str(":***");
+                    }
+                    None => out.push_str(user_info),
+                }
+                out.push_str(&authority[at..]);
+            }
+            None => out.push_str(authority),
         }
+        let rest = &s[authority_end..];
+        let (path, query) = match rest.split_once('?') {
+            Some((path, query)) => (path, Some(query)),
+            None => (rest, None),
+        };
+        out.push_str(path);
+        if let Some(query) = query {
+            out.push('?');
+            let pairs: Vec<String> = query
+                .split('&')
+                .map(|pair| match pair.split_once('=') {
+                    Some((key, _)) if names_a_password(key) => format!("{key}=***"),
+                    _ => pair.to_string(),
+                })
+                .collect();
+            out.push_str(&pairs.join("&"));
+        }
+        out
     }
+}
+
+/// `password`, `pwd`, `passwd`, and spellings like `db-password`.
+fn names_a_password(key: &str) -> bool {
+    let key = key.to_ascii_lowercase();
+    key.contains("password") || key.contains("passwd") || key == "pwd" || key.contains("secret")
 }
 
 impl fmt::Debug for Dsn {
@@ -162,7 +202,8 @@ fn list_or_csv<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Dsn>, D::Error> {
     })
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+/// Debug output redacts secret `options` (see [`is_secret_kafka_option`]).
+#[derive(Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct KafkaSettings {
     /// bootstrap.servers
@@ -178,8 +219,66 @@ pub struct KafkaSettings {
     /// and the outbox row is tried again.
     pub message_timeout_ms: u64,
     /// Extra librdkafka properties for every client (e.g. `security.protocol`,
-    /// `ssl.ca.location`, `debug`), applied last.
+    /// `ssl.ca.location`, `sasl.password`, `debug`), applied last. This is
+    /// how TLS and SASL reach every producer, consumer and admin client.
     pub options: std::collections::BTreeMap<String, String>,
+}
+
+/// Whether a librdkafka property holds a secret, so its value must never be
+/// printed: the properties librdkafka itself marks sensitive (and redacts in
+/// its own `debug=conf` dump), plus anything whose name looks like a
+/// password, secret, token, credential or private key, including common
+/// misspellings (`ssl.key.pasword`), since a typo is still the secret.
+pub fn is_secret_kafka_option(key: &str) -> bool {
+    const SENSITIVE: &[&str] = &[
+        "ssl.key.location",
+        "ssl.key.password",
+        "ssl.key.pem",
+        "ssl_key",
+        "ssl.ca.pem",
+        "ssl.keystore.password",
+        "sasl.username",
+        "sasl.password",
+        "sasl.oauthbearer.config",
+        "sasl.oauthbearer.client.secret",
+        "sasl.oauthbearer.assertion.private.key.file",
+        "sasl.oauthbearer.assertion.private.key.passphrase",
+        "sasl.oauthbearer.assertion.private.key.pem",
+        "sasl.jaas.config",
+    ];
+    let key = key.trim().to_ascii_lowercase();
+    SENSITIVE.contains(&key.as_str())
+        || ["pass", "pasw", "pwd", "secret", "token", "credential", "private", "jaas"]
+            .iter()
+            .any(|word| key.contains(word))
+}
+
+impl fmt::Debug for KafkaSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Destructured so a new field cannot be forgotten here.
+        let KafkaSettings {
+            brokers,
+            topic,
+            partitions,
+            replication_factor,
+            session_timeout_ms,
+            message_timeout_ms,
+            options,
+        } = self;
+        let options: std::collections::BTreeMap<&str, &str> = options
+            .iter()
+            .map(|(k, v)| (k.as_str(), if is_secret_kafka_option(k) { "***" } else { v.as_str() }))
+            .collect();
+        f.debug_struct("KafkaSettings")
+            .field("brokers", brokers)
+            .field("topic", topic)
+            .field("partitions", partitions)
+            .field("replication_factor", replication_factor)
+            .field("session_timeout_ms", session_timeout_ms)
+            .field("message_timeout_ms", message_timeout_ms)
+            .field("options", &options)
+            .finish()
+    }
 }
 
 impl KafkaSettings {
@@ -212,11 +311,21 @@ pub struct HttpSettings {
     pub addr: String,
     /// How long a stopping server waits for requests in flight.
     pub shutdown_grace_ms: u64,
+    /// How long a client may take to send a request body, counted from the
+    /// end of its headers. A slower (or stalled) client gets 408 and its
+    /// connection is closed, so it cannot hold a task and a socket forever.
+    pub request_timeout_ms: u64,
+}
+
+impl HttpSettings {
+    pub fn request_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.request_timeout_ms)
+    }
 }
 
 impl Default for HttpSettings {
     fn default() -> Self {
-        HttpSettings { addr: "127.0.0.1:8080".into(), shutdown_grace_ms: 10_000 }
+        HttpSettings { addr: "127.0.0.1:8080".into(), shutdown_grace_ms: 10_000, request_timeout_ms: 30_000 }
     }
 }
 
@@ -367,6 +476,9 @@ impl Settings {
                 return Err(SettingsError::Invalid(format!("index {:?} is defined twice", spec.table)));
             }
         }
+        if self.http.request_timeout_ms == 0 {
+            return Err(SettingsError::Invalid("http.request_timeout_ms must be positive".into()));
+        }
         if self.kafka.partitions < 1 {
             return Err(SettingsError::Invalid("kafka.partitions must be at least 1".into()));
         }
@@ -459,6 +571,16 @@ mod tests {
     }
 
     #[test]
+    fn the_request_timeout_defaults_to_30_s_and_must_be_positive() {
+        let s = Settings::from_toml_and_env("", env(&[])).unwrap();
+        assert_eq!(s.http.request_timeout(), std::time::Duration::from_secs(30));
+        let s =
+            Settings::from_toml_and_env("", env(&[("BAGSTORE_HTTP__REQUEST_TIMEOUT_MS", "500")])).unwrap();
+        assert_eq!(s.http.request_timeout_ms, 500);
+        assert!(Settings::from_toml_and_env("[http]\nrequest_timeout_ms = 0", env(&[])).is_err());
+    }
+
+    #[test]
     fn mistakes_are_reported() {
         assert!(Settings::from_toml_and_env("[kafka]\nbrokerz = 1", env(&[])).is_err());
         assert!(Settings::from_toml_and_env("", env(&[("BAGSTORE_KAFKA__PARTITIONS", "0")])).is_err());
@@ -486,5 +608,65 @@ mod tests {
         let dbg = format!("{s:?}");
         assert!(!dbg.contains("hunter2"), "{dbg}");
         assert!(dbg.contains("root:***@127.0.0.1:3308"));
+    }
+
+    #[test]
+    fn dsn_redaction_keeps_tls_parameters_and_hides_every_password() {
+        let cases = [
+            (
+                "mysql://app:hunter2@db:3306/bagstore?ssl-mode=VERIFY_CA&ssl-ca=/etc/ca.pem",
+                "mysql://app:***@db:3306/bagstore?ssl-mode=VERIFY_CA&ssl-ca=/etc/ca.pem",
+            ),
+            // No database: the query string follows the authority directly.
+            ("mysql://app:hunter2@db?ssl-mode=REQUIRED", "mysql://app:***@db?ssl-mode=REQUIRED"),
+            // An '@' in the query is not user info.
+            ("mysql://db:3306?ssl-ca=/certs/a@b.pem", "mysql://db:3306?ssl-ca=/certs/a@b.pem"),
+            ("mysql://db:3306/x?ssl-key=/k@hunter2", "mysql://db:3306/x?ssl-key=/k@hunter2"),
+            // An unescaped '@' inside the password.
+            ("mysql://app:hun@ter2@db/x", "mysql://app:***@db/x"),
+            // A password passed the way other drivers take it.
+            (
+                "mysql://app@db/x?password=hunter2&ssl-mode=REQUIRED",
+                "mysql://app@db/x?password=***&ssl-mode=REQUIRED",
+            ),
+            ("mysql://root@127.0.0.1:3307/bagstore", "mysql://root@127.0.0.1:3307/bagstore"),
+            ("not a url", "not a url"),
+        ];
+        for (dsn, want) in cases {
+            let dsn = Dsn(dsn.to_string());
+            assert_eq!(dsn.redacted(), want);
+            assert_eq!(format!("{dsn}"), want);
+            assert_eq!(format!("{dsn:?}"), format!("Dsn({want})"));
+        }
+    }
+
+    #[test]
+    fn kafka_secrets_never_show_in_debug_output() {
+        let s = Settings::from_toml_and_env(
+            r#"
+            [kafka]
+            brokers = "kafka:9093"
+            [kafka.options]
+            "security.protocol" = "sasl_ssl"
+            "ssl.ca.location" = "/etc/bagstore/ca.pem"
+            "ssl.key.password" = "hunter2-key"
+            "sasl.username" = "bagstore"
+            "sasl.oauthbearer.client.secret" = "hunter2-oauth"
+            "ssl.key.pasword" = "hunter2-typo"
+            "#,
+            env(&[
+                ("BAGSTORE_KAFKA__OPTIONS__SASL.PASSWORD", "hunter2-sasl"),
+                ("BAGSTORE_KAFKA__OPTIONS__SSL.KEYSTORE.PASSWORD", "hunter2-keystore"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(s.kafka.options["sasl.password"], "hunter2-sasl");
+        assert_eq!(s.kafka.options["ssl.keystore.password"], "hunter2-keystore");
+        for dbg in [format!("{s:?}"), format!("{:?}", s.kafka), format!("{:#?}", s)] {
+            assert!(!dbg.contains("hunter2"), "{dbg}");
+            assert!(dbg.contains(r#""security.protocol": "sasl_ssl""#), "{dbg}");
+            assert!(dbg.contains(r#""ssl.ca.location": "/etc/bagstore/ca.pem""#), "{dbg}");
+            assert!(dbg.contains(r#""sasl.password": "***""#), "{dbg}");
+        }
     }
 }

@@ -4,14 +4,37 @@
 //! our own [`Value`] type rather than `serde_json::Value` because bincode (the
 //! body encoding) cannot decode self-describing formats, and because integers
 //! and floats must stay distinct for typed index columns.
+//!
+//! Two rules hold for every `Value`, however it was made: floats are finite,
+//! and arrays and objects nest at most [`MAX_DEPTH`] levels. JSON input is
+//! checked by [`Value::from_json`]; blobs by the hand-written `Deserialize`
+//! below, because a stored body or a Kafka event may be hostile and bincode
+//! has no recursion limit of its own: a blob nests one more array in two
+//! bytes, so a few kilobytes of lz4 could otherwise overflow the stack while
+//! decoding, dropping or printing the value.
 
+use serde::de::{
+    self, DeserializeSeed, Deserializer, EnumAccess, MapAccess, SeqAccess, VariantAccess, Visitor,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::fmt;
 
 /// The properties of one entity, ordered by name so encodings are canonical.
 pub type Bag = BTreeMap<String, Value>;
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// Deepest nesting of arrays and objects inside one property value: `[1]`
+/// nests one level, `{"a": [[1]]}` three. The writer never gets near it
+/// (serde_json refuses request bodies nested 128 deep, the entity object
+/// itself included, so a property value nests at most 126 levels there),
+/// and it leaves ample stack for the recursive code that walks values
+/// (drop, `to_json`, the filter).
+pub const MAX_DEPTH: usize = 128;
+
+/// `Serialize` is derived and defines the stored format (bincode: the
+/// variant index as a varint, then the payload). `Deserialize` is written by
+/// hand to read exactly that format while counting depth.
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub enum Value {
     Null,
     Bool(bool),
@@ -29,10 +52,23 @@ pub enum BadValue {
     Number(String),
     #[error("the body must be a JSON object of properties")]
     NotAnObject,
+    #[error("arrays and objects nest deeper than {MAX_DEPTH} levels")]
+    TooDeep,
+}
+
+/// The nesting level of a container whose parent sits inside `levels`
+/// containers, or `None` past [`MAX_DEPTH`].
+fn deeper(levels: usize) -> Option<usize> {
+    (levels < MAX_DEPTH).then_some(levels + 1)
 }
 
 impl Value {
     pub fn from_json(v: &serde_json::Value) -> Result<Value, BadValue> {
+        Value::from_json_inside(v, 0)
+    }
+
+    /// `v` sits inside `levels` arrays or objects.
+    fn from_json_inside(v: &serde_json::Value, levels: usize) -> Result<Value, BadValue> {
         Ok(match v {
             serde_json::Value::Null => Value::Null,
             serde_json::Value::Bool(b) => Value::Bool(*b),
@@ -51,9 +87,17 @@ impl Value {
             }
             serde_json::Value::String(s) => Value::String(s.clone()),
             serde_json::Value::Array(a) => {
-                Value::Array(a.iter().map(Value::from_json).collect::<Result<_, _>>()?)
+                let inner = deeper(levels).ok_or(BadValue::TooDeep)?;
+                Value::Array(a.iter().map(|x| Value::from_json_inside(x, inner)).collect::<Result<_, _>>()?)
             }
-            serde_json::Value::Object(o) => Value::Object(bag_from_json_map(o)?),
+            serde_json::Value::Object(o) => {
+                let inner = deeper(levels).ok_or(BadValue::TooDeep)?;
+                Value::Object(
+                    o.iter()
+                        .map(|(k, x)| Ok((k.clone(), Value::from_json_inside(x, inner)?)))
+                        .collect::<Result<_, _>>()?,
+                )
+            }
         })
     }
 
@@ -96,6 +140,191 @@ pub fn bag_to_json_map(bag: &Bag) -> serde_json::Map<String, serde_json::Value> 
     bag.iter().map(|(k, v)| (k.clone(), v.to_json())).collect()
 }
 
+// ---- Decoding with a depth limit -------------------------------------------
+//
+// The derived `Deserialize` would call `Value::deserialize` for every nested
+// value with no memory of how deep it is. Here every nested value is read
+// through a `ValueSeed` that carries its depth, so a too-deep blob fails
+// with an error after at most `MAX_DEPTH` nested calls, whatever its length.
+
+/// Variant names in declaration order: the index is the stored tag.
+const VARIANTS: &[&str] = &["Null", "Bool", "Int", "Float", "String", "Array", "Object"];
+
+#[derive(Debug, Clone, Copy)]
+enum Tag {
+    Null,
+    Bool,
+    Int,
+    Float,
+    String,
+    Array,
+    Object,
+}
+
+/// Same order as [`VARIANTS`] and as the enum's variants.
+const TAGS: [Tag; 7] = [Tag::Null, Tag::Bool, Tag::Int, Tag::Float, Tag::String, Tag::Array, Tag::Object];
+
+impl<'de> Deserialize<'de> for Tag {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Tag, D::Error> {
+        d.deserialize_identifier(TagVisitor)
+    }
+}
+
+/// Accepts the variant index (bincode) or its name (self-describing formats).
+struct TagVisitor;
+
+impl Visitor<'_> for TagVisitor {
+    type Value = Tag;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a Value variant")
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Tag, E> {
+        usize::try_from(v)
+            .ok()
+            .and_then(|i| TAGS.get(i).copied())
+            .ok_or_else(|| E::invalid_value(de::Unexpected::Unsigned(v), &"a variant index from 0 to 6"))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Tag, E> {
+        VARIANTS.iter().position(|n| *n == v).map(|i| TAGS[i]).ok_or_else(|| E::unknown_variant(v, VARIANTS))
+    }
+
+    fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Tag, E> {
+        match std::str::from_utf8(v) {
+            Ok(s) => self.visit_str(s),
+            Err(_) => Err(E::invalid_value(de::Unexpected::Bytes(v), &self)),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Value {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Value, D::Error> {
+        // A top-level value (a bag's property) sits inside no container.
+        ValueSeed { levels: 0 }.deserialize(d)
+    }
+}
+
+/// Reads one value that sits inside `levels` arrays or objects.
+#[derive(Debug, Clone, Copy)]
+struct ValueSeed {
+    levels: usize,
+}
+
+impl ValueSeed {
+    fn inner<E: de::Error>(self) -> Result<usize, E> {
+        deeper(self.levels).ok_or_else(|| E::custom(BadValue::TooDeep))
+    }
+}
+
+impl<'de> DeserializeSeed<'de> for ValueSeed {
+    type Value = Value;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_enum("Value", VARIANTS, self)
+    }
+}
+
+impl<'de> Visitor<'de> for ValueSeed {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a property value")
+    }
+
+    fn visit_enum<A: EnumAccess<'de>>(self, data: A) -> Result<Value, A::Error> {
+        let (tag, variant) = data.variant::<Tag>()?;
+        Ok(match tag {
+            Tag::Null => {
+                variant.unit_variant()?;
+                Value::Null
+            }
+            Tag::Bool => Value::Bool(variant.newtype_variant()?),
+            Tag::Int => Value::Int(variant.newtype_variant()?),
+            Tag::Float => {
+                // The writer never stores NaN or infinities (JSON has none);
+                // one in a blob is corruption, and would otherwise reach an
+                // index column that MySQL refuses, wedging the indexer.
+                let f: f64 = variant.newtype_variant()?;
+                if !f.is_finite() {
+                    return Err(de::Error::invalid_value(de::Unexpected::Float(f), &"a finite float"));
+                }
+                Value::Float(f)
+            }
+            Tag::String => Value::String(variant.newtype_variant()?),
+            Tag::Array => Value::Array(variant.newtype_variant_seed(ArraySeed { levels: self.inner()? })?),
+            Tag::Object => Value::Object(variant.newtype_variant_seed(BagSeed { levels: self.inner()? })?),
+        })
+    }
+}
+
+/// The elements of an array that is itself `levels` deep.
+#[derive(Debug, Clone, Copy)]
+struct ArraySeed {
+    levels: usize,
+}
+
+/// Preallocate at most this many elements: a hostile length prefix must not
+/// reserve memory the input cannot fill.
+const MAX_PREALLOC: usize = 4096;
+
+impl<'de> DeserializeSeed<'de> for ArraySeed {
+    type Value = Vec<Value>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<Value>, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ArraySeed {
+    type Value = Vec<Value>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an array of values")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<Value>, A::Error> {
+        let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(MAX_PREALLOC));
+        while let Some(v) = seq.next_element_seed(ValueSeed { levels: self.levels })? {
+            out.push(v);
+        }
+        Ok(out)
+    }
+}
+
+/// The members of an object that is itself `levels` deep.
+#[derive(Debug, Clone, Copy)]
+struct BagSeed {
+    levels: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for BagSeed {
+    type Value = Bag;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Bag, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for BagSeed {
+    type Value = Bag;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an object of values")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Bag, A::Error> {
+        // A repeated key keeps the last value, as the derived decoder did.
+        let mut bag = Bag::new();
+        while let Some(k) = map.next_key::<String>()? {
+            let v = map.next_value_seed(ValueSeed { levels: self.levels })?;
+            bag.insert(k, v);
+        }
+        Ok(bag)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,5 +344,61 @@ mod tests {
     fn integers_beyond_i64_are_refused_not_rounded() {
         assert!(bag_from_json(&json!({"big": u64::MAX})).is_err());
         assert!(bag_from_json(&json!([1])).is_err());
+    }
+
+    /// `levels` arrays around `null`, alternating arrays and objects when `mixed`.
+    fn nested_json(levels: usize, mixed: bool) -> serde_json::Value {
+        let mut v = serde_json::Value::Null;
+        for i in 0..levels {
+            v = if mixed && i % 2 == 1 { json!({"k": v}) } else { json!([v]) };
+        }
+        v
+    }
+
+    #[test]
+    fn json_nested_to_the_limit_is_accepted_and_one_more_level_is_refused() {
+        for mixed in [false, true] {
+            let ok = Value::from_json(&nested_json(MAX_DEPTH, mixed)).unwrap();
+            assert_eq!(ok.to_json(), nested_json(MAX_DEPTH, mixed));
+            assert_eq!(Value::from_json(&nested_json(MAX_DEPTH + 1, mixed)), Err(BadValue::TooDeep));
+            let bag = json!({"a": 1, "b": nested_json(MAX_DEPTH + 1, mixed)});
+            assert_eq!(bag_from_json(&bag), Err(BadValue::TooDeep));
+        }
+    }
+
+    #[test]
+    fn every_request_body_serde_json_accepts_nests_within_the_limit() {
+        // The writer parses bodies with serde_json, whose recursion limit
+        // counts the entity object too. The deepest body it accepts must be
+        // storable; this fails if that limit is ever lifted or raised past ours.
+        let body = |levels: usize| format!("{{\"p\": {}null{}}}", "[".repeat(levels), "]".repeat(levels));
+        let deepest = (1..=MAX_DEPTH + 8)
+            .take_while(|l| serde_json::from_str::<serde_json::Value>(&body(*l)).is_ok())
+            .last()
+            .unwrap();
+        assert!(deepest <= MAX_DEPTH, "serde_json accepts {deepest} levels inside an entity");
+        let doc: serde_json::Value = serde_json::from_str(&body(deepest)).unwrap();
+        assert!(bag_from_json(&doc).is_ok());
+    }
+
+    #[test]
+    fn floats_survive_a_json_round_trip_exactly() {
+        // Found by fuzz/body_codec: serde_json's default float parser read
+        // this float's shortest text back one unit in the last place off,
+        // so a stored value changed when a client wrote back what it read.
+        for bits in [0x00ee_4000_0800_0000_u64, 0x0000_f83f_0000_0001, 0x7fef_ffff_ffff_ffff, 1] {
+            let v = Value::Float(f64::from_bits(bits));
+            let text = serde_json::to_string(&v.to_json()).unwrap();
+            let back = Value::from_json(&serde_json::from_str(&text).unwrap()).unwrap();
+            assert_eq!(back, v, "{text}");
+        }
+    }
+
+    #[test]
+    fn values_decode_from_a_self_describing_format_too() {
+        let v = Value::from_json(&json!({"a": [1, 2.5, "s", null, true]})).unwrap();
+        let text = serde_json::to_string(&v).unwrap();
+        assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), v);
+        assert!(serde_json::from_str::<Value>(r#"{"Nope": 1}"#).is_err());
     }
 }

@@ -86,6 +86,11 @@ impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         let mut resp = (self.status, axum::Json(self.to_json())).into_response();
         resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        if self.status == StatusCode::REQUEST_TIMEOUT {
+            // The rest of the body may still be on its way; the connection
+            // cannot carry another request (RFC 9110 §15.5.9).
+            resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         resp
     }
 }
@@ -95,16 +100,32 @@ pub fn parse_id(s: &str) -> Result<crate::EntityId, Problem> {
     crate::EntityId::parse(s).map_err(|e| Problem::bad_request("bad-id", e.to_string()))
 }
 
-/// Reads at most `limit` bytes and parses them as JSON.
-pub async fn read_json(body: Body, limit: usize) -> Result<Json, Problem> {
-    let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
-        Problem::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "body-too-large",
-            "Body too large",
-            format!("the request body exceeds the {limit} byte limit"),
-        )
-    })?;
+/// Reads at most `limit` bytes within `timeout` and parses them as JSON.
+///
+/// The handler runs once the headers are in, so `timeout` bounds how long a
+/// client may take to send its body: one that sends it too slowly, or
+/// declares a `Content-Length` and never finishes, gets a 408 instead of
+/// holding a connection and a task forever (`http.request_timeout_ms`).
+pub async fn read_json(body: Body, limit: usize, timeout: Duration) -> Result<Json, Problem> {
+    let bytes = match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(bytes)) => bytes,
+        Ok(Err(_)) => {
+            return Err(Problem::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body-too-large",
+                "Body too large",
+                format!("the request body exceeds the {limit} byte limit"),
+            ))
+        }
+        Err(_) => {
+            return Err(Problem::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "request-timeout",
+                "Request timeout",
+                format!("the request body did not arrive within {} ms", timeout.as_millis()),
+            ))
+        }
+    };
     serde_json::from_slice(&bytes)
         .map_err(|e| Problem::bad_request("malformed-json", format!("the body is not valid JSON: {e}")))
 }

@@ -126,7 +126,7 @@ fn write_problem(e: WriteError) -> Problem {
 async fn create(State(w): State<Writer>, headers: HeaderMap, body: Body) -> Result<Response, Problem> {
     let pre = precondition(&headers)?;
     let max = w.settings().writer.max_body_bytes;
-    let (id, bag) = entity_body(read_json(body, max).await?, max)?;
+    let (id, bag) = entity_body(read_json(body, max, w.settings().http.request_timeout()).await?, max)?;
     let id = id.unwrap_or_else(EntityId::random);
     let o = w.put(id, bag, pre).await.map_err(write_problem)?;
     Ok(answer(o, if o.created { StatusCode::CREATED } else { StatusCode::OK }))
@@ -141,7 +141,7 @@ async fn replace(
     let id = parse_id(&id)?;
     let pre = precondition(&headers)?;
     let max = w.settings().writer.max_body_bytes;
-    let (body_id, bag) = entity_body(read_json(body, max).await?, max)?;
+    let (body_id, bag) = entity_body(read_json(body, max, w.settings().http.request_timeout()).await?, max)?;
     if body_id.is_some_and(|b| b != id) {
         return Err(Problem::bad_request(
             "id-mismatch",
@@ -169,7 +169,8 @@ async fn remove(
 async fn batch(State(w): State<Writer>, body: Body) -> Result<Response, Problem> {
     let max = w.settings().writer.max_body_bytes;
     let max_batch = w.settings().writer.max_batch;
-    let doc = read_json(body, max.saturating_mul(BATCH_BODY_FACTOR)).await?;
+    let doc =
+        read_json(body, max.saturating_mul(BATCH_BODY_FACTOR), w.settings().http.request_timeout()).await?;
     let Some(JsonValue::Array(items)) = doc.get("entities").cloned() else {
         return Err(Problem::bad_request("bad-batch", "the body must be {\"entities\": [ {...}, ... ]}"));
     };
