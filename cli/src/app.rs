@@ -109,8 +109,14 @@ pub async fn bind(addr: &str) -> anyhow::Result<(tokio::net::TcpListener, String
     Ok((listener, url))
 }
 
-/// Stops the pipeline and waits for its tasks, aborting what outlives `grace`.
-pub async fn stop_pipeline(running: &Running, grace: Duration) {
+/// Stops the pipeline and waits for its tasks, abandoning what outlives the
+/// budget: `grace` (relays drain the outbox for half of it) plus one Kafka
+/// message timeout, the longest a relay round already sent can wait for its
+/// acknowledgements. Waiting that long means a stop never abandons a round
+/// whose rows Kafka has acknowledged but the outbox still holds.
+pub async fn stop_pipeline(running: &Running, settings: &Settings) {
+    let grace = Duration::from_millis(settings.http.shutdown_grace_ms)
+        + Duration::from_millis(settings.kafka.message_timeout_ms);
     running.pipeline.cancel();
     running.tracker.close();
     if tokio::time::timeout(grace, running.tracker.wait()).await.is_err() {
@@ -135,7 +141,7 @@ pub async fn serve(settings: Settings, roles: Roles, name: &str, http: Option<St
     signal().await;
     http_stop.cancel();
     let _ = server.await;
-    stop_pipeline(&running, grace).await;
+    stop_pipeline(&running, &settings).await;
     running.shards.close().await;
     tracing::info!("{name} stopped");
     Ok(())

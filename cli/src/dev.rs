@@ -104,7 +104,7 @@ async fn serve(settings: &schemas::Settings, args: &DevArgs, create_topics: bool
     if drain(settings, &running.shards, Duration::from_secs(args.drain_timeout_secs)).await {
         tracing::info!("pipeline drained: outbox empty, every index caught up");
     }
-    app::stop_pipeline(&running, grace).await;
+    app::stop_pipeline(&running, settings).await;
     running.shards.close().await;
     Ok(())
 }

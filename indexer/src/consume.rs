@@ -65,9 +65,10 @@ impl IndexConsumer {
     /// stored offsets synchronously and leaves the group.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), rdkafka::error::KafkaError> {
         let k = &self.settings.kafka;
-        let consumer: StreamConsumer = schemas::kafka::consumer_config(k, &self.group()).create()?;
+        let consumer: StreamConsumer =
+            schemas::kafka::create(&schemas::kafka::consumer_config(k, &self.group()))?;
         consumer.subscribe(&[&k.topic])?;
-        let dlq: FutureProducer = schemas::kafka::producer_config(k).create()?;
+        let dlq: FutureProducer = schemas::kafka::create(&schemas::kafka::producer_config(k))?;
         let table = self.spec.table.clone();
         tracing::info!(index = %table, group = %self.group(), "index consumer started");
         let batch_max = self.settings.indexer.batch_max;

@@ -514,6 +514,20 @@ pub async fn outbox_backlog(shard: usize, pool: &MySqlPool) -> Result<(u64, Opti
     Ok((row.try_get::<i64, _>("n").on(shard)? as u64, row.try_get("oldest").on(shard)?))
 }
 
+/// The server's clock and the commit time of the oldest unpublished event,
+/// read together: every event committed before the oldest one still in the
+/// outbox (and before now) has been published. Microseconds since the epoch.
+pub async fn outbox_probe(shard: usize, pool: &MySqlPool) -> Result<(i64, Option<i64>)> {
+    let row = sqlx::query(
+        "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', NOW(6)) AS now_us, \
+         TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MIN(committed)) AS oldest FROM outbox",
+    )
+    .fetch_one(pool)
+    .await
+    .on(shard)?;
+    Ok((row.try_get("now_us").on(shard)?, row.try_get("oldest").on(shard)?))
+}
+
 /// Named lock for "the relay of this database": server-wide names, so the
 /// database name is part of it (two shards may share one server).
 const RELAY_LOCK: &str = "CONCAT('bagstore.relay.', DATABASE())";
@@ -557,45 +571,9 @@ fn key_equals(spec: &IndexSpec) -> String {
     spec.properties.iter().map(|p| format!("`{}` = ?", p.name)).collect::<Vec<_>>().join(" AND ")
 }
 
-/// Writes a row, or raises its version; never lowers it, so a replayed old
-/// event cannot make a row look older than what was already applied.
-pub async fn upsert_index_row(
-    shard: usize,
-    conn: &mut MySqlConnection,
-    spec: &IndexSpec,
-    key: &IndexKey,
-    entity: &EntityId,
-    version: u64,
-) -> Result<()> {
-    let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
-    let sql = format!(
-        "INSERT INTO `{}` ({}, entity_id, version) VALUES ({}, ?, ?) \
-         ON DUPLICATE KEY UPDATE version = GREATEST(version, VALUES(version))",
-        spec.table,
-        cols.join(", "),
-        vec!["?"; cols.len()].join(", ")
-    );
-    bind_key(sqlx::query(&sql), key).bind(&entity.0[..]).bind(version).execute(conn).await.on(shard)?;
-    Ok(())
-}
-
-/// Deletes a row written by an older version than `version`: a row that a
-/// newer event already re-wrote stays.
-pub async fn delete_index_row_before(
-    shard: usize,
-    conn: &mut MySqlConnection,
-    spec: &IndexSpec,
-    key: &IndexKey,
-    entity: &EntityId,
-    version: u64,
-) -> Result<()> {
-    let sql =
-        format!("DELETE FROM `{}` WHERE {} AND entity_id = ? AND version < ?", spec.table, key_equals(spec));
-    bind_key(sqlx::query(&sql), key).bind(&entity.0[..]).bind(version).execute(conn).await.on(shard)?;
-    Ok(())
-}
-
-/// Writes many rows in one statement (see [`upsert_index_row`]).
+/// Writes rows, or raises their versions; never lowers one, so a replayed
+/// old event cannot make a row look older than what was already applied.
+/// Up to 500 rows per statement.
 pub async fn upsert_index_rows(
     shard: usize,
     conn: &mut MySqlConnection,
@@ -612,6 +590,28 @@ pub async fn upsert_index_rows(
             cols.join(", "),
             vec![tuple.as_str(); chunk.len()].join(", ")
         );
+        let mut q = sqlx::query(&sql);
+        for (key, entity, version) in chunk {
+            q = bind_key(q, key).bind(&entity.0[..]).bind(*version);
+        }
+        q.execute(&mut *conn).await.on(shard)?;
+    }
+    Ok(())
+}
+
+/// Deletes rows written by an older version than each row's `version`: a
+/// row that a newer event already re-wrote stays. Up to 200 rows per
+/// statement (primary-key lookups joined by OR).
+pub async fn delete_index_rows_before(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    spec: &IndexSpec,
+    rows: &[(IndexKey, EntityId, u64)],
+) -> Result<()> {
+    let one = format!("({} AND entity_id = ? AND version < ?)", key_equals(spec));
+    for chunk in rows.chunks(200) {
+        let sql =
+            format!("DELETE FROM `{}` WHERE {}", spec.table, vec![one.as_str(); chunk.len()].join(" OR "));
         let mut q = sqlx::query(&sql);
         for (key, entity, version) in chunk {
             q = bind_key(q, key).bind(&entity.0[..]).bind(*version);

@@ -25,6 +25,10 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 
 pub use bagstore::local::mariadb::MariaDb;
 
+pub mod chaos;
+pub mod model;
+pub mod tansu;
+
 /// The ports of this process's two private MariaDB servers.
 fn servers() -> &'static [u16] {
     static PORTS: OnceLock<Vec<u16>> = OnceLock::new();
@@ -124,8 +128,9 @@ pub fn bagstore_bin() -> PathBuf {
 /// temp dir, and a config file pointing at all of them.
 pub struct TestEnv {
     pub name: String,
+    /// Declared before `dir`: a broker process stops before its data goes.
+    pub kafka: Kafka,
     pub dir: tempfile::TempDir,
-    pub kafka: MockCluster<'static, DefaultProducerContext>,
     pub dsns: Vec<String>,
     pub topic: String,
     /// Extra TOML appended to the config (indexes, tuning).
@@ -135,7 +140,10 @@ pub struct TestEnv {
 impl Drop for TestEnv {
     /// A failing test keeps its config and process logs for a post-mortem.
     fn drop(&mut self) {
-        if std::thread::panicking() {
+        if std::env::var_os("BAGSTORE_KEEP_TEST_DIRS").is_some() {
+            self.dir.disable_cleanup(true);
+            eprintln!("test files kept in {} (BAGSTORE_KEEP_TEST_DIRS)", self.dir.path().display());
+        } else if std::thread::panicking() {
             self.dir.disable_cleanup(true);
             eprintln!("test files (config, process logs) kept in {}", self.dir.path().display());
         }
@@ -145,6 +153,54 @@ impl Drop for TestEnv {
 impl std::fmt::Debug for TestEnv {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TestEnv").field("name", &self.name).field("dsns", &self.dsns).finish()
+    }
+}
+
+/// The Kafka a test talks to.
+pub enum Kafka {
+    /// librdkafka's mock cluster, in this process; faults: broker down/up.
+    Mock(MockCluster<'static, DefaultProducerContext>),
+    /// A standalone `tansu` broker process; faults: `kill -9` and restart.
+    Tansu(tansu::Tansu),
+}
+
+impl std::fmt::Debug for Kafka {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Kafka::Mock(c) => write!(f, "Kafka::Mock({})", c.bootstrap_servers()),
+            Kafka::Tansu(t) => write!(f, "Kafka::Tansu({})", t.bootstrap_servers()),
+        }
+    }
+}
+
+impl Kafka {
+    pub fn bootstrap_servers(&self) -> String {
+        match self {
+            Kafka::Mock(c) => c.bootstrap_servers(),
+            Kafka::Tansu(t) => t.bootstrap_servers(),
+        }
+    }
+
+    /// Takes mock broker `id` down (its connections fail until [`Kafka::broker_up`]).
+    pub fn broker_down(&self, id: i32) -> anyhow::Result<()> {
+        match self {
+            Kafka::Mock(c) => Ok(c.broker_down(id)?),
+            Kafka::Tansu(_) => bail!("broker_down is a mock-cluster fault; kill the tansu process instead"),
+        }
+    }
+
+    pub fn broker_up(&self, id: i32) -> anyhow::Result<()> {
+        match self {
+            Kafka::Mock(c) => Ok(c.broker_up(id)?),
+            Kafka::Tansu(_) => bail!("broker_up is a mock-cluster fault; restart the tansu process instead"),
+        }
+    }
+
+    pub fn tansu(&self) -> Option<&tansu::Tansu> {
+        match self {
+            Kafka::Tansu(t) => Some(t),
+            Kafka::Mock(_) => None,
+        }
     }
 }
 
@@ -183,7 +239,17 @@ impl TestEnv {
         kafka.create_topic(&topic, 4, 1).expect("topic");
         kafka.create_topic(&format!("{topic}.dlq"), 1, 1).expect("dlq topic");
         let dir = tempfile::Builder::new().prefix(&format!("{name}-")).tempdir().expect("tempdir");
-        TestEnv { name, dir, kafka, dsns, topic, indexes_toml: indexes_toml.to_string() }
+        TestEnv { name, dir, kafka: Kafka::Mock(kafka), dsns, topic, indexes_toml: indexes_toml.to_string() }
+    }
+
+    /// Like [`TestEnv::new`], with a standalone `tansu` broker process
+    /// (sqlite storage in this test's directory) instead of the mock
+    /// cluster. `migrate` creates the topics through the admin API.
+    pub async fn with_tansu(name: &str, indexes_toml: &str) -> TestEnv {
+        let mut env = TestEnv::new(name, indexes_toml).await;
+        let tansu = tansu::Tansu::start(&env.dir.path().join("tansu")).await.expect("tansu starts");
+        env.kafka = Kafka::Tansu(tansu);
+        env
     }
 
     pub fn brokers(&self) -> String {
@@ -319,7 +385,9 @@ impl Proc {
             .stderr(logfile)
             .env(
                 "RUST_LOG",
-                "info,bagstore=debug,bagstore_indexer=debug,bagstore_writer=debug,bagstore_reader=debug",
+                std::env::var("BAGSTORE_TEST_RUST_LOG").unwrap_or_else(|_| {
+                    "info,bagstore=debug,bagstore_indexer=debug,bagstore_writer=debug,bagstore_reader=debug".into()
+                }),
             )
             .kill_on_drop(true);
         for (k, v) in env {

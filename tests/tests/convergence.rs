@@ -7,10 +7,10 @@
 //!
 //! `BAGSTORE_TEST_SEED=<n>` replays a history.
 
+use bagstore_tests::model::{actual_rows, expected_rows, random_entity, row_differences};
 use bagstore_tests::{eventually, metric_sum, Api, TestEnv, STANDARD_INDEXES};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use serde_json::{json, Map, Value};
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
@@ -20,55 +20,6 @@ const OPS_PER_WRITER: usize = 120;
 
 fn id(i: usize) -> String {
     format!("{:032x}", 0xc0de_0000u64 + i as u64)
-}
-
-const USERS: [&str; 4] = [
-    "0a0a0a0a0a0a0a0a0a0a0a0a0a0a0a0a",
-    "1b1b1b1b1b1b1b1b1b1b1b1b1b1b1b1b",
-    "2c2c2c2c2c2c2c2c2c2c2c2c2c2c2c2c",
-    "3d3d3d3d3d3d3d3d3d3d3d3d3d3d3d3d",
-];
-
-fn random_entity(rng: &mut StdRng) -> Value {
-    let mut m = Map::new();
-    let pick = |rng: &mut StdRng, xs: &[&str]| xs[rng.random_range(0..xs.len())].to_string();
-    if rng.random_bool(0.8) {
-        m.insert("user_id".into(), json!(pick(rng, &USERS)));
-    }
-    if rng.random_bool(0.8) {
-        m.insert("first_name".into(), json!(pick(rng, &["Ann", "Bob", "Cy"])));
-    }
-    if rng.random_bool(0.8) {
-        m.insert("last_name".into(), json!(pick(rng, &["Lee", "Kim"])));
-    }
-    match rng.random_range(0..10) {
-        0 => {
-            m.insert("bar".into(), json!("2"));
-        }
-        1 => {}
-        _ => {
-            m.insert("bar".into(), json!(rng.random_range(0..4)));
-        }
-    }
-    if rng.random_bool(0.7) {
-        m.insert("m".into(), json!(pick(rng, &["right", "left"])));
-    }
-    match rng.random_range(0..4) {
-        0 => {}
-        1 => {
-            m.insert("tags".into(), json!(pick(rng, &["a", "b", "c", "d"])));
-        }
-        _ => {
-            let n = rng.random_range(0..4);
-            let mut tags: Vec<Value> = (0..n).map(|_| json!(pick(rng, &["a", "b", "c", "d"]))).collect();
-            if rng.random_bool(0.2) {
-                tags.push(json!(7));
-            }
-            m.insert("tags".into(), Value::Array(tags));
-        }
-    }
-    m.insert("n".into(), json!(rng.random_range(0..1_000_000)));
-    Value::Object(m)
 }
 
 /// One writer's history: (key, what it did, status).
@@ -95,74 +46,6 @@ async fn writer(api: Api, seed: u64) -> History {
         history.push((k, what, status));
     }
     history
-}
-
-/// (shard, key as text, entity id) for every row an index should hold,
-/// derived here without bagstore's index code.
-type Rows = BTreeSet<(usize, String, String)>;
-
-fn shard(bytes: &[u8]) -> usize {
-    schemas::shard_of(bytes, 2)
-}
-
-fn expected(entities: &HashMap<String, Value>) -> HashMap<&'static str, Rows> {
-    let mut out: HashMap<&'static str, Rows> = HashMap::new();
-    for (eid, p) in entities {
-        if let Some(u) = p["user_id"].as_str() {
-            let bytes: Vec<u8> =
-                (0..16).map(|i| u8::from_str_radix(&u[2 * i..2 * i + 2], 16).unwrap()).collect();
-            out.entry("index_user_id").or_default().insert((shard(&bytes), u.to_string(), eid.clone()));
-        }
-        if let (Some(f), Some(l)) = (p["first_name"].as_str(), p["last_name"].as_str()) {
-            out.entry("index_user_name").or_default().insert((
-                shard(f.as_bytes()),
-                format!("{f}|{l}"),
-                eid.clone(),
-            ));
-        }
-        if let (Some(bar), Some("right")) = (p["bar"].as_i64(), p["m"].as_str()) {
-            out.entry("index_foo").or_default().insert((
-                shard(&bar.to_be_bytes()),
-                bar.to_string(),
-                eid.clone(),
-            ));
-        }
-        let tags: Vec<&str> = match &p["tags"] {
-            Value::String(s) => vec![s.as_str()],
-            Value::Array(a) => a.iter().filter_map(Value::as_str).collect(),
-            _ => vec![],
-        };
-        for t in tags {
-            out.entry("index_tag").or_default().insert((shard(t.as_bytes()), t.to_string(), eid.clone()));
-        }
-    }
-    out
-}
-
-async fn actual(env: &TestEnv) -> HashMap<&'static str, Rows> {
-    let queries = [
-        ("index_user_id", "SELECT LOWER(HEX(user_id)), LOWER(HEX(entity_id)) FROM index_user_id"),
-        (
-            "index_user_name",
-            "SELECT CONCAT(CAST(first_name AS CHAR), '|', CAST(last_name AS CHAR)), LOWER(HEX(entity_id)) \
-             FROM index_user_name",
-        ),
-        ("index_foo", "SELECT CAST(bar AS CHAR), LOWER(HEX(entity_id)) FROM index_foo"),
-        ("index_tag", "SELECT CAST(tags AS CHAR), LOWER(HEX(entity_id)) FROM index_tag"),
-    ];
-    let mut out: HashMap<&'static str, Rows> = HashMap::new();
-    for s in 0..env.dsns.len() {
-        let pool = env.pool(s).await;
-        for (table, sql) in queries {
-            let rows: Vec<(String, String)> = sqlx::query_as(sql).fetch_all(&pool).await.unwrap();
-            let set = out.entry(table).or_default();
-            for (key, eid) in rows {
-                set.insert((s, key, eid));
-            }
-        }
-        pool.close().await;
-    }
-    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -197,19 +80,9 @@ async fn indexes_converge_exactly_under_concurrent_writes_indexer_and_cleaner() 
             entities.insert(id(k), body["properties"].clone());
         }
     }
-    let want = expected(&entities);
-    let have = actual(&env).await;
-    let mut failures = Vec::new();
-    for table in ["index_user_id", "index_user_name", "index_foo", "index_tag"] {
-        let (w, h) =
-            (want.get(table).cloned().unwrap_or_default(), have.get(table).cloned().unwrap_or_default());
-        for missing in w.difference(&h) {
-            failures.push(format!("{table}: missing {missing:?}"));
-        }
-        for dangling in h.difference(&w) {
-            failures.push(format!("{table}: dangling {dangling:?}"));
-        }
-    }
+    let want = expected_rows(&entities, env.dsns.len());
+    let have = actual_rows(&env).await;
+    let failures = row_differences(&want, &have);
     if !failures.is_empty() {
         let bad: BTreeSet<String> =
             failures.iter().filter_map(|f| f.split('"').rev().nth(1).map(str::to_string)).collect();

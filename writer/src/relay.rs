@@ -30,7 +30,7 @@ impl Writer {
             // One producer per shard: a fatal idempotence error then costs
             // only that shard a producer rebuild.
             let producer: FutureProducer =
-                schemas::kafka::producer_config(&self.settings().kafka).create()?;
+                schemas::kafka::create(&schemas::kafka::producer_config(&self.settings().kafka))?;
             let writer = self.clone();
             let shutdown = shutdown.clone();
             tracker.spawn(async move { writer.relay(shard, producer, shutdown).await });
@@ -77,8 +77,8 @@ impl Writer {
         }
     }
 
-    /// Publishes while the lock is ours. Returns Ok at shutdown, Err when the
-    /// shard fails or the lock is gone.
+    /// Publishes while the lock is ours. Returns Ok at shutdown (after
+    /// draining, see below), Err when the shard fails or the lock is gone.
     async fn lead(
         &self,
         shard: usize,
@@ -89,8 +89,23 @@ impl Writer {
         let poll = Duration::from_millis(self.settings().writer.relay_poll_ms);
         let pool = self.shards().pool(shard);
         let mut backoff = poll;
+        // Set once shutdown is asked for: until then the relay keeps
+        // publishing what is committed (HTTP has stopped, so nothing new
+        // arrives), so a graceful stop leaves an empty outbox when Kafka is
+        // up. A round already sent is always awaited and its acknowledged
+        // rows deleted: a stop never leaves a published row behind.
+        let mut drain_until: Option<tokio::time::Instant> = None;
         loop {
-            if shutdown.is_cancelled() {
+            if shutdown.is_cancelled() && drain_until.is_none() {
+                let budget = Duration::from_millis(self.settings().http.shutdown_grace_ms) / 2;
+                drain_until = Some(tokio::time::Instant::now() + budget);
+                tracing::info!(shard, ?budget, "relay draining the outbox before stopping");
+            }
+            if drain_until.is_some_and(|t| tokio::time::Instant::now() >= t) {
+                tracing::warn!(
+                    shard,
+                    "relay stopping with rows still in the outbox; the next leader sends them"
+                );
                 return Ok(());
             }
             // Checked every round: if our connection was killed, another
@@ -104,6 +119,10 @@ impl Writer {
             let rows = store::read_outbox(shard, pool, self.settings().writer.relay_batch).await?;
             if rows.is_empty() {
                 self.report_backlog(shard).await;
+                if drain_until.is_some() {
+                    tracing::info!(shard, "relay drained the outbox");
+                    return Ok(());
+                }
                 tokio::select! {
                     _ = self.inner.wake[shard].notified() => {}
                     _ = tokio::time::sleep(poll) => {}
@@ -119,12 +138,16 @@ impl Writer {
             }
             self.report_backlog(shard).await;
             if acked < rows.len() {
+                if drain_until.is_some() {
+                    // Kafka refuses now; the rows stay for the next leader.
+                    return Ok(());
+                }
                 if let Some(reason) = producer.client().fatal_error() {
                     // The idempotent producer cannot go on (e.g. after a long
                     // outage); a new one starts a new producer id. The rows
                     // are still in the outbox, so nothing is lost.
                     tracing::warn!(shard, ?reason, "producer hit a fatal error; creating a new one");
-                    match schemas::kafka::producer_config(&self.settings().kafka).create() {
+                    match schemas::kafka::create(&schemas::kafka::producer_config(&self.settings().kafka)) {
                         Ok(p) => *producer = p,
                         Err(e) => tracing::error!(shard, error = %e, "cannot create a producer"),
                     }

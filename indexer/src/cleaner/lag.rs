@@ -4,15 +4,67 @@
 //! Offset lag comes from Kafka (the topic's high watermarks against the
 //! group's committed offsets); time lag from MySQL (the newest commit on
 //! any shard against the newest commit the index applied).
+//!
+//! The same measurement tells the sweep where lag ends and drift begins
+//! ([`Settled`]). Each probe notes the shards' clock and the oldest
+//! unpublished outbox row, then the topic's high watermarks: every event
+//! committed before both was on the topic below those watermarks. Once an
+//! index's group has committed offsets at or past a probe's watermarks,
+//! every such event is applied, and a row missing (or left over) for an
+//! entity last written before that time is drift, not an event in flight.
+//! Judging by "the newest event the index applied" instead would call a
+//! slow partition's backlog drift whenever another partition ran ahead.
 
 use schemas::store::{self, IndexState};
+use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::{Cleaner, CleanerError};
 
-/// How often lag is measured.
-pub const LAG_INTERVAL: Duration = Duration::from_secs(2);
+/// How often lag is measured (and the settled time can move).
+pub const LAG_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Margin for a write whose commit became visible a little after its
+/// timestamp was taken (the timestamp is set inside the transaction).
+const VISIBILITY_MARGIN_US: i64 = 500_000;
+
+/// Probes kept per index while its group catches up (one per interval).
+const MAX_PROBES: usize = 3600;
+
+/// One probe: events committed before `before_us` were on the topic below
+/// `watermarks` (partition → high watermark).
+#[derive(Debug, Clone)]
+pub(crate) struct Probe {
+    before_us: i64,
+    watermarks: HashMap<i32, i64>,
+}
+
+/// Per index: probes not yet covered by the group's committed offsets, and
+/// the settled time: every event committed before it has been applied.
+#[derive(Debug, Default)]
+pub(crate) struct Settled {
+    probes: VecDeque<Probe>,
+    pub(crate) at_us: Option<i64>,
+}
+
+impl Settled {
+    /// Records a probe and moves `at_us` to the newest probe the committed
+    /// offsets cover (partition → committed offset).
+    fn advance(&mut self, probe: Probe, committed: &HashMap<i32, i64>) {
+        self.probes.push_back(probe);
+        while self.probes.len() > MAX_PROBES {
+            self.probes.pop_front();
+        }
+        let covered =
+            |p: &Probe| p.watermarks.iter().all(|(part, w)| committed.get(part).copied().unwrap_or(0) >= *w);
+        if let Some(i) = self.probes.iter().rposition(covered) {
+            let at = self.probes[i].before_us;
+            self.at_us = Some(self.at_us.map_or(at, |old| old.max(at)));
+            self.probes.drain(..=i);
+        }
+    }
+}
 
 impl Cleaner {
     /// Measures and publishes lag every [`LAG_INTERVAL`] until `shutdown`.
@@ -30,6 +82,14 @@ impl Cleaner {
 
     pub async fn measure_lag(&self) -> Result<(), CleanerError> {
         let shards = self.shards();
+        // First the clocks and the outbox, then (below) the watermarks: the
+        // order a probe needs (see the module docs).
+        let mut before_us = i64::MAX;
+        for shard in 0..shards.count() {
+            let (now_us, oldest) = store::outbox_probe(shard, shards.pool(shard)).await?;
+            before_us = before_us.min(now_us).min(oldest.unwrap_or(i64::MAX));
+        }
+        let before_us = before_us.saturating_sub(VISIBILITY_MARGIN_US);
         let mut newest = None;
         for shard in 0..shards.count() {
             newest = newest.max(store::newest_commit_us(shard, shards.pool(shard)).await?);
@@ -54,6 +114,13 @@ impl Cleaner {
             if !k.brokers.is_empty() {
                 match schemas::kafka::group_lag(k, &k.group_for(table)).await {
                     Ok(parts) => {
+                        let probe = Probe {
+                            before_us,
+                            watermarks: parts.iter().map(|p| (p.partition, p.high_watermark)).collect(),
+                        };
+                        let committed: HashMap<i32, i64> =
+                            parts.iter().map(|p| (p.partition, p.committed.unwrap_or(0))).collect();
+                        self.settled_mut(table, |s| s.advance(probe, &committed));
                         let mut sum = 0;
                         for p in parts {
                             m.partition_lag
@@ -85,5 +152,40 @@ impl Cleaner {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn probe(before_us: i64, w: &[(i32, i64)]) -> Probe {
+        Probe { before_us, watermarks: w.iter().copied().collect() }
+    }
+
+    #[test]
+    fn settled_time_moves_only_as_far_as_the_committed_offsets_cover() {
+        let mut s = Settled::default();
+        let committed = |c: &[(i32, i64)]| c.iter().copied().collect::<HashMap<_, _>>();
+        // Partition 1 lags: nothing is settled, however far partition 0 ran.
+        s.advance(probe(100, &[(0, 10), (1, 10)]), &committed(&[(0, 50), (1, 4)]));
+        assert_eq!(s.at_us, None);
+        s.advance(probe(200, &[(0, 20), (1, 12)]), &committed(&[(0, 50), (1, 10)]));
+        assert_eq!(s.at_us, Some(100), "the first probe is covered, the second not yet");
+        s.advance(probe(300, &[(0, 25), (1, 12)]), &committed(&[(0, 25), (1, 12)]));
+        assert_eq!(s.at_us, Some(300));
+        assert!(s.probes.is_empty());
+        // It never moves back.
+        s.advance(probe(250, &[(0, 30)]), &committed(&[(0, 30)]));
+        assert_eq!(s.at_us, Some(300));
+    }
+
+    #[test]
+    fn a_group_that_committed_nothing_settles_nothing_on_a_non_empty_topic() {
+        let mut s = Settled::default();
+        s.advance(probe(100, &[(0, 3)]), &HashMap::new());
+        assert_eq!(s.at_us, None);
+        s.advance(probe(200, &[(0, 0)]), &HashMap::new());
+        assert_eq!(s.at_us, Some(200), "an empty partition needs nothing");
     }
 }

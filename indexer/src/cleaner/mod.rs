@@ -59,6 +59,8 @@ struct Inner {
     metrics: CleanerMetrics,
     /// Indexes whose backfill runs in this process.
     backfilling: Mutex<HashSet<String>>,
+    /// Per index: up to when every event is applied (see [`lag`]).
+    settled: Mutex<HashMap<String, lag::Settled>>,
 }
 
 /// Where each pass of the sweep stands.
@@ -85,7 +87,13 @@ pub fn state_code(s: IndexState) -> i64 {
 impl Cleaner {
     pub fn new(settings: Settings, shards: Shards, metrics: CleanerMetrics) -> Cleaner {
         Cleaner {
-            inner: Arc::new(Inner { settings, shards, metrics, backfilling: Mutex::new(HashSet::new()) }),
+            inner: Arc::new(Inner {
+                settings,
+                shards,
+                metrics,
+                backfilling: Mutex::new(HashSet::new()),
+                settled: Mutex::new(HashMap::new()),
+            }),
         }
     }
 
@@ -99,6 +107,16 @@ impl Cleaner {
 
     pub fn metrics(&self) -> &CleanerMetrics {
         &self.inner.metrics
+    }
+
+    /// Commit time before which every event of `table` has been applied;
+    /// `None` until the lag measurement has established one.
+    pub fn settled_us(&self, table: &str) -> Option<i64> {
+        self.inner.settled.lock().expect("not poisoned").get(table).and_then(|s| s.at_us)
+    }
+
+    pub(crate) fn settled_mut(&self, table: &str, f: impl FnOnce(&mut lag::Settled)) {
+        f(self.inner.settled.lock().expect("not poisoned").entry(table.to_string()).or_default())
     }
 
     pub async fn index_metas(&self) -> Result<Vec<IndexMeta>, StoreError> {
@@ -148,12 +166,11 @@ impl Cleaner {
             .filter(|m| matches!(m.state, IndexState::Active | IndexState::Backfilling))
             .map(|m| m.spec)
             .collect();
-        // Per index: commit time of the newest event applied; later commits
-        // are still in flight and not judged this cycle.
+        // Per index: entities written after the settled time may have events
+        // in flight (lag, not drift) and are not judged this cycle.
         let mut settled = HashMap::new();
         for spec in &specs {
-            let at = store::index_progress(self.shards().pool(0), &spec.table).await?.unwrap_or(i64::MIN);
-            settled.insert(spec.table.clone(), at);
+            settled.insert(spec.table.clone(), self.settled_us(&spec.table).unwrap_or(i64::MIN));
             for kind in ["missing", "dangling"] {
                 // Present from the start, so increase() sees the first drift.
                 self.inner.metrics.drift_found.with_label_values(&[&spec.table, kind]);

@@ -29,9 +29,9 @@ fn expected_keys(spec: &IndexSpec, e: Option<&ScannedEntity>) -> (u64, Vec<Index
 
 /// Repairs the rows of `ids` in `spec`'s index, given what was read of them.
 ///
-/// Entities committed after `settled_us` (the commit time of the newest
-/// event the index applied) are left alone: their events may still be on
-/// their way through Kafka, and that is lag, not drift.
+/// Entities committed after `settled_us` (before which every event has been
+/// applied, see [`crate::cleaner::lag`]) are left alone: their events may
+/// still be on their way through Kafka, and that is lag, not drift.
 pub async fn reconcile(
     cleaner: &Cleaner,
     spec: &IndexSpec,
@@ -92,6 +92,7 @@ pub async fn reconcile(
         }
         m.drift_fixed.with_label_values(&[table, "missing"]).inc_by(missing_count);
         tracing::info!(index = table, rows = missing_count, "wrote missing index rows");
+        undo_overtaken(cleaner, spec, &missing).await?;
     }
     if candidates.is_empty() {
         return Ok(());
@@ -120,6 +121,37 @@ pub async fn reconcile(
     m.drift_fixed.with_label_values(&[table, "dangling"]).inc_by(fixed);
     if fixed > 0 {
         tracing::info!(index = table, rows = fixed, "deleted dangling index rows");
+    }
+    Ok(())
+}
+
+/// Closes the race between writing a missing row and a newer write of the
+/// same entity: the cleaner read version v and wrote key K at v, but v+1
+/// (without K) may have committed, and its event been applied, in between;
+/// the indexer found no K to delete then, so K at v would linger. Re-read
+/// the entities after the write: a row whose entity moved on and no longer
+/// produces its key is deleted, but only at versions no newer than the one
+/// written, so an indexer row of a later version stays.
+async fn undo_overtaken(
+    cleaner: &Cleaner,
+    spec: &IndexSpec,
+    written: &[Vec<(IndexKey, EntityId, u64)>],
+) -> Result<(), CleanerError> {
+    let ids: Vec<EntityId> = written.iter().flatten().map(|(_, id, _)| *id).collect();
+    let now = cleaner.read_any(&ids).await?;
+    let now: HashMap<EntityId, &ScannedEntity> = now.iter().map(|e| (e.id, e)).collect();
+    let shards = cleaner.shards();
+    for (shard, rows) in written.iter().enumerate() {
+        for (key, id, version) in rows {
+            let (current, keys) = expected_keys(spec, now.get(id).copied());
+            if current == *version || keys.contains(key) {
+                continue;
+            }
+            let mut conn =
+                shards.pool(shard).acquire().await.map_err(|source| StoreError::Shard { shard, source })?;
+            store::delete_index_row_upto(shard, &mut conn, spec, key, id, *version).await?;
+            tracing::debug!(index = %spec.table, entity = %id, "undid a repair overtaken by a newer write");
+        }
     }
     Ok(())
 }

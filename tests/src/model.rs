@@ -1,0 +1,323 @@
+//! What the randomized suites (convergence, chaos) agree on, written
+//! independently of bagstore's own index and filter code so that a bug there
+//! cannot hide itself:
+//!
+//! - [`random_entity`]: bodies over [`STANDARD_INDEXES`](crate::STANDARD_INDEXES)
+//!   that make indexed values appear, change and vanish (arrays, wrong types,
+//!   the partial index's condition flipping);
+//! - [`expected_rows`] / [`actual_rows`]: every row each index should hold,
+//!   derived from entity properties, and what the tables hold;
+//! - [`random_query`] / [`matches`]: queries and a reference evaluator of
+//!   their conditions, for Invariant R (no false positives);
+//! - [`read_topic`]: every change event on the topic, for Invariant W.
+
+use rand::rngs::StdRng;
+use rand::Rng;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use schemas::event::ChangeEvent;
+use serde_json::{json, Map, Value};
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use crate::TestEnv;
+
+/// The tables of [`STANDARD_INDEXES`](crate::STANDARD_INDEXES).
+pub const STANDARD_TABLES: [&str; 4] = ["index_user_id", "index_user_name", "index_foo", "index_tag"];
+
+pub const USERS: [&str; 4] = [
+    "0a0a0a0a0a0a0a0a0a0a0a0a0a0a0a0a",
+    "1b1b1b1b1b1b1b1b1b1b1b1b1b1b1b1b",
+    "2c2c2c2c2c2c2c2c2c2c2c2c2c2c2c2c",
+    "3d3d3d3d3d3d3d3d3d3d3d3d3d3d3d3d",
+];
+const FIRST: [&str; 3] = ["Ann", "Bob", "Cy"];
+const LAST: [&str; 2] = ["Lee", "Kim"];
+const TAGS: [&str; 4] = ["a", "b", "c", "d"];
+
+fn pick(rng: &mut StdRng, xs: &[&str]) -> String {
+    xs[rng.random_range(0..xs.len())].to_string()
+}
+
+/// A body for the standard indexes: each indexed property is sometimes
+/// missing, `bar` is sometimes a string (no row in an int index), `m`
+/// decides the partial index, `tags` is absent, a string, or an array
+/// (sometimes with a number in it).
+pub fn random_entity(rng: &mut StdRng) -> Value {
+    let mut m = Map::new();
+    if rng.random_bool(0.8) {
+        m.insert("user_id".into(), json!(pick(rng, &USERS)));
+    }
+    if rng.random_bool(0.8) {
+        m.insert("first_name".into(), json!(pick(rng, &FIRST)));
+    }
+    if rng.random_bool(0.8) {
+        m.insert("last_name".into(), json!(pick(rng, &LAST)));
+    }
+    match rng.random_range(0..10) {
+        0 => {
+            m.insert("bar".into(), json!("2"));
+        }
+        1 => {}
+        _ => {
+            m.insert("bar".into(), json!(rng.random_range(0..4)));
+        }
+    }
+    if rng.random_bool(0.7) {
+        m.insert("m".into(), json!(pick(rng, &["right", "left"])));
+    }
+    match rng.random_range(0..4) {
+        0 => {}
+        1 => {
+            m.insert("tags".into(), json!(pick(rng, &TAGS)));
+        }
+        _ => {
+            let n = rng.random_range(0..4);
+            let mut tags: Vec<Value> = (0..n).map(|_| json!(pick(rng, &TAGS))).collect();
+            if rng.random_bool(0.2) {
+                tags.push(json!(7));
+            }
+            m.insert("tags".into(), Value::Array(tags));
+        }
+    }
+    m.insert("n".into(), json!(rng.random_range(0..1_000_000)));
+    Value::Object(m)
+}
+
+/// (shard, key as text, entity id) for every row an index should hold.
+pub type Rows = BTreeSet<(usize, String, String)>;
+
+fn shard(bytes: &[u8], shards: usize) -> usize {
+    schemas::shard_of(bytes, shards)
+}
+
+fn hex_bytes(s: &str) -> Vec<u8> {
+    (0..s.len() / 2).map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap()).collect()
+}
+
+/// The rows of every standard index, derived from live entities' properties
+/// (entity id → properties), without bagstore's index code.
+pub fn expected_rows(entities: &HashMap<String, Value>, shards: usize) -> HashMap<&'static str, Rows> {
+    let mut out: HashMap<&'static str, Rows> = STANDARD_TABLES.iter().map(|t| (*t, Rows::new())).collect();
+    let mut add = |table: &'static str, row| {
+        out.get_mut(table).expect("standard table").insert(row);
+    };
+    for (eid, p) in entities {
+        if let Some(u) = p["user_id"].as_str() {
+            add("index_user_id", (shard(&hex_bytes(u), shards), u.to_string(), eid.clone()));
+        }
+        if let (Some(f), Some(l)) = (p["first_name"].as_str(), p["last_name"].as_str()) {
+            add("index_user_name", (shard(f.as_bytes(), shards), format!("{f}|{l}"), eid.clone()));
+        }
+        if let (Some(bar), Some("right")) = (p["bar"].as_i64(), p["m"].as_str()) {
+            add("index_foo", (shard(&bar.to_be_bytes(), shards), bar.to_string(), eid.clone()));
+        }
+        let tags: Vec<&str> = match &p["tags"] {
+            Value::String(s) => vec![s.as_str()],
+            Value::Array(a) => a.iter().filter_map(Value::as_str).collect(),
+            _ => vec![],
+        };
+        for t in tags {
+            add("index_tag", (shard(t.as_bytes(), shards), t.to_string(), eid.clone()));
+        }
+    }
+    out
+}
+
+/// What the standard index tables hold, on every shard.
+pub async fn actual_rows(env: &TestEnv) -> HashMap<&'static str, Rows> {
+    let queries = [
+        ("index_user_id", "SELECT LOWER(HEX(user_id)), LOWER(HEX(entity_id)) FROM index_user_id"),
+        (
+            "index_user_name",
+            "SELECT CONCAT(CAST(first_name AS CHAR), '|', CAST(last_name AS CHAR)), LOWER(HEX(entity_id)) \
+             FROM index_user_name",
+        ),
+        ("index_foo", "SELECT CAST(bar AS CHAR), LOWER(HEX(entity_id)) FROM index_foo"),
+        ("index_tag", "SELECT CAST(tags AS CHAR), LOWER(HEX(entity_id)) FROM index_tag"),
+    ];
+    let mut out: HashMap<&'static str, Rows> = HashMap::new();
+    for s in 0..env.dsns.len() {
+        let pool = env.pool(s).await;
+        for (table, sql) in queries {
+            let rows: Vec<(String, String)> = sqlx::query_as(sql).fetch_all(&pool).await.unwrap();
+            let set = out.entry(table).or_default();
+            for (key, eid) in rows {
+                set.insert((s, key, eid));
+            }
+        }
+        pool.close().await;
+    }
+    out
+}
+
+/// Differences between what each index should hold and what it holds, one
+/// line each (`<table>: missing|dangling (shard, key, entity)`).
+pub fn row_differences(
+    want: &HashMap<&'static str, Rows>,
+    have: &HashMap<&'static str, Rows>,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    for table in STANDARD_TABLES {
+        let (w, h) =
+            (want.get(table).cloned().unwrap_or_default(), have.get(table).cloned().unwrap_or_default());
+        for missing in w.difference(&h) {
+            out.push(format!("{table}: missing {missing:?}"));
+        }
+        for dangling in h.difference(&w) {
+            out.push(format!("{table}: dangling {dangling:?}"));
+        }
+    }
+    out
+}
+
+/// A query the standard indexes can answer, sometimes with a filter on an
+/// unindexed property, an `in` list, a range or an explicit order.
+pub fn random_query(rng: &mut StdRng) -> Value {
+    let mut q = match rng.random_range(0..7) {
+        0 => json!({"where": {"user_id": pick(rng, &USERS)}}),
+        1 => json!({"where": {"user_id": pick(rng, &USERS), "n": {"gte": rng.random_range(0..1_000_000)}}}),
+        2 => json!({"where": {"first_name": pick(rng, &FIRST), "last_name": pick(rng, &LAST)}}),
+        3 => json!({"where": {"first_name": {"in": [pick(rng, &FIRST), pick(rng, &FIRST)]}}}),
+        4 => json!({"index": "index_foo", "where": {"bar": {"gte": rng.random_range(0..4)}}}),
+        5 => json!({"where": {"bar": rng.random_range(0..4)}}),
+        _ => json!({"where": {"tags": pick(rng, &TAGS)}}),
+    };
+    if rng.random_bool(0.3) {
+        q["order"] = json!("desc");
+    }
+    q["limit"] = json!(rng.random_range(1..30));
+    q
+}
+
+/// JSON equality as bagstore defines it for conditions: numbers by value,
+/// and a property holding an array matches when one element does.
+fn value_eq(actual: &Value, want: &Value) -> bool {
+    match (actual, want) {
+        (Value::Array(items), w) if !w.is_array() => items.iter().any(|a| value_eq(a, w)),
+        (Value::Number(a), Value::Number(b)) => a.as_f64() == b.as_f64(),
+        (a, b) => a == b,
+    }
+}
+
+fn value_gte(actual: &Value, bound: &Value) -> bool {
+    match actual {
+        Value::Array(items) => items.iter().any(|a| value_gte(a, bound)),
+        Value::Number(a) => a.as_f64() >= bound.as_f64(),
+        _ => false,
+    }
+}
+
+/// Whether `properties` satisfy every condition of a query made by
+/// [`random_query`], and the partial index's condition when the query names
+/// that index (a reference evaluator, independent of the reader's).
+pub fn matches(query: &Value, properties: &Value) -> bool {
+    let conditions = query["where"].as_object().expect("where");
+    let all = conditions.iter().all(|(name, cond)| {
+        let actual = &properties[name];
+        if actual.is_null() {
+            return false;
+        }
+        match cond {
+            Value::Object(op) if op.contains_key("gte") => value_gte(actual, &op["gte"]),
+            Value::Object(op) if op.contains_key("in") => {
+                op["in"].as_array().expect("in list").iter().any(|w| value_eq(actual, w))
+            }
+            want => value_eq(actual, want),
+        }
+    });
+    let partial = query["index"] != "index_foo" || properties["m"] == "right";
+    all && partial
+}
+
+/// One event read back from the change topic.
+#[derive(Debug, Clone)]
+pub struct TopicEvent {
+    pub partition: i32,
+    pub offset: i64,
+    pub event: ChangeEvent,
+}
+
+/// Every event on `topic` (partitions `0..partitions`), in partition order.
+pub fn read_topic(brokers: &str, topic: &str, partitions: i32) -> Vec<TopicEvent> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", format!("{topic}-checker-{}", rand::random::<u32>()))
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("checker consumer");
+    let mut out = Vec::new();
+    for p in 0..partitions {
+        let (low, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(10)).expect("watermarks");
+        if high <= low {
+            continue;
+        }
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(topic, p, Offset::Offset(low)).expect("partition");
+        consumer.assign(&tpl).expect("assign");
+        let mut next = low;
+        while next < high {
+            match consumer.poll(Duration::from_secs(10)) {
+                Some(Ok(m)) => {
+                    next = m.offset() + 1;
+                    let event =
+                        ChangeEvent::decode(m.payload().expect("payload")).expect("a decodable event");
+                    out.push(TopicEvent { partition: p, offset: m.offset(), event });
+                }
+                Some(Err(e)) => panic!("reading partition {p}: {e}"),
+                None => panic!("partition {p} stalled at offset {next} of {high}"),
+            }
+        }
+    }
+    out
+}
+
+/// Invariant W on the topic: per entity, the versions seen for the first
+/// time must be exactly 1, 2, … in that order (a redelivered duplicate of an
+/// earlier version is allowed: delivery is at least once), and must cover
+/// every version the store committed (`final_versions`: entity id → its
+/// version in `entities`, tombstones included). Returns one line per breach.
+pub fn check_topic_order(events: &[TopicEvent], final_versions: &HashMap<String, u64>) -> Vec<String> {
+    let mut firsts: HashMap<String, Vec<u64>> = HashMap::new();
+    let mut seen: BTreeSet<(String, u64)> = BTreeSet::new();
+    for e in events {
+        let id = e.event.id.to_hex();
+        if seen.insert((id.clone(), e.event.version)) {
+            firsts.entry(id).or_default().push(e.event.version);
+        }
+    }
+    let mut out = Vec::new();
+    for (id, versions) in &firsts {
+        let want: Vec<u64> = (1..=versions.len() as u64).collect();
+        if *versions != want {
+            out.push(format!(
+                "entity {id}: first occurrences on the topic are {versions:?}, not 1..n in order"
+            ));
+        }
+    }
+    for (id, v) in final_versions {
+        let published = firsts.get(id).map_or(0, |f| f.len() as u64);
+        if published != *v {
+            out.push(format!(
+                "entity {id}: the store is at version {v} but the topic has versions 1..{published}"
+            ));
+        }
+    }
+    out
+}
+
+/// Every entity's version in the store, tombstones included (id → version).
+pub async fn stored_versions(env: &TestEnv) -> HashMap<String, u64> {
+    let mut out = HashMap::new();
+    for s in 0..env.dsns.len() {
+        let pool = env.pool(s).await;
+        let rows: Vec<(String, u64)> =
+            sqlx::query_as("SELECT LOWER(HEX(id)), CAST(version AS UNSIGNED) FROM entities")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        out.extend(rows);
+        pool.close().await;
+    }
+    out
+}

@@ -1,0 +1,136 @@
+//! A standalone Kafka-compatible broker for tests that kill it: `tansu`
+//! (0.6.0, sqlite storage in the test's directory), so a `kill -9` and a
+//! restart keep every acknowledged record, as a real broker's disk would.
+//!
+//! The binary is `$BAGSTORE_TANSU`, else `tansu` on the PATH, else
+//! `$CARGO_HOME/bin/tansu` (`~/.cargo/bin`); `scripts/test` installs it
+//! there when missing.
+
+use anyhow::{bail, Context};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::ClientConfig;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Where the tansu binary is, if anywhere.
+pub fn tansu_bin() -> Option<PathBuf> {
+    if let Ok(p) = std::env::var("BAGSTORE_TANSU") {
+        return Some(PathBuf::from(p));
+    }
+    let on_path = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|d| d.join("tansu"))
+        .find(|p| p.is_file());
+    on_path.or_else(|| {
+        let cargo_home = std::env::var_os("CARGO_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cargo")))?;
+        let p = cargo_home.join("bin/tansu");
+        p.is_file().then_some(p)
+    })
+}
+
+/// A running (or killed, until restarted) tansu broker.
+#[derive(Debug)]
+pub struct Tansu {
+    bin: PathBuf,
+    /// Holds `tansu.db` and the broker's log.
+    dir: PathBuf,
+    /// Kept across restarts: clients keep their bootstrap address.
+    port: u16,
+    child: Mutex<Option<Child>>,
+}
+
+impl Tansu {
+    /// Starts a broker with its data in `dir` and waits until it answers
+    /// metadata requests.
+    pub async fn start(dir: &Path) -> anyhow::Result<Tansu> {
+        let bin = tansu_bin().context(
+            "the tansu broker is not installed: run scripts/test, or \
+             `cargo install tansu --version 0.6.0 --features libsql --locked`",
+        )?;
+        std::fs::create_dir_all(dir)?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let t = Tansu { bin, dir: dir.to_path_buf(), port, child: Mutex::new(None) };
+        t.launch().await?;
+        Ok(t)
+    }
+
+    pub fn bootstrap_servers(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    fn url(&self) -> String {
+        format!("tcp://127.0.0.1:{}", self.port)
+    }
+
+    async fn launch(&self) -> anyhow::Result<()> {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("tansu.log"))?;
+        let child = Command::new(&self.bin)
+            .arg("broker")
+            .args(["--listener-url", &self.url(), "--advertised-listener-url", &self.url()])
+            .args(["--storage-engine", "sqlite://tansu.db"])
+            .current_dir(&self.dir)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("spawning {}", self.bin.display()))?;
+        *self.child.lock().unwrap() = Some(child);
+        self.until_ready(Duration::from_secs(60)).await
+    }
+
+    /// Polls a metadata request until the broker answers it.
+    async fn until_ready(&self, deadline: Duration) -> anyhow::Result<()> {
+        let brokers = self.bootstrap_servers();
+        let until = Instant::now() + deadline;
+        loop {
+            let b = brokers.clone();
+            let answered = tokio::task::spawn_blocking(move || {
+                let c: BaseConsumer = ClientConfig::new().set("bootstrap.servers", &b).create().ok()?;
+                c.fetch_metadata(None, Duration::from_secs(2)).ok()
+            })
+            .await?
+            .is_some();
+            if answered {
+                return Ok(());
+            }
+            if let Some(status) =
+                self.child.lock().unwrap().as_mut().and_then(|c| c.try_wait().ok().flatten())
+            {
+                bail!("tansu exited with {status}; see {}", self.dir.join("tansu.log").display());
+            }
+            if Instant::now() >= until {
+                bail!(
+                    "tansu did not answer within {deadline:?}; see {}",
+                    self.dir.join("tansu.log").display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// SIGKILL: the broker dies mid-request; its sqlite file stays.
+    pub fn kill9(&self) {
+        if let Some(mut c) = self.child.lock().unwrap().take() {
+            c.kill().ok();
+            c.wait().ok();
+        }
+    }
+
+    /// Starts the broker again on the same port and data.
+    pub async fn restart(&self) -> anyhow::Result<()> {
+        self.kill9();
+        self.launch().await
+    }
+}
+
+impl Drop for Tansu {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
