@@ -31,7 +31,19 @@ pub struct IndexConsumer {
     spec: IndexSpec,
     shards: Shards,
     metrics: Metrics,
+    /// The applied-through time readers report, written to shard 0 at most
+    /// every PROGRESS_EVERY (a commit per batch would cost a busy index an
+    /// fsync per batch), and on the idle tick when a newer one waits.
+    progress: std::sync::Mutex<Progress>,
 }
+
+#[derive(Debug, Default)]
+struct Progress {
+    written_at: Option<Instant>,
+    pending: Option<i64>,
+}
+
+const PROGRESS_EVERY: Duration = Duration::from_millis(100);
 
 #[derive(Debug)]
 struct DropCheck {
@@ -54,7 +66,8 @@ impl IndexConsumer {
         metrics.failed.with_label_values(&t);
         metrics.dead_lettered.with_label_values(&t);
         metrics.assigned_partitions.with_label_values(&t);
-        IndexConsumer { settings, spec, shards, metrics }
+        metrics.event_lag_seconds.with_label_values(&t);
+        IndexConsumer { settings, spec, shards, metrics, progress: Default::default() }
     }
 
     pub fn group(&self) -> String {
@@ -80,6 +93,7 @@ impl IndexConsumer {
                 _ = shutdown.cancelled() => break,
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {
                     self.report_assignment(&consumer);
+                    self.write_progress(None, true).await;
                     continue;
                 }
             };
@@ -124,6 +138,7 @@ impl IndexConsumer {
             }
             self.report_assignment(&consumer);
         }
+        self.write_progress(None, true).await;
         if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
             tracing::debug!(index = %table, error = %e, "final commit had nothing to commit or failed");
         }
@@ -165,12 +180,14 @@ impl IndexConsumer {
         let mut ops: Vec<RowOp> = Vec::new();
         let mut poison = Vec::new();
         let mut newest_commit = None;
+        let mut commits = Vec::with_capacity(batch.len());
         let mut applied = 0u64;
         for m in batch {
             match decode(m) {
                 Ok(event) => {
                     ops.extend(plan(&self.spec, &event, self.shards.count()));
                     newest_commit = newest_commit.max(Some(event.committed_at_us));
+                    commits.push(event.committed_at_us);
                     applied += 1;
                 }
                 Err(reason) => poison.push(Poison { message: m.clone(), reason }),
@@ -210,15 +227,44 @@ impl IndexConsumer {
             }
         }
         self.metrics.applied.with_label_values(&[table]).inc_by(applied);
+        let now = schemas::web::now_micros();
+        let lag = self.metrics.event_lag_seconds.with_label_values(&[table]);
+        for c in commits {
+            lag.observe((now - c).max(0) as f64 / 1e6);
+        }
         if let Some(us) = newest_commit {
-            // Freshness for readers; losing one update only delays it.
-            if let Err(e) = schemas::store::record_index_progress(self.shards.pool(0), table, us).await {
-                tracing::debug!(index = %table, error = %e, "cannot record index progress");
-            }
+            self.write_progress(Some(us), false).await;
             let g = self.metrics.last_applied.with_label_values(&[table]);
             g.set(g.get().max(us as f64 / 1e6));
         }
         true
+    }
+
+    /// Records the commit time of the newest event applied (freshness for
+    /// readers; losing one update only delays it), unless one was written
+    /// less than PROGRESS_EVERY ago and `flush` is not asked.
+    async fn write_progress(&self, applied_us: Option<i64>, flush: bool) {
+        let due = {
+            let mut p = self.progress.lock().expect("not poisoned");
+            if let Some(us) = applied_us {
+                p.pending = p.pending.max(Some(us));
+            }
+            let recent = p.written_at.is_some_and(|t| t.elapsed() < PROGRESS_EVERY);
+            match p.pending {
+                Some(us) if flush || !recent => {
+                    p.pending = None;
+                    p.written_at = Some(Instant::now());
+                    Some(us)
+                }
+                _ => None,
+            }
+        };
+        if let Some(us) = due {
+            let table = &self.spec.table;
+            if let Err(e) = schemas::store::record_index_progress(self.shards.pool(0), table, us).await {
+                tracing::debug!(index = %table, error = %e, "cannot record index progress");
+            }
+        }
     }
 
     /// Sends a poison message to `<topic>.dlq` with the reason in headers.

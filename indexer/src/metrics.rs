@@ -11,6 +11,8 @@ pub struct Metrics {
     pub failed: IntCounterVec,
     pub dead_lettered: IntCounterVec,
     pub apply_seconds: HistogramVec,
+    /// Per event: from the write's commit to its index rows' commit.
+    pub event_lag_seconds: HistogramVec,
     /// Commit time of the newest event applied.
     pub last_applied: GaugeVec,
     pub assigned_partitions: IntGaugeVec,
@@ -45,6 +47,17 @@ impl Metrics {
                 .buckets(vec![0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]),
                 &["index"],
             )?,
+            event_lag_seconds: HistogramVec::new(
+                HistogramOpts::new(
+                    "bagstore_indexer_event_lag_seconds",
+                    "Per change event, time from the write's commit to its index rows' commit",
+                )
+                .buckets(vec![
+                    0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5,
+                    5.0, 10.0, 30.0, 60.0,
+                ]),
+                &["index"],
+            )?,
             last_applied: GaugeVec::new(
                 Opts::new(
                     "bagstore_indexer_last_applied_commit_timestamp_seconds",
@@ -64,6 +77,7 @@ impl Metrics {
         r.register(Box::new(m.failed.clone()))?;
         r.register(Box::new(m.dead_lettered.clone()))?;
         r.register(Box::new(m.apply_seconds.clone()))?;
+        r.register(Box::new(m.event_lag_seconds.clone()))?;
         r.register(Box::new(m.last_applied.clone()))?;
         r.register(Box::new(m.assigned_partitions.clone()))?;
         Ok(m)

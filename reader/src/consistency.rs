@@ -19,7 +19,7 @@ use axum::http::StatusCode;
 use schemas::store::{self, StoreError};
 use schemas::web::Problem;
 use schemas::{EntityId, IndexSpec};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::Reader;
 
@@ -83,11 +83,27 @@ impl Reader {
     }
 
     pub async fn freshness(&self, table: &str) -> Result<Freshness, StoreError> {
+        if let Some((at, f)) = self.inner.freshness.lock().expect("not poisoned").get(table) {
+            if at.elapsed() < crate::FRESHNESS_TTL {
+                return Ok(*f);
+            }
+        }
+        let f = self.measure_freshness(table).await?;
+        self.inner.freshness.lock().expect("not poisoned").insert(table.to_string(), (Instant::now(), f));
+        Ok(f)
+    }
+
+    async fn measure_freshness(&self, table: &str) -> Result<Freshness, StoreError> {
         let shards = self.shards();
-        let applied = store::index_progress(shards.pool(0), table).await?;
+        let newest_jobs = (0..shards.count()).map(|shard| store::newest_commit_us(shard, shards.pool(shard)));
+        let (applied, per_shard) = tokio::join!(
+            store::index_progress(shards.pool(0), table),
+            futures::future::join_all(newest_jobs)
+        );
+        let applied = applied?;
         let mut newest = None;
-        for shard in 0..shards.count() {
-            newest = newest.max(store::newest_commit_us(shard, shards.pool(shard)).await?);
+        for n in per_shard {
+            newest = newest.max(n?);
         }
         let lag_ms = match (newest, applied) {
             (Some(n), Some(a)) => Some(((n - a) / 1000).max(0)),

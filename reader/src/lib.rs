@@ -33,6 +33,10 @@ use std::time::{Duration, Instant};
 /// How long index states read from shard 0 are trusted.
 const STATE_TTL: Duration = Duration::from_millis(500);
 
+/// How long a measured freshness (`index_lag_ms`, `index_applied_through_us`)
+/// is reused: the figures in an answer are at most this old.
+const FRESHNESS_TTL: Duration = Duration::from_millis(200);
+
 #[derive(Debug, Clone)]
 pub struct Reader {
     inner: Arc<Inner>,
@@ -47,12 +51,24 @@ struct Inner {
     /// truth, so a new index needs no reader restart), refreshed at most
     /// every STATE_TTL.
     states: Mutex<Option<(Instant, HashMap<String, IndexMeta>)>>,
+    /// Per index: the freshness reported with query answers, reused for
+    /// FRESHNESS_TTL so a busy reader does not pay three extra statements
+    /// per query for it.
+    freshness: Mutex<HashMap<String, (Instant, consistency::Freshness)>>,
 }
 
 impl Reader {
     pub fn new(settings: Settings, shards: Shards, registry: &Registry) -> prometheus::Result<Reader> {
         let metrics = metrics::Metrics::register(registry)?;
-        Ok(Reader { inner: Arc::new(Inner { settings, shards, metrics, states: Mutex::new(None) }) })
+        Ok(Reader {
+            inner: Arc::new(Inner {
+                settings,
+                shards,
+                metrics,
+                states: Mutex::new(None),
+                freshness: Mutex::new(HashMap::new()),
+            }),
+        })
     }
 
     pub fn settings(&self) -> &Settings {

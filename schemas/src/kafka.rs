@@ -80,9 +80,12 @@ pub fn consumer_config(k: &KafkaSettings, group: &str) -> ClientConfig {
         .set("session.timeout.ms", k.session_timeout_ms.to_string())
         .set("heartbeat.interval.ms", (k.session_timeout_ms / 4).max(100).to_string())
         .set("partition.assignment.strategy", "cooperative-sticky")
-        // Index lag is the product: do not let an idle fetch sit for the
-        // default 500 ms when a broker is slow to answer early.
-        .set("fetch.wait.max.ms", "100");
+        // Index lag is the product: an idle fetch that a broker holds for
+        // its full wait (librdkafka's mock cluster does, whatever arrives
+        // meanwhile) delays the next event by up to that long. 20 ms keeps
+        // commit→applied p99 well under 100 ms for ~50 idle fetches a second
+        // per consumer; `kafka.options` can raise it.
+        .set("fetch.wait.max.ms", "20");
     with_options(c, k)
 }
 

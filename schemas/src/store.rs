@@ -233,60 +233,79 @@ pub struct Current {
     pub body: Option<Vec<u8>>,
 }
 
-/// `SELECT … FOR UPDATE`: locks the row (or, when absent, the gap where it
-/// would go) until the transaction ends, so writes to one id serialize.
-pub async fn lock_entity(shard: usize, conn: &mut MySqlConnection, id: &EntityId) -> Result<Option<Current>> {
-    let row = sqlx::query("SELECT version, body FROM entities WHERE id = ? FOR UPDATE")
-        .bind(&id.0[..])
-        .fetch_optional(conn)
-        .await
-        .on(shard)?;
-    row.map(|r| Ok(Current { version: r.try_get("version").on(shard)?, body: r.try_get("body").on(shard)? }))
-        .transpose()
-}
-
-pub async fn insert_entity(
+/// `SELECT … FOR UPDATE` of many ids in one statement: the rows present (id
+/// → current) are locked, and so are the gaps where absent ones would go,
+/// until the transaction ends, so writes to one id serialize. Ids are sent sorted, so two batches lock in the same order.
+pub async fn lock_entities(
     shard: usize,
     conn: &mut MySqlConnection,
-    id: &EntityId,
-    version: u64,
-    updated_us: i64,
-    body: &[u8],
+    ids: &[EntityId],
+) -> Result<std::collections::HashMap<EntityId, Current>> {
+    let mut out = std::collections::HashMap::with_capacity(ids.len());
+    let mut sorted: Vec<&EntityId> = ids.iter().collect();
+    sorted.sort();
+    sorted.dedup();
+    for chunk in sorted.chunks(1000) {
+        let sql = format!(
+            "SELECT id, version, body FROM entities WHERE id IN ({}) FOR UPDATE",
+            vec!["?"; chunk.len()].join(", ")
+        );
+        let mut q = sqlx::query(&sql);
+        for id in chunk {
+            q = q.bind(&id.0[..]);
+        }
+        for r in q.fetch_all(&mut *conn).await.on(shard)? {
+            let id = id_column(shard, &r, "id")?;
+            out.insert(
+                id,
+                Current { version: r.try_get("version").on(shard)?, body: r.try_get("body").on(shard)? },
+            );
+        }
+    }
+    Ok(out)
+}
+
+/// Writes entity rows (new or locked ones) in multi-row statements: an
+/// absent id is inserted, a present one overwritten; `body` `None` leaves a
+/// tombstone. Each id at most once.
+pub async fn upsert_entities(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    rows: &[(EntityId, u64, i64, Option<Vec<u8>>)],
 ) -> Result<()> {
-    sqlx::query(
-        "INSERT INTO entities (id, version, updated, body) \
-         VALUES (?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)",
-    )
-    .bind(&id.0[..])
-    .bind(version)
-    .bind(updated_us)
-    .bind(body)
-    .execute(conn)
-    .await
-    .on(shard)?;
+    for chunk in rows.chunks(500) {
+        let sql = format!(
+            "INSERT INTO entities (id, version, updated, body) VALUES {} \
+             ON DUPLICATE KEY UPDATE version = VALUES(version), updated = VALUES(updated), body = VALUES(body)",
+            vec!["(?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)"; chunk.len()].join(", ")
+        );
+        let mut q = sqlx::query(&sql);
+        for (id, version, updated_us, body) in chunk {
+            q = q.bind(&id.0[..]).bind(*version).bind(*updated_us).bind(body.as_deref());
+        }
+        q.execute(&mut *conn).await.on(shard)?;
+    }
     Ok(())
 }
 
-/// Overwrites a locked row; `body` `None` leaves a tombstone.
-pub async fn update_entity(
+/// Change events into the outbox in multi-row statements, in the given
+/// order (so `seq` follows it).
+pub async fn insert_outbox_rows(
     shard: usize,
     conn: &mut MySqlConnection,
-    id: &EntityId,
-    version: u64,
-    updated_us: i64,
-    body: Option<&[u8]>,
+    rows: &[(EntityId, u64, i64, Vec<u8>)],
 ) -> Result<()> {
-    sqlx::query(
-        "UPDATE entities SET version = ?, updated = TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), \
-         body = ? WHERE id = ?",
-    )
-    .bind(version)
-    .bind(updated_us)
-    .bind(body)
-    .bind(&id.0[..])
-    .execute(conn)
-    .await
-    .on(shard)?;
+    for chunk in rows.chunks(500) {
+        let sql = format!(
+            "INSERT INTO outbox (entity_id, version, committed, event) VALUES {}",
+            vec!["(?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)"; chunk.len()].join(", ")
+        );
+        let mut q = sqlx::query(&sql);
+        for (id, version, committed_us, event) in chunk {
+            q = q.bind(&id.0[..]).bind(*version).bind(*committed_us).bind(&event[..]);
+        }
+        q.execute(&mut *conn).await.on(shard)?;
+    }
     Ok(())
 }
 
@@ -439,28 +458,6 @@ pub async fn entity_bounds(shard: usize, pool: &MySqlPool) -> Result<(u64, u64)>
 }
 
 // ---------------------------------------------------------------- outbox
-
-pub async fn insert_outbox(
-    shard: usize,
-    conn: &mut MySqlConnection,
-    id: &EntityId,
-    version: u64,
-    committed_us: i64,
-    event: &[u8],
-) -> Result<()> {
-    sqlx::query(
-        "INSERT INTO outbox (entity_id, version, committed, event) \
-         VALUES (?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)",
-    )
-    .bind(&id.0[..])
-    .bind(version)
-    .bind(committed_us)
-    .bind(event)
-    .execute(conn)
-    .await
-    .on(shard)?;
-    Ok(())
-}
 
 #[derive(Debug, Clone)]
 pub struct OutboxRow {

@@ -486,13 +486,26 @@ async fn groups_settled(indexers: &[Option<Proc>]) -> bool {
     })
 }
 
-async fn until_group_owns_everything(indexers: &[Option<Proc>]) {
+async fn until_group_owns_everything(env: &TestEnv, indexers: &[Option<Proc>]) {
     eventually(
         "every index group to be spread over the live indexers, each partition owned once",
         Duration::from_secs(90),
-        || async { groups_settled(indexers).await.then_some(()) },
+        || async {
+            heal_broker(env).await;
+            groups_settled(indexers).await.then_some(())
+        },
     )
     .await;
+}
+
+/// Restarts a tansu broker that broke on its own (see `Tansu::heal`); a
+/// no-op on the mock cluster.
+async fn heal_broker(env: &TestEnv) {
+    if let Some(t) = env.kafka.tansu() {
+        if t.heal().await.expect("tansu restarts") {
+            eprintln!("chaos: tansu crashed on its own (a panic in its storage); restarted it");
+        }
+    }
 }
 
 /// The connection ids of this test's databases on `dsn`'s server.
@@ -550,7 +563,7 @@ async fn inject(
             tokio::time::sleep(Duration::from_millis(rng.random_range(100..1000))).await;
             stack.indexers[i] = Some(env.spawn(&["indexer"]).await);
             let t = Instant::now();
-            until_group_owns_everything(&stack.indexers).await;
+            until_group_owns_everything(env, &stack.indexers).await;
             let during = stall.map_or(String::new(), |s| {
                 format!(" while its writes on shard {s} were stalled by LOCK TABLES")
             });
@@ -632,7 +645,7 @@ pub async fn run(env: &TestEnv, cfg: ChaosConfig) {
         reader: env.spawn(&["reader"]).await,
         cleaner: Some(env.spawn_env(&["cleaner"], &CLEANER_ENV).await),
     };
-    until_group_owns_everything(&stack.indexers).await;
+    until_group_owns_everything(env, &stack.indexers).await;
 
     let shared = Arc::new(Shared {
         started: Instant::now(),
@@ -671,6 +684,7 @@ pub async fn run(env: &TestEnv, cfg: ChaosConfig) {
         schedule.shuffle(&mut rng);
         for fault in schedule {
             tokio::time::sleep(Duration::from_millis(rng.random_range(500..2000))).await;
+            heal_broker(env).await;
             let at_ms = shared.ms();
             let detail = inject(fault, env, &mut stack, &shared, &mut rng, &admin).await;
             eprintln!("chaos fault at {at_ms} ms: {fault:?}: {detail}");
@@ -683,6 +697,7 @@ pub async fn run(env: &TestEnv, cfg: ChaosConfig) {
     }
     // A little load after the last fault, then stop.
     tokio::time::sleep(Duration::from_secs(2)).await;
+    heal_broker(env).await;
     shared.stop.store(true, Ordering::Relaxed);
     for t in tasks {
         t.await.expect("a chaos task panicked");
@@ -712,6 +727,7 @@ pub async fn run(env: &TestEnv, cfg: ChaosConfig) {
     if cleaner_code != Some(0) {
         shared.fail(format!("the cleaner exited with {cleaner_code:?} on SIGTERM"));
     }
+    heal_broker(env).await;
     env.until_caught_up(&STANDARD_TABLES).await;
     let entities = final_entities(&shared, cfg.keys).await;
     let want = model::expected_rows(&entities, env.dsns.len());
@@ -768,6 +784,10 @@ pub async fn run(env: &TestEnv, cfg: ChaosConfig) {
     .ok();
     let kinds: Vec<String> = per_kind.iter().map(|(k, v)| format!("{k:?} x{v}")).collect();
     writeln!(report, "  faults injected: {}", kinds.join(", ")).ok();
+    if let Some(t) = env.kafka.tansu() {
+        let heals = t.heals.load(Ordering::Relaxed);
+        writeln!(report, "  tansu restarted after crashing on its own: {heals} times").ok();
+    }
     writeln!(report, "  max index lag observed: {} events, {} ms", n(&c.max_lag_events), n(&c.max_lag_ms))
         .ok();
     writeln!(

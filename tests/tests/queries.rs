@@ -84,7 +84,11 @@ fn newest_first(items: &[(String, String, String, i64)], user: &str) -> Vec<Stri
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn latest_entries_of_one_user_page_newest_first_on_one_shard_even_with_stale_rows() {
     let env = TestEnv::new("latest", INDEXES).await;
-    let dev = env.dev().await;
+    // The in-process cleaner sleeps after its first cycle: the hand-made
+    // rows below are for the reader to face, not for the cleaner to repair.
+    let dev = env
+        .spawn_env(&["dev", "--http", "127.0.0.1:0"], &[("BAGSTORE_CLEANER__INTERVAL_MS", "600000")])
+        .await;
     let api = dev.api();
     let items = corpus();
     put_all(&api, &items).await;

@@ -12,11 +12,14 @@
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use schemas::store::{self, OutboxRow, StoreError};
 use sqlx::MySqlConnection;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::Writer;
+
+/// How often a leading relay refreshes the outbox backlog gauges.
+const BACKLOG_EVERY: Duration = Duration::from_millis(500);
 
 impl Writer {
     /// Starts one relay task per shard on `tracker`; they stop at `shutdown`
@@ -95,6 +98,15 @@ impl Writer {
         // up. A round already sent is always awaited and its acknowledged
         // rows deleted: a stop never leaves a published row behind.
         let mut drain_until: Option<tokio::time::Instant> = None;
+        // The backlog gauges cost a statement; refreshed at most this often.
+        let mut backlog_at: Option<Instant> = None;
+        let mut report = || {
+            let due = backlog_at.is_none_or(|t| t.elapsed() >= BACKLOG_EVERY);
+            if due {
+                backlog_at = Some(Instant::now());
+            }
+            due
+        };
         loop {
             if shutdown.is_cancelled() && drain_until.is_none() {
                 let budget = Duration::from_millis(self.settings().http.shutdown_grace_ms) / 2;
@@ -118,7 +130,9 @@ impl Writer {
             }
             let rows = store::read_outbox(shard, pool, self.settings().writer.relay_batch).await?;
             if rows.is_empty() {
-                self.report_backlog(shard).await;
+                if report() {
+                    self.report_backlog(shard).await;
+                }
                 if drain_until.is_some() {
                     tracing::info!(shard, "relay drained the outbox");
                     return Ok(());
@@ -136,7 +150,9 @@ impl Writer {
                 store::delete_outbox(shard, pool, &seqs).await?;
                 self.inner.metrics.published.with_label_values(&[&shard.to_string()]).inc_by(acked as u64);
             }
-            self.report_backlog(shard).await;
+            if report() {
+                self.report_backlog(shard).await;
+            }
             if acked < rows.len() {
                 if drain_until.is_some() {
                     // Kafka refuses now; the rows stay for the next leader.

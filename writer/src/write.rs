@@ -8,7 +8,7 @@ use schemas::event::{ChangeEvent, Op};
 use schemas::store::{self, StoreError};
 use schemas::web::now_micros;
 use schemas::{Bag, EntityId};
-use sqlx::MySqlConnection;
+use std::collections::HashMap;
 
 use crate::Writer;
 
@@ -143,9 +143,13 @@ impl Writer {
         out.into_iter().map(|r| r.expect("every item belongs to one shard")).collect()
     }
 
-    /// Runs the items in one transaction on `shard`. An item whose
-    /// precondition fails is skipped (its error is its result); a database
-    /// error rolls back everything and is returned as the outer error.
+    /// Runs the items in one transaction on `shard`, in four statements
+    /// whatever their number: one locking read of every id, then the
+    /// decisions in memory (in item order, so an id written twice sees its
+    /// first write), one multi-row write of the final rows, one multi-row
+    /// outbox insert, commit. An item whose precondition fails is skipped
+    /// (its error is its result); a database error rolls back everything and
+    /// is returned as the outer error.
     async fn transaction(
         &self,
         shard: usize,
@@ -153,18 +157,41 @@ impl Writer {
     ) -> Result<Vec<Result<Outcome, WriteError>>, StoreError> {
         let pool = self.shards().pool(shard);
         let mut tx = pool.begin().await.map_err(|source| StoreError::Shard { shard, source })?;
+        let ids: Vec<EntityId> = items.iter().map(|(id, _, _)| *id).collect();
+        let mut rows: HashMap<EntityId, Row> = store::lock_entities(shard, &mut tx, &ids)
+            .await?
+            .into_iter()
+            .map(|(id, c)| (id, Row::stored(shard, &id, c)))
+            .collect();
+        let now = now_micros();
         let mut results = Vec::with_capacity(items.len());
         let mut kinds = Vec::new();
+        let mut events = Vec::new();
+        let mut written: Vec<EntityId> = Vec::new();
         for (id, change, pre) in items {
-            let r = write_in_tx(shard, &mut tx, id, change, *pre).await;
-            match r {
-                Ok(outcome) => {
+            match decide(shard, id, rows.get(id), change, *pre, now) {
+                Ok((row, event, outcome)) => {
                     kinds.push(if matches!(change, Change::Delete) { "delete" } else { "put" });
+                    events.push((*id, event.version, now, event.encode()));
+                    if !written.contains(id) {
+                        written.push(*id);
+                    }
+                    rows.insert(*id, row);
                     results.push(Ok(outcome));
                 }
-                Err(WriteError::Store(e)) => return Err(e),
-                Err(other) => results.push(Err(other)),
+                Err(e) => results.push(Err(e)),
             }
+        }
+        if !events.is_empty() {
+            let entity_rows: Vec<(EntityId, u64, i64, Option<Vec<u8>>)> = written
+                .iter()
+                .map(|id| {
+                    let r = &rows[id];
+                    (*id, r.version, now, r.bag.as_ref().map(codec::encode_body))
+                })
+                .collect();
+            store::upsert_entities(shard, &mut tx, &entity_rows).await?;
+            store::insert_outbox_rows(shard, &mut tx, &events).await?;
         }
         tx.commit().await.map_err(|source| StoreError::Shard { shard, source })?;
         let shard_label = shard.to_string();
@@ -175,15 +202,43 @@ impl Writer {
     }
 }
 
-async fn write_in_tx(
+/// An entity row as the transaction sees it: what is stored, then what
+/// earlier items of the same transaction made of it.
+#[derive(Debug, Clone)]
+struct Row {
+    version: u64,
+    /// `None` for a tombstone (or a body that could not be decoded).
+    bag: Option<Bag>,
+    live: bool,
+}
+
+impl Row {
+    fn stored(shard: usize, id: &EntityId, c: store::Current) -> Row {
+        let live = c.body.is_some();
+        let bag = c.body.as_deref().and_then(|blob| match codec::decode_body(blob) {
+            Ok(bag) => Some(bag),
+            Err(e) => {
+                // The write goes on (it replaces the broken body); the old index
+                // rows cannot be derived, so the cleaner removes them later.
+                tracing::error!(%id, shard, error = %e, "stored body is corrupt; overwriting it");
+                None
+            }
+        });
+        Row { version: c.version, bag, live }
+    }
+}
+
+/// One item's effect: the row after it, its change event, its answer; or
+/// why it does nothing. Pure: the database work is the caller's.
+fn decide(
     shard: usize,
-    conn: &mut MySqlConnection,
     id: &EntityId,
+    current: Option<&Row>,
     change: &Change,
     pre: Precondition,
-) -> Result<Outcome, WriteError> {
-    let current = store::lock_entity(shard, conn, id).await?;
-    let live_version = current.as_ref().filter(|c| c.body.is_some()).map(|c| c.version);
+    now: i64,
+) -> Result<(Row, ChangeEvent, Outcome), WriteError> {
+    let live_version = current.filter(|c| c.live).map(|c| c.version);
     if let Some(expected) = pre.if_version {
         if live_version != Some(expected) {
             return Err(WriteError::VersionConflict { expected, actual: live_version });
@@ -197,33 +252,15 @@ async fn write_in_tx(
     if matches!(change, Change::Delete) && live_version.is_none() {
         return Err(WriteError::NotFound);
     }
-    let before = match current.as_ref().and_then(|c| c.body.as_deref()) {
-        Some(blob) => match codec::decode_body(blob) {
-            Ok(bag) => Some(bag),
-            Err(e) => {
-                // The write goes on (it replaces the broken body); the old index
-                // rows cannot be derived, so the cleaner removes them later.
-                tracing::error!(%id, shard, error = %e, "stored body is corrupt; overwriting it");
-                None
-            }
-        },
-        None => None,
-    };
     // Tombstones keep their version, so a re-created entity continues from it.
-    let version = current.as_ref().map_or(0, |c| c.version) + 1;
-    let now = now_micros();
+    let version = current.map_or(0, |c| c.version) + 1;
+    let before = current.filter(|c| c.live).and_then(|c| c.bag.clone());
     let (op, after) = match change {
         Change::Put(bag) => (Op::Put, Some(bag.clone())),
         Change::Delete => (Op::Delete, None),
     };
-    let body = after.as_ref().map(codec::encode_body);
-    match (&current, &body) {
-        (None, Some(body)) => store::insert_entity(shard, conn, id, version, now, body).await?,
-        (None, None) => unreachable!("deleting an absent entity returned NotFound above"),
-        (Some(_), body) => store::update_entity(shard, conn, id, version, now, body.as_deref()).await?,
-    }
+    let row = Row { version, bag: after.clone(), live: after.is_some() };
     let event =
         ChangeEvent { id: *id, version, op, committed_at_us: now, shard: shard as u32, before, after };
-    store::insert_outbox(shard, conn, id, version, now, &event.encode()).await?;
-    Ok(Outcome { id: *id, version, created: live_version.is_none() })
+    Ok((row, event, Outcome { id: *id, version, created: live_version.is_none() }))
 }

@@ -1,0 +1,1212 @@
+//! `bench`: bagstore side by side with what a user would do otherwise, in
+//! one run on the same two private `mariadbd` shards (same settings for
+//! every contender, durable commits: `innodb_flush_log_at_trx_commit=1`),
+//! with the same data and the same client concurrency.
+//!
+//! Contenders:
+//! - **raw**: `INSERT` of the same encoded bodies into an `entities` table
+//!   shaped like bagstore's (single-row transactions, and batches); no
+//!   outbox, no Kafka. The physical limit of the write path.
+//! - **json**: a table with a JSON column, virtual generated columns for the
+//!   indexed properties and a secondary index on them; the same writes and
+//!   the same queries. The native alternative.
+//! - **bagstore**: the real `bagstore` writer, indexer and reader processes
+//!   over HTTP, with librdkafka's mock Kafka in this process.
+//!
+//! Phases: load the same N entities into json and bagstore; queries
+//! ("latest 20 of one user", a compound range, point gets; results are
+//! compared between json and bagstore first); adding an index to the N
+//! entities (bagstore's online backfill against `ALTER TABLE … ADD INDEX` on
+//! a new generated column) while a steady writer measures its latency;
+//! write throughput (raw, json, bagstore; single and batch); index lag
+//! commit→applied at 50% and 90% of bagstore's maximum single-put rate.
+//!
+//! Prints one Markdown table (absolute figures and ratios) and writes the
+//! same to `target/bench.json`. `--quick` is the CI smoke run: small N,
+//! short phases; it checks results (equal query answers, a complete
+//! backfill) but asserts nothing about timings. `--help` lists the flags.
+
+use anyhow::{bail, ensure, Context};
+use bagstore_tests::{metric_sum, MariaDb, Proc};
+use rdkafka::mocking::MockCluster;
+use serde_json::{json, Value};
+use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
+use sqlx::Row;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const USAGE: &str =
+    "usage: bench [--quick] [--entities N] [--phase-secs S] [--clients C] [--steady-rate R]\n\
+  --quick          CI smoke run: 3000 entities, 2 s phases, 4 clients\n\
+  --entities N     entities loaded before queries and the index build (default 1000000)\n\
+  --phase-secs S   length of each measured phase (default 20)\n\
+  --clients C      concurrent clients (connections, requests in flight) for every contender (default 16)\n\
+  --steady-rate R  the steady writer during index builds, writes per second (default 200)";
+
+const SHARDS: usize = 2;
+const USERS: usize = 1000;
+/// Entities per batch write, for every contender.
+const BATCH: usize = 100;
+const INDEX_MAIN: &str = "index_user_published";
+const INDEX_NEW: &str = "index_link";
+
+#[derive(Debug, Clone)]
+struct Options {
+    quick: bool,
+    entities: usize,
+    phase: Duration,
+    clients: usize,
+    steady_rate: u32,
+}
+
+fn parse_args(args: &[String]) -> Result<Options, String> {
+    fn value<T: std::str::FromStr>(flag: &str, v: Option<&String>) -> Result<T, String> {
+        let v = v.ok_or_else(|| format!("{flag} needs a value"))?;
+        v.parse().map_err(|_| format!("{flag}: cannot parse {v:?}"))
+    }
+    let mut quick = false;
+    let (mut entities, mut phase, mut clients, mut rate) = (None, None, None, None);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--quick" => quick = true,
+            "--entities" => entities = Some(value::<usize>(a, it.next())?),
+            "--phase-secs" => phase = Some(value::<f64>(a, it.next())?),
+            "--clients" => clients = Some(value::<usize>(a, it.next())?),
+            "--steady-rate" => rate = Some(value::<u32>(a, it.next())?),
+            "-h" | "--help" => return Err(String::new()),
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    let o = Options {
+        quick,
+        entities: entities.unwrap_or(if quick { 3000 } else { 1_000_000 }),
+        phase: Duration::from_secs_f64(phase.unwrap_or(if quick { 2.0 } else { 20.0 })),
+        clients: clients.unwrap_or(if quick { 4 } else { 16 }),
+        steady_rate: rate.unwrap_or(if quick { 50 } else { 200 }),
+    };
+    if o.entities < 100 || o.clients == 0 || o.steady_rate == 0 || o.phase.is_zero() {
+        return Err(
+            "--entities must be at least 100; --clients, --steady-rate and --phase-secs positive".into()
+        );
+    }
+    Ok(o)
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let opts = match parse_args(&args) {
+        Ok(o) => o,
+        Err(msg) if msg.is_empty() => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(msg) => {
+            eprintln!("bench: {msg}\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    if std::env::var_os("BAGSTORE_BIN").is_none() {
+        // This binary lives in target/<profile>/, next to `bagstore`.
+        let bin = std::env::current_exe().map(|e| e.with_file_name("bagstore")).unwrap_or_default();
+        if !bin.exists() {
+            eprintln!("bench: {} is missing: build the workspace first", bin.display());
+            return ExitCode::FAILURE;
+        }
+        std::env::set_var("BAGSTORE_BIN", &bin);
+    }
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    match rt.block_on(run(opts)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("bench: failed: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+// ---------------------------------------------------------------- data
+
+/// A well-spread id for entity number `i` (the same in every contender).
+fn entity_id(i: u64) -> String {
+    let h = xxhash_rust::xxh3::xxh3_128(&i.to_le_bytes());
+    format!("{h:032x}")
+}
+
+fn user_id(u: usize) -> String {
+    format!("{:032x}", 0x5e5e_0000_0000u64 + u as u64)
+}
+
+/// Entity number `i`: a post of user `i % USERS`, published at `i` seconds
+/// after an epoch, with a unique link (the property indexed later).
+fn entity(i: u64) -> Value {
+    json!({
+        "user_id": user_id(i as usize % USERS),
+        "published": 1_700_000_000i64 + i as i64,
+        "title": format!("Post number {i} about bagstore, schemaless entities on sharded MySQL"),
+        "link": format!("https://example.com/posts/{i:012}"),
+        "n": i,
+    })
+}
+
+fn shard_of_hex(id: &str) -> usize {
+    schemas::shard_of(&hex16(id), SHARDS)
+}
+
+fn hex16(id: &str) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    for (k, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&id[2 * k..2 * k + 2], 16).expect("hex id");
+    }
+    out
+}
+
+/// Ids handed out to write phases, above the loaded range.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1 << 40);
+
+fn fresh() -> u64 {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+// ---------------------------------------------------------------- figures
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Latency {
+    n: usize,
+    p50: f64,
+    p99: f64,
+    max: f64,
+}
+
+/// Milliseconds, from samples in seconds.
+fn latency(samples: &mut [f64]) -> Latency {
+    if samples.is_empty() {
+        return Latency::default();
+    }
+    samples.sort_by(|a, b| a.total_cmp(b));
+    let at = |q: f64| samples[((samples.len() as f64 * q).ceil() as usize).clamp(1, samples.len()) - 1] * 1e3;
+    Latency { n: samples.len(), p50: at(0.50), p99: at(0.99), max: samples[samples.len() - 1] * 1e3 }
+}
+
+/// What a measured phase produced.
+#[derive(Debug, Clone, Copy, Default)]
+struct Run {
+    /// Rows (entities) per second, or operations per second for reads.
+    rate: f64,
+    latency: Latency,
+    errors: u64,
+}
+
+/// One line of the report: a name, a figure, and the comparison.
+#[derive(Debug, Default)]
+struct Report {
+    rows: Vec<(String, String, String)>,
+    json: BTreeMap<String, Value>,
+}
+
+impl Report {
+    fn section(&mut self, title: &str) {
+        self.rows.push((format!("**{title}**"), String::new(), String::new()));
+    }
+
+    fn line(&mut self, key: &str, what: &str, figure: String, note: String) {
+        eprintln!("bench: {what}: {figure} {note}");
+        self.rows.push((what.to_string(), figure, note));
+        self.json.insert(key.to_string(), json!({"what": what}));
+    }
+
+    fn value(&mut self, key: &str, v: Value) {
+        self.json.insert(key.to_string(), v);
+    }
+
+    fn run(&mut self, key: &str, what: &str, r: &Run, unit: &str) {
+        self.line(
+            key,
+            what,
+            format!("{:.0} {unit}", r.rate),
+            format!(
+                "p50 {:.2} ms, p99 {:.2} ms, max {:.1} ms ({} errors)",
+                r.latency.p50, r.latency.p99, r.latency.max, r.errors
+            ),
+        );
+        self.value(key, run_json(what, r));
+    }
+
+    fn markdown(&self) -> String {
+        let mut s = String::from("| measure | figure | detail |\n| --- | ---: | --- |\n");
+        for (a, b, c) in &self.rows {
+            s.push_str(&format!("| {a} | {b} | {c} |\n"));
+        }
+        s
+    }
+}
+
+fn run_json(what: &str, r: &Run) -> Value {
+    json!({"what": what, "rate": r.rate, "p50_ms": r.latency.p50, "p99_ms": r.latency.p99,
+           "max_ms": r.latency.max, "samples": r.latency.n, "errors": r.errors})
+}
+
+fn ratio(a: f64, b: f64) -> String {
+    if b > 0.0 {
+        format!("{:.2}×", a / b)
+    } else {
+        "n/a".into()
+    }
+}
+
+// ---------------------------------------------------------------- load drivers
+
+/// Runs `clients` closed-loop workers for `phase`; each call of `op` does
+/// one operation of `rows` rows and returns Ok or an error.
+async fn closed_loop<F, Fut>(clients: usize, phase: Duration, rows: usize, op: F) -> Run
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + Send,
+{
+    let op = Arc::new(op);
+    let until = Instant::now() + phase;
+    let start = Instant::now();
+    let errors = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let (op, errors) = (op.clone(), errors.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut samples = Vec::new();
+            while Instant::now() < until {
+                let t = Instant::now();
+                match op().await {
+                    Ok(()) => samples.push(t.elapsed().as_secs_f64()),
+                    Err(e) => {
+                        if errors.fetch_add(1, Ordering::Relaxed) == 0 {
+                            eprintln!("bench: first error of a phase: {e:#}");
+                        }
+                    }
+                }
+            }
+            samples
+        }));
+    }
+    let mut samples = Vec::new();
+    for t in tasks {
+        samples.extend(t.await.expect("worker"));
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let done = samples.len();
+    Run {
+        rate: (done * rows) as f64 / secs,
+        latency: latency(&mut samples),
+        errors: errors.load(Ordering::Relaxed),
+    }
+}
+
+/// An open-loop writer: starts one `op` every `1/rate` s until `stop`,
+/// however slow the answers are, and times each.
+async fn open_loop<F, Fut>(rate: f64, stop: Arc<AtomicBool>, op: F) -> Run
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+{
+    let op = Arc::new(op);
+    let samples = Arc::new(Mutex::new(Vec::new()));
+    let errors = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut inflight = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        tick.tick().await;
+        let (op, samples, errors) = (op.clone(), samples.clone(), errors.clone());
+        inflight.push(tokio::spawn(async move {
+            let t = Instant::now();
+            match op().await {
+                Ok(()) => samples.lock().unwrap().push(t.elapsed().as_secs_f64()),
+                Err(_) => {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+        if inflight.len() > 4096 {
+            inflight.retain(|h| !h.is_finished());
+        }
+    }
+    for h in inflight {
+        let _ = h.await;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let mut s = samples.lock().unwrap().clone();
+    Run { rate: s.len() as f64 / secs, latency: latency(&mut s), errors: errors.load(Ordering::Relaxed) }
+}
+
+// ---------------------------------------------------------------- peak memory
+
+/// Largest resident set seen per labelled process (kB), sampled every 200 ms.
+#[derive(Debug, Default)]
+struct RssSampler {
+    pids: Mutex<Vec<(String, u32)>>,
+    peak_kb: Mutex<BTreeMap<String, u64>>,
+}
+
+fn rss_kb(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+}
+
+impl RssSampler {
+    fn watch(&self, label: &str, pid: u32) {
+        self.pids.lock().unwrap().push((label.to_string(), pid));
+    }
+
+    fn sample(&self) {
+        let pids = self.pids.lock().unwrap().clone();
+        let mut peak = self.peak_kb.lock().unwrap();
+        for (label, pid) in pids {
+            if let Some(kb) = rss_kb(pid) {
+                let e = peak.entry(label).or_insert(0);
+                *e = (*e).max(kb);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- the world
+
+struct World {
+    dir: tempfile::TempDir,
+    servers: Vec<MariaDb>,
+    /// Per shard: bagstore's database.
+    bag_dsns: Vec<String>,
+    /// Per shard: the raw and json contenders' database.
+    native: Vec<MySqlPool>,
+    kafka: MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
+    topic: String,
+    http: reqwest::Client,
+    rss: Arc<RssSampler>,
+}
+
+impl World {
+    fn config(&self, with_new_index: bool) -> PathBuf {
+        let shards: Vec<String> = self.bag_dsns.iter().map(|d| format!("{d:?}")).collect();
+        let mut toml = format!(
+            "[mysql]\nshards = [{}]\nmax_connections = 32\n\n[kafka]\nbrokers = {:?}\ntopic = {:?}\npartitions = 8\n\n\
+             [http]\naddr = \"127.0.0.1:0\"\n\n\
+             [[indexes]]\ntable = \"{INDEX_MAIN}\"\nproperties = [{{ name = \"user_id\", type = \"uuid\" }}, {{ name = \"published\", type = \"int\" }}]\nshard_on = \"user_id\"\n",
+            shards.join(", "),
+            self.kafka.bootstrap_servers(),
+            self.topic,
+        );
+        if with_new_index {
+            toml.push_str(&format!(
+                "\n[[indexes]]\ntable = \"{INDEX_NEW}\"\nproperties = [{{ name = \"link\", type = \"string\", max_len = 200 }}]\n"
+            ));
+        }
+        let p = self.dir.path().join("bagstore.toml");
+        std::fs::write(&p, toml).expect("config");
+        p
+    }
+
+    async fn bagstore(&self, args: &[&str], new_index: bool) -> anyhow::Result<Proc> {
+        let mut all: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        all.push("--config".into());
+        all.push(self.config(new_index).display().to_string());
+        let p = Proc::start(&all, self.dir.path(), &[("RUST_LOG", "warn")]).await?;
+        self.rss.watch(&format!("bagstore {}", args.join(" ")), p.pid() as u32);
+        Ok(p)
+    }
+
+    async fn migrate(&self, new_index: bool) -> anyhow::Result<()> {
+        let out = tokio::process::Command::new(bagstore_tests::bagstore_bin())
+            .arg("migrate")
+            .arg("--config")
+            .arg(self.config(new_index))
+            .output()
+            .await?;
+        ensure!(out.status.success(), "migrate failed: {}", String::from_utf8_lossy(&out.stderr));
+        Ok(())
+    }
+
+    /// Waits until the outbox is empty and `index`'s group has applied everything.
+    async fn caught_up(&self, index: &str, deadline: Duration) -> anyhow::Result<Duration> {
+        let k = schemas::settings::KafkaSettings {
+            brokers: self.kafka.bootstrap_servers(),
+            topic: self.topic.clone(),
+            ..Default::default()
+        };
+        let start = Instant::now();
+        loop {
+            let mut outbox = 0i64;
+            for d in &self.bag_dsns {
+                let pool = MySqlPool::connect(d).await?;
+                outbox +=
+                    sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM outbox").fetch_one(&pool).await?;
+                pool.close().await;
+            }
+            if outbox == 0 {
+                let lag: i64 =
+                    schemas::kafka::group_lag(&k, &k.group_for(index)).await?.iter().map(|p| p.lag()).sum();
+                if lag == 0 {
+                    return Ok(start.elapsed());
+                }
+            }
+            ensure!(start.elapsed() < deadline, "{index} did not catch up within {deadline:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+async fn setup(opts: &Options) -> anyhow::Result<World> {
+    let dir = tempfile::Builder::new().prefix("bagstore-bench-").tempdir()?;
+    let pool_size = if opts.quick { "256M" } else { "2G" };
+    let mut servers = Vec::new();
+    for i in 0..SHARDS {
+        let o = bagstore::local::mariadb::MariaDbOptions {
+            ephemeral: true,
+            innodb_buffer_pool_size: Some(pool_size.into()),
+            extra_args: vec!["--innodb-log-file-size=512M".into()],
+            ..Default::default()
+        };
+        servers.push(MariaDb::start_with(&dir.path().join(format!("shard-{i}")), o).await?);
+    }
+    let rss = Arc::new(RssSampler::default());
+    for (i, s) in servers.iter().enumerate() {
+        rss.watch(&format!("mariadbd shard {i}"), s.pid());
+    }
+    rss.watch("bench (load generator, mock Kafka)", std::process::id());
+    let bag_dsns: Vec<String> = servers.iter().map(|s| s.dsn("bench_bag")).collect();
+    let mut native = Vec::new();
+    for s in &servers {
+        let root = MySqlPool::connect(&s.dsn("")).await?;
+        sqlx::query("CREATE DATABASE IF NOT EXISTS bench_native").execute(&root).await?;
+        root.close().await;
+        let pool = MySqlPoolOptions::new()
+            .max_connections(opts.clients as u32 + 4)
+            .connect(&s.dsn("bench_native"))
+            .await?;
+        sqlx::query(schemas::ddl::ENTITIES).execute(&pool).await?;
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS docs (
+                added_id BIGINT UNSIGNED NOT NULL AUTO_INCREMENT,
+                id BINARY(16) NOT NULL,
+                doc JSON NOT NULL,
+                user_id VARCHAR(32) AS (JSON_VALUE(doc, '$.user_id')) VIRTUAL,
+                published BIGINT AS (JSON_VALUE(doc, '$.published')) VIRTUAL,
+                PRIMARY KEY (added_id),
+                UNIQUE KEY docs_id (id),
+                KEY docs_user_published (user_id, published)
+            ) ENGINE=InnoDB",
+        )
+        .execute(&pool)
+        .await?;
+        native.push(pool);
+    }
+    let kafka = MockCluster::new(1)?;
+    let topic = "bench.entity-changes".to_string();
+    kafka.create_topic(&topic, 8, 1)?;
+    kafka.create_topic(&format!("{topic}.dlq"), 1, 1)?;
+    let http = reqwest::Client::builder().pool_max_idle_per_host(opts.clients * 2).build()?;
+    Ok(World { dir, servers, bag_dsns, native, kafka, topic, http, rss })
+}
+
+// ---------------------------------------------------------------- contenders
+
+async fn raw_insert(pools: Arc<Vec<MySqlPool>>, items: Vec<(String, Vec<u8>)>) -> anyhow::Result<()> {
+    let mut per: Vec<Vec<(String, Vec<u8>)>> = vec![Vec::new(); SHARDS];
+    for (id, body) in items {
+        per[shard_of_hex(&id)].push((id, body));
+    }
+    let jobs = per.into_iter().enumerate().filter(|(_, v)| !v.is_empty()).map(|(s, rows)| {
+        let pool = pools[s].clone();
+        async move {
+            let sql = format!(
+                "INSERT INTO entities (id, version, updated, body) VALUES {}",
+                vec!["(?, 1, NOW(6), ?)"; rows.len()].join(", ")
+            );
+            let mut q = sqlx::query(&sql);
+            for (id, body) in &rows {
+                q = q.bind(hex16(id).to_vec()).bind(body.clone());
+            }
+            q.execute(&pool).await.map(|_| ())
+        }
+    });
+    for r in futures::future::join_all(jobs).await {
+        r?;
+    }
+    Ok(())
+}
+
+async fn json_insert(pools: Arc<Vec<MySqlPool>>, items: Vec<(String, String)>) -> anyhow::Result<()> {
+    let mut per: Vec<Vec<(String, String)>> = vec![Vec::new(); SHARDS];
+    for (id, doc) in items {
+        per[shard_of_hex(&id)].push((id, doc));
+    }
+    let jobs = per.into_iter().enumerate().filter(|(_, v)| !v.is_empty()).map(|(s, rows)| {
+        let pool = pools[s].clone();
+        async move {
+            let sql = format!("INSERT INTO docs (id, doc) VALUES {}", vec!["(?, ?)"; rows.len()].join(", "));
+            let mut q = sqlx::query(&sql);
+            for (id, doc) in &rows {
+                q = q.bind(hex16(id).to_vec()).bind(doc.as_str());
+            }
+            q.execute(&pool).await.map(|_| ())
+        }
+    });
+    for r in futures::future::join_all(jobs).await {
+        r?;
+    }
+    Ok(())
+}
+
+fn body_of(i: u64) -> Vec<u8> {
+    let bag = schemas::value::bag_from_json(&entity(i)).expect("a bag");
+    schemas::codec::encode_body(&bag)
+}
+
+async fn bag_put(http: reqwest::Client, base: Arc<String>, i: u64) -> anyhow::Result<()> {
+    let r = http.put(format!("{base}/v1/entities/{}", entity_id(i))).json(&entity(i)).send().await?;
+    ensure!(r.status().is_success(), "put answered {}", r.status());
+    Ok(())
+}
+
+async fn bag_batch(http: reqwest::Client, base: Arc<String>, ids: Vec<u64>) -> anyhow::Result<()> {
+    let items: Vec<Value> = ids
+        .iter()
+        .map(|i| {
+            let mut e = entity(*i);
+            e["id"] = json!(entity_id(*i));
+            e
+        })
+        .collect();
+    let r = http.post(format!("{base}/v1/entities/batch")).json(&json!({"entities": items})).send().await?;
+    ensure!(r.status().is_success(), "batch answered {}", r.status());
+    let doc: Value = r.json().await?;
+    let bad = doc["results"].as_array().map_or(0, |a| a.iter().filter(|x| x["version"].is_null()).count());
+    ensure!(bad == 0, "{bad} batch items failed: {doc}");
+    Ok(())
+}
+
+/// "Latest 20 of one user" (and a range on `published`), natively: both
+/// shards (the table is sharded by entity id), merged by `published` desc.
+async fn json_latest(
+    pools: &[MySqlPool],
+    user: &str,
+    range: Option<(i64, i64)>,
+) -> anyhow::Result<Vec<String>> {
+    let sql = match range {
+        None => "SELECT LOWER(HEX(id)) AS id, doc, published FROM docs WHERE user_id = ? ORDER BY published DESC LIMIT 20",
+        Some(_) => "SELECT LOWER(HEX(id)) AS id, doc, published FROM docs WHERE user_id = ? AND published >= ? AND published < ? ORDER BY published DESC LIMIT 20",
+    };
+    let jobs = pools.iter().map(|p| {
+        let mut q = sqlx::query(sql).bind(user);
+        if let Some((a, b)) = range {
+            q = q.bind(a).bind(b);
+        }
+        q.fetch_all(p)
+    });
+    let mut rows: Vec<(i64, String)> = Vec::new();
+    for r in futures::future::join_all(jobs).await {
+        for row in r? {
+            let _doc: Vec<u8> = row.try_get("doc")?;
+            rows.push((row.try_get("published")?, row.try_get("id")?));
+        }
+    }
+    rows.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| b.1.cmp(&a.1)));
+    rows.truncate(20);
+    Ok(rows.into_iter().map(|(_, id)| id).collect())
+}
+
+async fn bag_latest(
+    http: &reqwest::Client,
+    base: &str,
+    user: &str,
+    range: Option<(i64, i64)>,
+) -> anyhow::Result<Vec<String>> {
+    let mut w = json!({"user_id": user});
+    if let Some((a, b)) = range {
+        w["published"] = json!({"gte": a, "lt": b});
+    }
+    let q = json!({"index": INDEX_MAIN, "where": w, "order": "desc", "limit": 20});
+    let r = http.post(format!("{base}/v1/query")).json(&q).send().await?;
+    ensure!(r.status().is_success(), "query answered {}", r.status());
+    let doc: Value = r.json().await?;
+    Ok(doc["items"]
+        .as_array()
+        .context("items")?
+        .iter()
+        .map(|e| e["id"].as_str().unwrap_or("").to_string())
+        .collect())
+}
+
+// ---------------------------------------------------------------- histogram
+
+/// (upper bound, cumulative count) of `name`'s buckets for `index`.
+fn buckets(text: &str, name: &str, index: &str) -> Vec<(f64, f64)> {
+    let prefix = format!("{name}_bucket{{");
+    let mut out: Vec<(f64, f64)> = text
+        .lines()
+        .filter(|l| l.starts_with(&prefix) && l.contains(&format!("index=\"{index}\"")))
+        .filter_map(|l| {
+            let le = l.split("le=\"").nth(1)?.split('"').next()?;
+            let le = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
+            Some((le, l.rsplit(' ').next()?.parse().ok()?))
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.total_cmp(&b.0));
+    out
+}
+
+/// Quantile of the observations between two scrapes, interpolated inside
+/// the bucket like Prometheus' histogram_quantile (ms).
+fn quantile(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> f64 {
+    let diff: Vec<(f64, f64)> = after
+        .iter()
+        .map(|(le, c)| (*le, c - before.iter().find(|(l, _)| l == le).map_or(0.0, |x| x.1)))
+        .collect();
+    let total = diff.last().map_or(0.0, |x| x.1);
+    if total == 0.0 {
+        return 0.0;
+    }
+    let rank = q * total;
+    let mut prev = (0.0, 0.0);
+    for (le, c) in &diff {
+        if *c >= rank {
+            if le.is_infinite() {
+                return prev.0 * 1e3;
+            }
+            let within = if c - prev.1 > 0.0 { (rank - prev.1) / (c - prev.1) } else { 1.0 };
+            return (prev.0 + (le - prev.0) * within) * 1e3;
+        }
+        prev = (*le, *c);
+    }
+    prev.0 * 1e3
+}
+
+/// The upper bound of the highest non-empty bucket between two scrapes (ms).
+fn max_bucket(before: &[(f64, f64)], after: &[(f64, f64)]) -> f64 {
+    let mut last = 0.0;
+    let mut prev_count = 0.0;
+    for (le, c) in after {
+        let b = before.iter().find(|(l, _)| l == le).map_or(0.0, |x| x.1);
+        if c - b > prev_count {
+            last = *le;
+        }
+        prev_count = c - b;
+    }
+    last * 1e3
+}
+
+// ---------------------------------------------------------------- the run
+
+async fn run(opts: Options) -> anyhow::Result<()> {
+    let started = Instant::now();
+    eprintln!("bench: {opts:?}");
+    let world = setup(&opts).await?;
+    let sampler = world.rss.clone();
+    let sampling = Arc::new(AtomicBool::new(true));
+    let s2 = sampling.clone();
+    let rss_task = tokio::spawn(async move {
+        while s2.load(Ordering::Relaxed) {
+            sampler.sample();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    let mut report = Report::default();
+    let result = phases(&opts, &world, &mut report).await;
+    sampling.store(false, Ordering::Relaxed);
+    let _ = rss_task.await;
+    world.rss.sample();
+    result?;
+
+    report.section("Peak resident memory during the run");
+    let peaks = world.rss.peak_kb.lock().unwrap().clone();
+    for (label, kb) in &peaks {
+        report.line(&format!("rss {label}"), label, format!("{:.0} MiB", *kb as f64 / 1024.0), String::new());
+    }
+    report.value("peak_rss_kb", json!(peaks));
+    let (cores, mem) = machine();
+    report.value(
+        "machine",
+        json!({"cores": cores, "memory": mem, "quick": opts.quick, "entities": opts.entities,
+               "clients": opts.clients, "phase_secs": opts.phase.as_secs_f64(), "total_secs": started.elapsed().as_secs_f64()}),
+    );
+    println!("\n{}", report.markdown());
+    println!("machine: {cores} cores, {mem}; total {:.0} s", started.elapsed().as_secs_f64());
+    let path = json_path(opts.quick);
+    std::fs::write(&path, serde_json::to_string_pretty(&report.json)?)?;
+    println!("figures written to {}", path.display());
+    for s in world.servers {
+        let _ = s.stop().await;
+    }
+    drop(world.dir);
+    Ok(())
+}
+
+fn json_path(quick: bool) -> PathBuf {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let name = if quick { "bench-quick.json" } else { "bench.json" };
+    match exe.parent().and_then(Path::parent) {
+        Some(target) => target.join(name),
+        None => PathBuf::from(name),
+    }
+}
+
+fn machine() -> (usize, String) {
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| m.lines().next().map(|l| l.split_whitespace().nth(1).unwrap_or("0").to_string()))
+        .and_then(|kb| kb.parse::<f64>().ok())
+        .map_or("?".to_string(), |kb| format!("{:.0} GiB", kb / 1024.0 / 1024.0));
+    (cores, mem)
+}
+
+async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::Result<()> {
+    let n = opts.entities as u64;
+    let c = opts.clients;
+    let d = opts.phase;
+    world.migrate(false).await?;
+    let writer = world.bagstore(&["writer"], false).await?;
+    let indexer = world.bagstore(&["indexer", "--index", INDEX_MAIN], false).await?;
+    let reader = world.bagstore(&["reader"], false).await?;
+    let wbase = Arc::new(writer.url.clone());
+    let rbase = reader.url.clone();
+    let native = Arc::new(world.native.clone());
+    let http = world.http.clone();
+
+    // ---- Load the same N entities into json and bagstore.
+    report.section(&format!("Loading {n} entities (batches of {BATCH}, {c} clients)"));
+    let next = Arc::new(AtomicU64::new(0));
+    let t = Instant::now();
+    let load_json = {
+        let (next, native) = (next.clone(), native.clone());
+        closed_loop_until(c, move || {
+            let (next, native) = (next.clone(), native.clone());
+            async move {
+                let from = next.fetch_add(BATCH as u64, Ordering::Relaxed);
+                if from >= n {
+                    return Ok(false);
+                }
+                let items = (from..(from + BATCH as u64).min(n))
+                    .map(|i| (entity_id(i), entity(i).to_string()))
+                    .collect();
+                json_insert(native, items).await.map(|_| true)
+            }
+        })
+        .await?
+    };
+    let json_secs = t.elapsed().as_secs_f64();
+    report.line(
+        "load_json",
+        "json: load",
+        format!("{:.0} entities/s", n as f64 / json_secs),
+        format!("{load_json} batches, {json_secs:.1} s"),
+    );
+    let next = Arc::new(AtomicU64::new(0));
+    let t = Instant::now();
+    {
+        let (next, http, wbase) = (next.clone(), http.clone(), wbase.clone());
+        closed_loop_until(c, move || {
+            let (next, http, wbase) = (next.clone(), http.clone(), wbase.clone());
+            async move {
+                let from = next.fetch_add(BATCH as u64, Ordering::Relaxed);
+                if from >= n {
+                    return Ok(false);
+                }
+                bag_batch(http, wbase, (from..(from + BATCH as u64).min(n)).collect()).await.map(|_| true)
+            }
+        })
+        .await?;
+    }
+    let bag_secs = t.elapsed().as_secs_f64();
+    let idx_secs = world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?.as_secs_f64();
+    report.line(
+        "load_bagstore",
+        "bagstore: load (batch API)",
+        format!("{:.0} entities/s", n as f64 / bag_secs),
+        format!("{bag_secs:.1} s; index caught up {idx_secs:.1} s later ({})", ratio(json_secs, bag_secs)),
+    );
+
+    // ---- Queries: same answers first, then latency.
+    let users: Vec<String> = (0..USERS).map(user_id).collect();
+    let span = n as i64 / 4;
+    let range_of = move |u: usize| -> (i64, i64) {
+        let lo = 1_700_000_000i64 + (u as i64 * 7919) % (n as i64 - span).max(1);
+        (lo, lo + span)
+    };
+    for u in (0..USERS).step_by(USERS / 20) {
+        let a = json_latest(&world.native, &users[u], None).await?;
+        let b = bag_latest(&http, &rbase, &users[u], None).await?;
+        ensure!(a == b, "latest-20 answers differ for user {u}: json {a:?} bagstore {b:?}");
+        let r = Some(range_of(u));
+        let a = json_latest(&world.native, &users[u], r).await?;
+        let b = bag_latest(&http, &rbase, &users[u], r).await?;
+        ensure!(a == b, "range answers differ for user {u}: json {a:?} bagstore {b:?}");
+    }
+    report.section(&format!(
+        "Queries ({c} clients, {:.0} s each; answers checked equal first)",
+        d.as_secs_f64()
+    ));
+    let pick = Arc::new(AtomicU64::new(0));
+    let mut q_runs = Vec::new();
+    for (key, what, range) in [
+        ("latest20", "latest 20 of one user", false),
+        ("range", "compound range (user, published window)", true),
+    ] {
+        let users_j = Arc::new(users.clone());
+        let (p, nat) = (pick.clone(), native.clone());
+        let rj = closed_loop(c, d, 1, move || {
+            let u = p.fetch_add(1, Ordering::Relaxed) as usize % USERS;
+            let (users, nat) = (users_j.clone(), nat.clone());
+            async move { json_latest(&nat, &users[u], range.then(|| range_of(u))).await.map(|_| ()) }
+        })
+        .await;
+        let users_b = Arc::new(users.clone());
+        let (p, h, rb) = (pick.clone(), http.clone(), Arc::new(rbase.clone()));
+        let rbag = closed_loop(c, d, 1, move || {
+            let u = p.fetch_add(1, Ordering::Relaxed) as usize % USERS;
+            let (users, h, rb) = (users_b.clone(), h.clone(), rb.clone());
+            async move { bag_latest(&h, &rb, &users[u], range.then(|| range_of(u))).await.map(|_| ()) }
+        })
+        .await;
+        report.run(&format!("{key}_json"), &format!("json: {what}"), &rj, "queries/s");
+        report.run(&format!("{key}_bagstore"), &format!("bagstore: {what}"), &rbag, "queries/s");
+        report.line(
+            &format!("{key}_ratio"),
+            &format!("{what}: p99 bagstore / json"),
+            ratio(rbag.latency.p99, rj.latency.p99),
+            format!("p50 {}", ratio(rbag.latency.p50, rj.latency.p50)),
+        );
+        q_runs.push((rj, rbag));
+    }
+    let (p, nat) = (pick.clone(), native.clone());
+    let gj = closed_loop(c, d, 1, move || {
+        let i = p.fetch_add(7, Ordering::Relaxed) % n;
+        let nat = nat.clone();
+        async move {
+            let id = entity_id(i);
+            let row = sqlx::query("SELECT doc FROM docs WHERE id = ?")
+                .bind(hex16(&id).to_vec())
+                .fetch_optional(&nat[shard_of_hex(&id)])
+                .await?;
+            ensure!(row.is_some(), "json: {id} missing");
+            Ok(())
+        }
+    })
+    .await;
+    let (p, h, rb) = (pick.clone(), http.clone(), Arc::new(rbase.clone()));
+    let gb = closed_loop(c, d, 1, move || {
+        let i = p.fetch_add(7, Ordering::Relaxed) % n;
+        let (h, rb) = (h.clone(), rb.clone());
+        async move {
+            let r = h.get(format!("{rb}/v1/entities/{}", entity_id(i))).send().await?;
+            ensure!(r.status().is_success(), "get answered {}", r.status());
+            let _: Value = r.json().await?;
+            Ok(())
+        }
+    })
+    .await;
+    report.run("get_json", "json: point get by id", &gj, "gets/s");
+    report.run("get_bagstore", "bagstore: point get by id", &gb, "gets/s");
+    report.line(
+        "get_ratio",
+        "point get: p99 bagstore / json",
+        ratio(gb.latency.p99, gj.latency.p99),
+        format!("p50 {}", ratio(gb.latency.p50, gj.latency.p50)),
+    );
+
+    // ---- Adding an index to the N entities while a steady writer writes.
+    report.section(&format!(
+        "Adding an index on `link` to {n} entities, steady writer at {}/s",
+        opts.steady_rate
+    ));
+    let rate = opts.steady_rate as f64;
+    let (bag_base, bag_during, backfill_secs) = {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (h, wb) = (http.clone(), wbase.clone());
+        let steady =
+            tokio::spawn(open_loop(rate, stop.clone(), move || bag_put(h.clone(), wb.clone(), fresh())));
+        tokio::time::sleep(d).await;
+        stop.store(true, Ordering::Relaxed);
+        let base = steady.await?;
+        world.migrate(true).await?;
+        let link_indexer = world.bagstore(&["indexer", "--index", INDEX_NEW], true).await?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (h, wb) = (http.clone(), wbase.clone());
+        let steady =
+            tokio::spawn(open_loop(rate, stop.clone(), move || bag_put(h.clone(), wb.clone(), fresh())));
+        let t = Instant::now();
+        let mut args: Vec<String> =
+            vec!["cleaner".into(), "--index".into(), INDEX_NEW.into(), "--config".into()];
+        args.push(world.config(true).display().to_string());
+        let mut child = tokio::process::Command::new(bagstore_tests::bagstore_bin())
+            .args(&args)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()?;
+        if let Some(pid) = child.id() {
+            world.rss.watch("bagstore cleaner --index (backfill)", pid);
+        }
+        let status = child.wait().await?;
+        let secs = t.elapsed().as_secs_f64();
+        stop.store(true, Ordering::Relaxed);
+        let during = steady.await?;
+        ensure!(status.success(), "the backfill failed: {status}");
+        world.caught_up(INDEX_NEW, Duration::from_secs(3600)).await?;
+        let mut rows = 0i64;
+        let mut live = 0i64;
+        for dsn in &world.bag_dsns {
+            let pool = MySqlPool::connect(dsn).await?;
+            rows += sqlx::query_scalar::<_, i64>(&format!("SELECT COUNT(*) FROM {INDEX_NEW}"))
+                .fetch_one(&pool)
+                .await?;
+            live += sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM entities WHERE body IS NOT NULL")
+                .fetch_one(&pool)
+                .await?;
+            pool.close().await;
+        }
+        ensure!(rows == live, "{INDEX_NEW} holds {rows} rows for {live} entities");
+        link_indexer.terminate().await;
+        (base, during, secs)
+    };
+    let (json_base, json_during, alter_secs) = {
+        let stop = Arc::new(AtomicBool::new(false));
+        let nat = native.clone();
+        let steady = tokio::spawn(open_loop(rate, stop.clone(), move || {
+            let nat = nat.clone();
+            let i = fresh();
+            async move { json_insert(nat, vec![(entity_id(i), entity(i).to_string())]).await }
+        }));
+        tokio::time::sleep(d).await;
+        stop.store(true, Ordering::Relaxed);
+        let base = steady.await?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let nat = native.clone();
+        let steady = tokio::spawn(open_loop(rate, stop.clone(), move || {
+            let nat = nat.clone();
+            let i = fresh();
+            async move { json_insert(nat, vec![(entity_id(i), entity(i).to_string())]).await }
+        }));
+        let t = Instant::now();
+        // MariaDB cannot add a virtual column and its index in one online
+        // ALTER: the column first (instant), then the index without locking.
+        let alters = world.native.iter().map(|p| async move {
+            sqlx::query(
+                "ALTER TABLE docs ADD COLUMN link VARCHAR(200) AS (JSON_VALUE(doc, '$.link')) VIRTUAL",
+            )
+            .execute(p)
+            .await?;
+            sqlx::query("ALTER TABLE docs ADD INDEX docs_link (link), ALGORITHM=INPLACE, LOCK=NONE")
+                .execute(p)
+                .await
+        });
+        for r in futures::future::join_all(alters).await {
+            r.context("ALTER TABLE docs ADD INDEX")?;
+        }
+        let secs = t.elapsed().as_secs_f64();
+        stop.store(true, Ordering::Relaxed);
+        let during = steady.await?;
+        (base, during, secs)
+    };
+    report.line(
+        "backfill_bagstore",
+        "bagstore: online backfill (cleaner --index)",
+        format!("{:.1} s", backfill_secs),
+        format!("{:.0} rows/s", n as f64 / backfill_secs),
+    );
+    report.line(
+        "alter_json",
+        "json: ALTER TABLE … ADD INDEX (both shards at once)",
+        format!("{alter_secs:.1} s"),
+        format!(
+            "{:.0} rows/s; bagstore is {} as fast",
+            n as f64 / alter_secs,
+            ratio(alter_secs, backfill_secs)
+        ),
+    );
+    report.run("steady_bagstore_base", "bagstore steady writer, before", &bag_base, "writes/s");
+    report.run(
+        "steady_bagstore_during",
+        "bagstore steady writer, during the backfill",
+        &bag_during,
+        "writes/s",
+    );
+    report.line(
+        "steady_bagstore_ratio",
+        "bagstore writer p99, during / before",
+        ratio(bag_during.latency.p99, bag_base.latency.p99),
+        String::new(),
+    );
+    report.run("steady_json_base", "json steady writer, before", &json_base, "writes/s");
+    report.run("steady_json_during", "json steady writer, during the ALTER", &json_during, "writes/s");
+    report.line(
+        "steady_json_ratio",
+        "json writer p99, during / before",
+        ratio(json_during.latency.p99, json_base.latency.p99),
+        String::new(),
+    );
+
+    // ---- Write throughput, same client concurrency.
+    report.section(&format!("Writes ({c} clients, {:.0} s each, new ids)", d.as_secs_f64()));
+    let one_raw = {
+        let nat = native.clone();
+        closed_loop(c, d, 1, move || {
+            let nat = nat.clone();
+            let i = fresh();
+            async move { raw_insert(nat, vec![(entity_id(i), body_of(i))]).await }
+        })
+        .await
+    };
+    let batch_raw = {
+        let nat = native.clone();
+        closed_loop(c, d, BATCH, move || {
+            let nat = nat.clone();
+            let items: Vec<(String, Vec<u8>)> =
+                (0..BATCH).map(|_| fresh()).map(|i| (entity_id(i), body_of(i))).collect();
+            async move { raw_insert(nat, items).await }
+        })
+        .await
+    };
+    let one_json = {
+        let nat = native.clone();
+        closed_loop(c, d, 1, move || {
+            let nat = nat.clone();
+            let i = fresh();
+            async move { json_insert(nat, vec![(entity_id(i), entity(i).to_string())]).await }
+        })
+        .await
+    };
+    let batch_json = {
+        let nat = native.clone();
+        closed_loop(c, d, BATCH, move || {
+            let nat = nat.clone();
+            let items: Vec<(String, String)> =
+                (0..BATCH).map(|_| fresh()).map(|i| (entity_id(i), entity(i).to_string())).collect();
+            async move { json_insert(nat, items).await }
+        })
+        .await
+    };
+    let one_bag = {
+        let (h, wb) = (http.clone(), wbase.clone());
+        closed_loop(c, d, 1, move || bag_put(h.clone(), wb.clone(), fresh())).await
+    };
+    let batch_bag = {
+        let (h, wb) = (http.clone(), wbase.clone());
+        closed_loop(c, d, BATCH, move || {
+            bag_batch(h.clone(), wb.clone(), (0..BATCH).map(|_| fresh()).collect())
+        })
+        .await
+    };
+    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
+    report.run("put_raw", "raw: single-row INSERT (autocommit)", &one_raw, "rows/s");
+    report.run("put_json", "json: single-row INSERT", &one_json, "rows/s");
+    report.run("put_bagstore", "bagstore: PUT /v1/entities/{id}", &one_bag, "rows/s");
+    report.line(
+        "put_ratio",
+        "single: bagstore / raw (target ≥ 0.6)",
+        ratio(one_bag.rate, one_raw.rate),
+        format!("bagstore / json {}", ratio(one_bag.rate, one_json.rate)),
+    );
+    report.run(
+        "batch_raw",
+        &format!("raw: INSERT of {BATCH} rows (one statement per shard)"),
+        &batch_raw,
+        "rows/s",
+    );
+    report.run(
+        "batch_json",
+        &format!("json: INSERT of {BATCH} rows (one statement per shard)"),
+        &batch_json,
+        "rows/s",
+    );
+    report.run(
+        "batch_bagstore",
+        &format!("bagstore: POST /v1/entities/batch of {BATCH}"),
+        &batch_bag,
+        "rows/s",
+    );
+    report.line(
+        "batch_ratio",
+        "batch: bagstore / raw (target ≥ 0.8)",
+        ratio(batch_bag.rate, batch_raw.rate),
+        format!("bagstore / json {}", ratio(batch_bag.rate, batch_json.rate)),
+    );
+
+    // ---- Index lag at 50% and 90% of the maximum single-put rate.
+    let max_rate = one_bag.rate;
+    report.section(&format!(
+        "Index lag, commit → applied (`{INDEX_MAIN}`; max single-put rate {max_rate:.0}/s)"
+    ));
+    for share in [0.5, 0.9] {
+        let scrape = || async { http.get(format!("{}/metrics", indexer.url)).send().await?.text().await };
+        let before = buckets(&scrape().await?, "bagstore_indexer_event_lag_seconds", INDEX_MAIN);
+        let stop = Arc::new(AtomicBool::new(false));
+        let (h, wb) = (http.clone(), wbase.clone());
+        let steady = tokio::spawn(open_loop(max_rate * share, stop.clone(), move || {
+            bag_put(h.clone(), wb.clone(), fresh())
+        }));
+        tokio::time::sleep(d).await;
+        stop.store(true, Ordering::Relaxed);
+        let w = steady.await?;
+        world.caught_up(INDEX_MAIN, Duration::from_secs(600)).await?;
+        let after = buckets(&scrape().await?, "bagstore_indexer_event_lag_seconds", INDEX_MAIN);
+        let events = after.last().map_or(0.0, |x| x.1) - before.last().map_or(0.0, |x| x.1);
+        let (p50, p99, max) =
+            (quantile(&before, &after, 0.5), quantile(&before, &after, 0.99), max_bucket(&before, &after));
+        let pct = (share * 100.0) as u32;
+        report.line(
+            &format!("lag_{pct}"),
+            &format!("lag at {pct}% ({:.0} writes/s achieved)", w.rate),
+            format!("p99 {p99:.1} ms"),
+            format!(
+                "p50 {p50:.1} ms, max ≤ {max:.0} ms, {events:.0} events; write p99 {:.1} ms",
+                w.latency.p99
+            ),
+        );
+        report.value(&format!("lag_{pct}"), json!({"share": share, "rate": w.rate, "p50_ms": p50, "p99_ms": p99, "max_bucket_ms": max, "events": events}));
+    }
+    let m = http.get(format!("{}/metrics", indexer.url)).send().await?.text().await?;
+    ensure!(
+        metric_sum(&m, "bagstore_indexer_events_applied_total", &[]) > 0.0,
+        "the indexer applied nothing"
+    );
+    writer.terminate().await;
+    indexer.terminate().await;
+    reader.terminate().await;
+    Ok(())
+}
+
+/// Like [`closed_loop`], until `op` says there is nothing left (Ok(false)).
+async fn closed_loop_until<F, Fut>(clients: usize, op: F) -> anyhow::Result<u64>
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<bool>> + Send,
+{
+    let op = Arc::new(op);
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let op = op.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut done = 0u64;
+            while op().await? {
+                done += 1;
+            }
+            Ok::<_, anyhow::Error>(done)
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await??;
+    }
+    if total == 0 {
+        bail!("nothing was loaded");
+    }
+    Ok(total)
+}

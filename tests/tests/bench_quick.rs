@@ -1,0 +1,36 @@
+//! `bench --quick` keeps the benchmark working in CI: the whole run on a
+//! small data set, with its own checks (bagstore and the native JSON table
+//! answer the same queries identically; the backfilled index is complete).
+//! It asserts nothing about timings; full runs are in BENCHMARKS.md.
+
+use bagstore_tests::bagstore_bin;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_benchmark_runs_end_to_end_in_quick_mode() {
+    let bench = bagstore_bin().with_file_name("bench");
+    assert!(bench.exists(), "{} is missing: cargo build --workspace", bench.display());
+    let out = tokio::time::timeout(
+        std::time::Duration::from_secs(600),
+        tokio::process::Command::new(&bench).arg("--quick").kill_on_drop(true).output(),
+    )
+    .await
+    .expect("bench --quick finishes within 10 minutes")
+    .expect("bench runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench --quick failed:\n{stdout}\n{stderr}");
+    for line in [
+        "| raw: single-row INSERT (autocommit) |",
+        "| bagstore: PUT /v1/entities/{id} |",
+        "| bagstore: POST /v1/entities/batch of 100 |",
+        "| bagstore: latest 20 of one user |",
+        "| json: latest 20 of one user |",
+        "| bagstore: online backfill (cleaner --index) |",
+        "| json: ALTER TABLE … ADD INDEX (both shards at once) |",
+        "| lag at 50% ",
+        "| lag at 90% ",
+        "| bagstore writer |",
+    ] {
+        assert!(stdout.contains(line), "the report lacks {line:?}:\n{stdout}");
+    }
+}
