@@ -268,26 +268,35 @@ impl Reader {
                     break;
                 }
                 out.index_rows += candidates.len() as u64;
-                let ids: Vec<EntityId> = candidates.iter().map(|(_, id)| *id).collect();
-                let found: std::collections::HashMap<EntityId, Entity> =
-                    self.get_many(&ids).await?.into_iter().map(|e| (e.id, e)).collect();
-                for (key, id) in candidates {
-                    let keep = found.get(&id).is_some_and(|e| {
-                        !seen.contains(&id)
-                            && Self::refilter(plan, q, &e.properties)
-                            && Self::canonical_key(plan, &e.properties).is_some_and(|c| c == key)
-                    });
-                    if !keep {
-                        out.dropped += 1;
-                        continue;
-                    }
-                    seen.insert(id);
-                    out.items.push(found[&id].clone());
-                    if out.items.len() == q.limit {
-                        out.next_page_token = Some(encode_token(&Token { f: fingerprint(plan, q), key, id }));
-                        out.shards_touched = touched.len();
-                        self.count(table, &out);
-                        return Ok(out);
+                // Entities are fetched only as many at a time as the page
+                // still needs (more if the re-filter drops some): reading
+                // index rows ahead is cheap, fetching and decoding is not.
+                let mut candidates = candidates.into_iter().peekable();
+                while candidates.peek().is_some() {
+                    let need = q.limit - out.items.len();
+                    let chunk: Vec<(IndexKey, EntityId)> = candidates.by_ref().take(need).collect();
+                    let ids: Vec<EntityId> = chunk.iter().map(|(_, id)| *id).collect();
+                    let mut found: std::collections::HashMap<EntityId, Entity> =
+                        self.get_many(&ids).await?.into_iter().map(|e| (e.id, e)).collect();
+                    for (key, id) in chunk {
+                        let keep = found.get(&id).is_some_and(|e| {
+                            !seen.contains(&id)
+                                && Self::refilter(plan, q, &e.properties)
+                                && Self::canonical_key(plan, &e.properties).is_some_and(|c| c == key)
+                        });
+                        if !keep {
+                            out.dropped += 1;
+                            continue;
+                        }
+                        seen.insert(id);
+                        out.items.push(found.remove(&id).expect("kept entities were found"));
+                        if out.items.len() == q.limit {
+                            out.next_page_token =
+                                Some(encode_token(&Token { f: fingerprint(plan, q), key, id }));
+                            out.shards_touched = touched.len();
+                            self.count(table, &out);
+                            return Ok(out);
+                        }
                     }
                 }
             }

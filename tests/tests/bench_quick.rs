@@ -25,7 +25,7 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
         "| bagstore: POST /v1/entities/batch of 100 |",
         "| bagstore: latest 20 of one user |",
         "| json: latest 20 of one user |",
-        "| bagstore: online backfill (cleaner --index) |",
+        "| bagstore: online backfill (cleaner --index, --rate 0) |",
         "| json: ALTER TABLE … ADD INDEX (both shards at once) |",
         "| lag at 50% ",
         "| lag at 90% ",

@@ -45,7 +45,8 @@ const USAGE: &str =
   --entities N     entities loaded before queries and the index build (default 1000000)\n\
   --phase-secs S   length of each measured phase (default 20)\n\
   --clients C      concurrent clients (connections, requests in flight) for every contender (default 16)\n\
-  --steady-rate R  the steady writer during index builds, writes per second (default 200)";
+  --steady-rate R  the steady writer during index builds, writes per second (default 200)\n\
+  --backfill-rate R  cleaner --rate for bagstore's backfill, rows per second (default 0: unlimited)";
 
 const SHARDS: usize = 2;
 const USERS: usize = 1000;
@@ -61,6 +62,8 @@ struct Options {
     phase: Duration,
     clients: usize,
     steady_rate: u32,
+    /// `cleaner --rate` for the backfill (0: unlimited).
+    backfill_rate: u64,
 }
 
 fn parse_args(args: &[String]) -> Result<Options, String> {
@@ -69,6 +72,7 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
         v.parse().map_err(|_| format!("{flag}: cannot parse {v:?}"))
     }
     let mut quick = false;
+    let mut backfill_rate = 0;
     let (mut entities, mut phase, mut clients, mut rate) = (None, None, None, None);
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -78,6 +82,7 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
             "--phase-secs" => phase = Some(value::<f64>(a, it.next())?),
             "--clients" => clients = Some(value::<usize>(a, it.next())?),
             "--steady-rate" => rate = Some(value::<u32>(a, it.next())?),
+            "--backfill-rate" => backfill_rate = value::<u64>(a, it.next())?,
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown argument {other:?}")),
         }
@@ -88,6 +93,7 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
         phase: Duration::from_secs_f64(phase.unwrap_or(if quick { 2.0 } else { 20.0 })),
         clients: clients.unwrap_or(if quick { 4 } else { 16 }),
         steady_rate: rate.unwrap_or(if quick { 50 } else { 200 }),
+        backfill_rate,
     };
     if o.entities < 100 || o.clients == 0 || o.steady_rate == 0 || o.phase.is_zero() {
         return Err(
@@ -359,9 +365,29 @@ fn rss_kb(pid: u32) -> Option<u64> {
         .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
 }
 
+/// CPU time (user + system) a process has used, in clock ticks (1/100 s).
+fn cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces) start at state.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+}
+
 impl RssSampler {
     fn watch(&self, label: &str, pid: u32) {
         self.pids.lock().unwrap().push((label.to_string(), pid));
+    }
+
+    /// CPU ticks used so far, per label (processes that share a label add up).
+    fn cpu(&self) -> BTreeMap<String, u64> {
+        let mut out = BTreeMap::new();
+        for (label, pid) in self.pids.lock().unwrap().iter() {
+            if let Some(t) = cpu_ticks(*pid) {
+                *out.entry(short_label(label)).or_insert(0) += t;
+            }
+        }
+        out
     }
 
     fn sample(&self) {
@@ -374,6 +400,30 @@ impl RssSampler {
             }
         }
     }
+}
+
+/// "mariadbd shard 0" and "mariadbd shard 1" count together, and so on.
+fn short_label(label: &str) -> String {
+    match label {
+        l if l.starts_with("mariadbd") => "mariadbd".into(),
+        l if l.starts_with("bagstore indexer") => "indexer".into(),
+        l if l.starts_with("bagstore writer") => "writer".into(),
+        l if l.starts_with("bagstore reader") => "reader".into(),
+        l if l.starts_with("bench") => "client".into(),
+        l => l.trim_start_matches("bagstore ").to_string(),
+    }
+}
+
+/// CPU seconds per 1000 rows used by each process group between two snapshots.
+fn cpu_per_k(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>, rows: f64) -> String {
+    let mut parts = Vec::new();
+    for (label, t) in after {
+        let used = t.saturating_sub(before.get(label).copied().unwrap_or(0)) as f64 / 100.0;
+        if used > 0.0 && rows > 0.0 {
+            parts.push(format!("{label} {:.2}", used / rows * 1000.0));
+        }
+    }
+    format!("CPU s per 1000 rows: {}", parts.join(", "))
 }
 
 // ---------------------------------------------------------------- the world
@@ -612,7 +662,10 @@ async fn json_latest(
     let mut rows: Vec<(i64, String)> = Vec::new();
     for r in futures::future::join_all(jobs).await {
         for row in r? {
-            let _doc: Vec<u8> = row.try_get("doc")?;
+            // A client of the native table parses the documents it reads,
+            // as bagstore's client parses the answer.
+            let doc: Vec<u8> = row.try_get("doc")?;
+            let _: Value = serde_json::from_slice(&doc)?;
             rows.push((row.try_get("published")?, row.try_get("id")?));
         }
     }
@@ -854,6 +907,8 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     ));
     let pick = Arc::new(AtomicU64::new(0));
     let mut q_runs = Vec::new();
+    let mut q_cpu: Vec<(String, String)> = Vec::new();
+    let mut cpu_q = world.rss.cpu();
     for (key, what, range) in [
         ("latest20", "latest 20 of one user", false),
         ("range", "compound range (user, published window)", true),
@@ -866,6 +921,12 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
             async move { json_latest(&nat, &users[u], range.then(|| range_of(u))).await.map(|_| ()) }
         })
         .await;
+        let cpu = world.rss.cpu();
+        q_cpu.push((
+            format!("json: {what}"),
+            cpu_per_k(&cpu_q, &cpu, rj.rate * d.as_secs_f64()).replace("rows", "queries"),
+        ));
+        cpu_q = cpu;
         let users_b = Arc::new(users.clone());
         let (p, h, rb) = (pick.clone(), http.clone(), Arc::new(rbase.clone()));
         let rbag = closed_loop(c, d, 1, move || {
@@ -874,6 +935,12 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
             async move { bag_latest(&h, &rb, &users[u], range.then(|| range_of(u))).await.map(|_| ()) }
         })
         .await;
+        let cpu = world.rss.cpu();
+        q_cpu.push((
+            format!("bagstore: {what}"),
+            cpu_per_k(&cpu_q, &cpu, rbag.rate * d.as_secs_f64()).replace("rows", "queries"),
+        ));
+        cpu_q = cpu;
         report.run(&format!("{key}_json"), &format!("json: {what}"), &rj, "queries/s");
         report.run(&format!("{key}_bagstore"), &format!("bagstore: {what}"), &rbag, "queries/s");
         report.line(
@@ -894,7 +961,8 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
                 .bind(hex16(&id).to_vec())
                 .fetch_optional(&nat[shard_of_hex(&id)])
                 .await?;
-            ensure!(row.is_some(), "json: {id} missing");
+            let doc: Vec<u8> = row.with_context(|| format!("json: {id} missing"))?.try_get("doc")?;
+            let _: Value = serde_json::from_slice(&doc)?;
             Ok(())
         }
     })
@@ -920,6 +988,10 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         format!("p50 {}", ratio(gb.latency.p50, gj.latency.p50)),
     );
 
+    for (i, (what, line)) in q_cpu.iter().enumerate() {
+        report.line(&format!("qcpu_{i}"), &format!("CPU, {what}"), String::new(), line.clone());
+    }
+
     // ---- Adding an index to the N entities while a steady writer writes.
     report.section(&format!(
         "Adding an index on `link` to {n} entities, steady writer at {}/s",
@@ -941,8 +1013,14 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         let steady =
             tokio::spawn(open_loop(rate, stop.clone(), move || bag_put(h.clone(), wb.clone(), fresh())));
         let t = Instant::now();
-        let mut args: Vec<String> =
-            vec!["cleaner".into(), "--index".into(), INDEX_NEW.into(), "--config".into()];
+        let mut args: Vec<String> = vec![
+            "cleaner".into(),
+            "--index".into(),
+            INDEX_NEW.into(),
+            "--rate".into(),
+            opts.backfill_rate.to_string(),
+        ];
+        args.push("--config".into());
         args.push(world.config(true).display().to_string());
         let mut child = tokio::process::Command::new(bagstore_tests::bagstore_bin())
             .args(&args)
@@ -1017,7 +1095,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     };
     report.line(
         "backfill_bagstore",
-        "bagstore: online backfill (cleaner --index)",
+        &format!("bagstore: online backfill (cleaner --index, --rate {})", opts.backfill_rate),
         format!("{:.1} s", backfill_secs),
         format!("{:.0} rows/s", n as f64 / backfill_secs),
     );
@@ -1055,6 +1133,14 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
 
     // ---- Write throughput, same client concurrency.
     report.section(&format!("Writes ({c} clients, {:.0} s each, new ids)", d.as_secs_f64()));
+    let mut cpu_lines = Vec::new();
+    let mut cpu0 = world.rss.cpu();
+    let mut cpu_note = |what: &str, r: &Run, secs: f64| {
+        let now = world.rss.cpu();
+        cpu_lines.push((what.to_string(), cpu_per_k(&cpu0, &now, r.rate * secs)));
+        cpu0 = now;
+    };
+    let secs = d.as_secs_f64();
     let one_raw = {
         let nat = native.clone();
         closed_loop(c, d, 1, move || {
@@ -1064,6 +1150,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         })
         .await
     };
+    cpu_note("raw single", &one_raw, secs);
     let batch_raw = {
         let nat = native.clone();
         closed_loop(c, d, BATCH, move || {
@@ -1074,6 +1161,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         })
         .await
     };
+    cpu_note("raw batch", &batch_raw, secs);
     let one_json = {
         let nat = native.clone();
         closed_loop(c, d, 1, move || {
@@ -1083,6 +1171,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         })
         .await
     };
+    cpu_note("json single", &one_json, secs);
     let batch_json = {
         let nat = native.clone();
         closed_loop(c, d, BATCH, move || {
@@ -1093,10 +1182,12 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         })
         .await
     };
+    cpu_note("json batch", &batch_json, secs);
     let one_bag = {
         let (h, wb) = (http.clone(), wbase.clone());
         closed_loop(c, d, 1, move || bag_put(h.clone(), wb.clone(), fresh())).await
     };
+    cpu_note("bagstore single", &one_bag, secs);
     let batch_bag = {
         let (h, wb) = (http.clone(), wbase.clone());
         closed_loop(c, d, BATCH, move || {
@@ -1104,7 +1195,14 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         })
         .await
     };
+    cpu_note("bagstore batch", &batch_bag, secs);
+    let t_idx = Instant::now();
+    let cpu_before_catchup = world.rss.cpu();
     world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
+    cpu_lines.push((
+        format!("index catch-up after the write phases ({:.1} s)", t_idx.elapsed().as_secs_f64()),
+        cpu_per_k(&cpu_before_catchup, &world.rss.cpu(), one_bag.rate * secs + batch_bag.rate * secs),
+    ));
     report.run("put_raw", "raw: single-row INSERT (autocommit)", &one_raw, "rows/s");
     report.run("put_json", "json: single-row INSERT", &one_json, "rows/s");
     report.run("put_bagstore", "bagstore: PUT /v1/entities/{id}", &one_bag, "rows/s");
@@ -1138,6 +1236,11 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         ratio(batch_bag.rate, batch_raw.rate),
         format!("bagstore / json {}", ratio(batch_bag.rate, batch_json.rate)),
     );
+
+    report.section("Where the CPU went during the write phases (processes grouped; both cores = 2 s per s)");
+    for (i, (what, line)) in cpu_lines.iter().enumerate() {
+        report.line(&format!("cpu_{i}"), what, String::new(), line.clone());
+    }
 
     // ---- Index lag at 50% and 90% of the maximum single-put rate.
     let max_rate = one_bag.rate;
