@@ -566,21 +566,28 @@ async fn setup(opts: &Options) -> anyhow::Result<World> {
 
 // ---------------------------------------------------------------- contenders
 
-async fn raw_insert(pools: Arc<Vec<MySqlPool>>, items: Vec<(String, Vec<u8>)>) -> anyhow::Result<()> {
-    let mut per: Vec<Vec<(String, Vec<u8>)>> = vec![Vec::new(); SHARDS];
-    for (id, body) in items {
-        per[shard_of_hex(&id)].push((id, body));
+type MyQuery<'q> = sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments>;
+
+/// One multi-row INSERT per shard, shards in parallel: `head`, then one
+/// `tuple` per row; the row's id is bound first, `bind` binds the rest.
+async fn insert_by_shard<T: Send + Sync + 'static>(
+    pools: Arc<Vec<MySqlPool>>,
+    items: Vec<(String, T)>,
+    head: &'static str,
+    tuple: &'static str,
+    bind: for<'q> fn(MyQuery<'q>, &'q T) -> MyQuery<'q>,
+) -> anyhow::Result<()> {
+    let mut per: Vec<Vec<(String, T)>> = (0..SHARDS).map(|_| Vec::new()).collect();
+    for (id, v) in items {
+        per[shard_of_hex(&id)].push((id, v));
     }
     let jobs = per.into_iter().enumerate().filter(|(_, v)| !v.is_empty()).map(|(s, rows)| {
         let pool = pools[s].clone();
         async move {
-            let sql = format!(
-                "INSERT INTO entities (id, version, updated, body) VALUES {}",
-                vec!["(?, 1, NOW(6), ?)"; rows.len()].join(", ")
-            );
+            let sql = format!("{head} {}", vec![tuple; rows.len()].join(", "));
             let mut q = sqlx::query(&sql);
-            for (id, body) in &rows {
-                q = q.bind(hex16(id).to_vec()).bind(body.clone());
+            for (id, v) in &rows {
+                q = bind(q.bind(hex16(id).to_vec()), v);
             }
             q.execute(&pool).await.map(|_| ())
         }
@@ -591,26 +598,18 @@ async fn raw_insert(pools: Arc<Vec<MySqlPool>>, items: Vec<(String, Vec<u8>)>) -
     Ok(())
 }
 
+/// Raw rows shaped like bagstore's `entities`, bodies already encoded.
+async fn raw_insert(pools: Arc<Vec<MySqlPool>>, items: Vec<(String, Vec<u8>)>) -> anyhow::Result<()> {
+    let head = "INSERT INTO entities (id, version, updated, body) VALUES";
+    insert_by_shard(pools, items, head, "(?, 1, NOW(6), ?)", |q, body| q.bind(&body[..])).await
+}
+
+/// JSON documents into the native table.
 async fn json_insert(pools: Arc<Vec<MySqlPool>>, items: Vec<(String, String)>) -> anyhow::Result<()> {
-    let mut per: Vec<Vec<(String, String)>> = vec![Vec::new(); SHARDS];
-    for (id, doc) in items {
-        per[shard_of_hex(&id)].push((id, doc));
-    }
-    let jobs = per.into_iter().enumerate().filter(|(_, v)| !v.is_empty()).map(|(s, rows)| {
-        let pool = pools[s].clone();
-        async move {
-            let sql = format!("INSERT INTO docs (id, doc) VALUES {}", vec!["(?, ?)"; rows.len()].join(", "));
-            let mut q = sqlx::query(&sql);
-            for (id, doc) in &rows {
-                q = q.bind(hex16(id).to_vec()).bind(doc.as_str());
-            }
-            q.execute(&pool).await.map(|_| ())
-        }
-    });
-    for r in futures::future::join_all(jobs).await {
-        r?;
-    }
-    Ok(())
+    insert_by_shard(pools, items, "INSERT INTO docs (id, doc) VALUES", "(?, ?)", |q, doc| {
+        q.bind(doc.as_str())
+    })
+    .await
 }
 
 fn body_of(i: u64) -> Vec<u8> {
