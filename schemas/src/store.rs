@@ -265,19 +265,31 @@ pub async fn lock_entities(
     Ok(out)
 }
 
-/// Writes entity rows (new or locked ones) in multi-row statements: an
-/// absent id is inserted, a present one overwritten; `body` `None` leaves a
-/// tombstone. Each id at most once.
-pub async fn upsert_entities(
+/// Writes entity rows in multi-row statements; `body` `None` leaves a
+/// tombstone; each id at most once.
+///
+/// `locked` rows were present when [`lock_entities`] ran, so they are this
+/// transaction's to overwrite. The others are plain inserts: a locking read
+/// of an absent id (READ COMMITTED) locks nothing, so a concurrent writer
+/// may create the same id first; the insert then fails on the unique key
+/// (1062, a retryable conflict) instead of silently overwriting that write
+/// with the same version.
+pub async fn write_entities(
     shard: usize,
     conn: &mut MySqlConnection,
     rows: &[(EntityId, u64, i64, Option<Vec<u8>>)],
+    locked: bool,
 ) -> Result<()> {
+    let tuple = "(?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)";
+    let tail = if locked {
+        " ON DUPLICATE KEY UPDATE version = VALUES(version), updated = VALUES(updated), body = VALUES(body)"
+    } else {
+        ""
+    };
     for chunk in rows.chunks(500) {
         let sql = format!(
-            "INSERT INTO entities (id, version, updated, body) VALUES {} \
-             ON DUPLICATE KEY UPDATE version = VALUES(version), updated = VALUES(updated), body = VALUES(body)",
-            vec!["(?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)"; chunk.len()].join(", ")
+            "INSERT INTO entities (id, version, updated, body) VALUES {}{tail}",
+            vec![tuple; chunk.len()].join(", ")
         );
         let mut q = sqlx::query(&sql);
         for (id, version, updated_us, body) in chunk {

@@ -274,19 +274,30 @@ pub fn read_topic(brokers: &str, topic: &str, partitions: i32) -> Vec<TopicEvent
 
 /// Invariant W on the topic: per entity, the versions seen for the first
 /// time must be exactly 1, 2, … in that order (a redelivered duplicate of an
-/// earlier version is allowed: delivery is at least once), and must cover
+/// earlier version is allowed, delivery being at least once, but it must be
+/// the same event: one version is one write), and must cover
 /// every version the store committed (`final_versions`: entity id → its
 /// version in `entities`, tombstones included). Returns one line per breach.
 pub fn check_topic_order(events: &[TopicEvent], final_versions: &HashMap<String, u64>) -> Vec<String> {
     let mut firsts: HashMap<String, Vec<u64>> = HashMap::new();
-    let mut seen: BTreeSet<(String, u64)> = BTreeSet::new();
+    let mut seen: HashMap<(String, u64), &ChangeEvent> = HashMap::new();
+    let mut out = Vec::new();
     for e in events {
         let id = e.event.id.to_hex();
-        if seen.insert((id.clone(), e.event.version)) {
-            firsts.entry(id).or_default().push(e.event.version);
+        match seen.get(&(id.clone(), e.event.version)) {
+            None => {
+                seen.insert((id.clone(), e.event.version), &e.event);
+                firsts.entry(id).or_default().push(e.event.version);
+            }
+            // A redelivery is the same event again; two different writes
+            // with one version would be a lost update.
+            Some(first) if **first != e.event => out.push(format!(
+                "entity {id}: two different events carry version {} (partition {} offset {})",
+                e.event.version, e.partition, e.offset
+            )),
+            Some(_) => {}
         }
     }
-    let mut out = Vec::new();
     for (id, versions) in &firsts {
         let want: Vec<u64> = (1..=versions.len() as u64).collect();
         if *versions != want {

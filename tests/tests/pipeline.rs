@@ -196,3 +196,34 @@ async fn hand_made_index_rows_never_reach_query_results() {
 fn hex(s: &str) -> Vec<u8> {
     schemas::EntityId::parse(s).unwrap().0.to_vec()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_writes_of_one_new_id_get_distinct_versions() {
+    let env = TestEnv::new("samenewid", STANDARD_INDEXES).await;
+    let dev = env.dev().await;
+    let api = dev.api();
+    // Rounds of 8 simultaneous PUTs, each round on an id nobody wrote yet:
+    // the first to commit creates it, every other one must either get its
+    // own later version or be retried into one, never share version 1.
+    for round in 0..5u64 {
+        let id = format!("{:032x}", 0x5a5e_0000u64 + round);
+        let puts: Vec<_> = (0..8)
+            .map(|n| {
+                let (api, id) = (api.clone(), id.clone());
+                tokio::spawn(
+                    async move { api.put(&id, &json!({"user_id": format!("{:032x}", n + 1)})).await },
+                )
+            })
+            .collect();
+        let mut versions = Vec::new();
+        for p in puts {
+            let (status, body) = p.await.unwrap();
+            assert!(status == 200 || status == 201, "{status} {body}");
+            versions.push(body["version"].as_u64().unwrap());
+        }
+        versions.sort();
+        assert_eq!(versions, (1..=8).collect::<Vec<u64>>(), "round {round}: versions {versions:?}");
+        assert_eq!(api.get(&id).await.1["version"], 8);
+    }
+    dev.terminate().await;
+}

@@ -143,11 +143,13 @@ impl Writer {
         out.into_iter().map(|r| r.expect("every item belongs to one shard")).collect()
     }
 
-    /// Runs the items in one transaction on `shard`, in four statements
-    /// whatever their number: one locking read of every id, then the
-    /// decisions in memory (in item order, so an id written twice sees its
-    /// first write), one multi-row write of the final rows, one multi-row
-    /// outbox insert, commit. An item whose precondition fails is skipped
+    /// Runs the items in one transaction on `shard`, in at most five
+    /// statements whatever their number: one locking read of every id, then
+    /// the decisions in memory (in item order, so an id written twice sees
+    /// its first write), one multi-row write of the rows that existed and one
+    /// insert of the new ones (a concurrent creator of the same id makes it
+    /// fail, and the whole transaction is retried), one multi-row outbox
+    /// insert, commit. An item whose precondition fails is skipped
     /// (its error is its result); a database error rolls back everything and
     /// is returned as the outer error.
     async fn transaction(
@@ -163,6 +165,7 @@ impl Writer {
             .into_iter()
             .map(|(id, c)| (id, Row::stored(shard, &id, c)))
             .collect();
+        let locked: std::collections::HashSet<EntityId> = rows.keys().copied().collect();
         let now = now_micros();
         let mut results = Vec::with_capacity(items.len());
         let mut kinds = Vec::new();
@@ -183,14 +186,19 @@ impl Writer {
             }
         }
         if !events.is_empty() {
-            let entity_rows: Vec<(EntityId, u64, i64, Option<Vec<u8>>)> = written
+            let (present, absent): (Vec<_>, Vec<_>) = written
                 .iter()
                 .map(|id| {
                     let r = &rows[id];
                     (*id, r.version, now, r.bag.as_ref().map(codec::encode_body))
                 })
-                .collect();
-            store::upsert_entities(shard, &mut tx, &entity_rows).await?;
+                .partition(|(id, ..)| locked.contains(id));
+            if !present.is_empty() {
+                store::write_entities(shard, &mut tx, &present, true).await?;
+            }
+            if !absent.is_empty() {
+                store::write_entities(shard, &mut tx, &absent, false).await?;
+            }
             store::insert_outbox_rows(shard, &mut tx, &events).await?;
         }
         tx.commit().await.map_err(|source| StoreError::Shard { shard, source })?;
