@@ -351,15 +351,24 @@ impl TestEnv {
 
     /// Rows in `table` on every shard.
     pub async fn count_rows(&self, table: &str) -> i64 {
-        let mut n = 0;
+        let counts: Vec<(usize, (i64,))> =
+            self.fetch_all_shards(&format!("SELECT COUNT(*) FROM `{table}`")).await;
+        counts.into_iter().map(|(_, (n,))| n).sum()
+    }
+
+    /// Runs `sql` on every shard and returns (shard, row) for every row.
+    pub async fn fetch_all_shards<T>(&self, sql: &str) -> Vec<(usize, T)>
+    where
+        T: for<'r> sqlx::FromRow<'r, sqlx::mysql::MySqlRow> + Send + Unpin,
+    {
+        let mut out = Vec::new();
         for s in 0..self.dsns.len() {
             let pool = self.pool(s).await;
-            let row: (i64,) =
-                sqlx::query_as(&format!("SELECT COUNT(*) FROM `{table}`")).fetch_one(&pool).await.unwrap();
-            n += row.0;
+            let rows: Vec<T> = sqlx::query_as(sql).fetch_all(&pool).await.unwrap();
+            out.extend(rows.into_iter().map(|r| (s, r)));
             pool.close().await;
         }
-        n
+        out
     }
 }
 

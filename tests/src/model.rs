@@ -137,16 +137,9 @@ pub async fn actual_rows(env: &TestEnv) -> HashMap<&'static str, Rows> {
         ("index_tag", "SELECT CAST(tags AS CHAR), LOWER(HEX(entity_id)) FROM index_tag"),
     ];
     let mut out: HashMap<&'static str, Rows> = HashMap::new();
-    for s in 0..env.dsns.len() {
-        let pool = env.pool(s).await;
-        for (table, sql) in queries {
-            let rows: Vec<(String, String)> = sqlx::query_as(sql).fetch_all(&pool).await.unwrap();
-            let set = out.entry(table).or_default();
-            for (key, eid) in rows {
-                set.insert((s, key, eid));
-            }
-        }
-        pool.close().await;
+    for (table, sql) in queries {
+        let rows: Vec<(usize, (String, String))> = env.fetch_all_shards(sql).await;
+        out.insert(table, rows.into_iter().map(|(s, (key, eid))| (s, key, eid)).collect());
     }
     out
 }
@@ -319,16 +312,7 @@ pub fn check_topic_order(events: &[TopicEvent], final_versions: &HashMap<String,
 
 /// Every entity's version in the store, tombstones included (id → version).
 pub async fn stored_versions(env: &TestEnv) -> HashMap<String, u64> {
-    let mut out = HashMap::new();
-    for s in 0..env.dsns.len() {
-        let pool = env.pool(s).await;
-        let rows: Vec<(String, u64)> =
-            sqlx::query_as("SELECT LOWER(HEX(id)), CAST(version AS UNSIGNED) FROM entities")
-                .fetch_all(&pool)
-                .await
-                .unwrap();
-        out.extend(rows);
-        pool.close().await;
-    }
-    out
+    let rows: Vec<(usize, (String, u64))> =
+        env.fetch_all_shards("SELECT LOWER(HEX(id)), CAST(version AS UNSIGNED) FROM entities").await;
+    rows.into_iter().map(|(_, r)| r).collect()
 }

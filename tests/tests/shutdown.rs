@@ -109,19 +109,12 @@ async fn until_more_acks(load: &Load, more: u64) {
 
 /// (entity, user_id, version) of every row in the index, on every shard.
 async fn index_rows(env: &TestEnv) -> BTreeSet<(String, String, u64)> {
-    let mut out = BTreeSet::new();
-    for s in 0..env.dsns.len() {
-        let pool = env.pool(s).await;
-        let rows: Vec<(String, String, u64)> = sqlx::query_as(
+    let rows: Vec<(usize, (String, String, u64))> = env
+        .fetch_all_shards(
             "SELECT LOWER(HEX(entity_id)), LOWER(HEX(user_id)), CAST(version AS UNSIGNED) FROM index_user_id",
         )
-        .fetch_all(&pool)
-        .await
-        .unwrap();
-        out.extend(rows);
-        pool.close().await;
-    }
-    out
+        .await;
+    rows.into_iter().map(|(_, r)| r).collect()
 }
 
 fn user_of(e: &schemas::event::ChangeEvent) -> String {

@@ -350,9 +350,10 @@ where
 
 // ---------------------------------------------------------------- peak memory
 
-/// Largest resident set seen per labelled process (kB), sampled every 200 ms.
+/// The processes of the run, labelled: their largest resident set (kB,
+/// sampled every 200 ms) and the CPU they used.
 #[derive(Debug, Default)]
-struct RssSampler {
+struct ProcSampler {
     pids: Mutex<Vec<(String, u32)>>,
     peak_kb: Mutex<BTreeMap<String, u64>>,
 }
@@ -374,9 +375,17 @@ fn cpu_ticks(pid: u32) -> Option<u64> {
     Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
 }
 
-impl RssSampler {
+impl ProcSampler {
     fn watch(&self, label: &str, pid: u32) {
         self.pids.lock().unwrap().push((label.to_string(), pid));
+    }
+
+    /// "CPU s per 1000 <unit>" since `last` for `ops` operations; moves `last` on.
+    fn cpu_step(&self, last: &mut BTreeMap<String, u64>, ops: f64, unit: &str) -> String {
+        let now = self.cpu();
+        let line = cpu_per_k(last, &now, ops, unit);
+        *last = now;
+        line
     }
 
     /// CPU ticks used so far, per label (processes that share a label add up).
@@ -414,8 +423,8 @@ fn short_label(label: &str) -> String {
     }
 }
 
-/// CPU seconds per 1000 rows used by each process group between two snapshots.
-fn cpu_per_k(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>, rows: f64) -> String {
+/// CPU seconds per 1000 operations used by each process group between two snapshots.
+fn cpu_per_k(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>, rows: f64, unit: &str) -> String {
     let mut parts = Vec::new();
     for (label, t) in after {
         let used = t.saturating_sub(before.get(label).copied().unwrap_or(0)) as f64 / 100.0;
@@ -423,7 +432,7 @@ fn cpu_per_k(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>, rows
             parts.push(format!("{label} {:.2}", used / rows * 1000.0));
         }
     }
-    format!("CPU s per 1000 rows: {}", parts.join(", "))
+    format!("CPU s per 1000 {unit}: {}", parts.join(", "))
 }
 
 // ---------------------------------------------------------------- the world
@@ -438,7 +447,7 @@ struct World {
     kafka: MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
     topic: String,
     http: reqwest::Client,
-    rss: Arc<RssSampler>,
+    procs: Arc<ProcSampler>,
 }
 
 impl World {
@@ -467,7 +476,7 @@ impl World {
         all.push("--config".into());
         all.push(self.config(new_index).display().to_string());
         let p = Proc::start(&all, self.dir.path(), &[("RUST_LOG", "warn")]).await?;
-        self.rss.watch(&format!("bagstore {}", args.join(" ")), p.pid() as u32);
+        self.procs.watch(&format!("bagstore {}", args.join(" ")), p.pid() as u32);
         Ok(p)
     }
 
@@ -524,11 +533,11 @@ async fn setup(opts: &Options) -> anyhow::Result<World> {
         };
         servers.push(MariaDb::start_with(&dir.path().join(format!("shard-{i}")), o).await?);
     }
-    let rss = Arc::new(RssSampler::default());
+    let procs = Arc::new(ProcSampler::default());
     for (i, s) in servers.iter().enumerate() {
-        rss.watch(&format!("mariadbd shard {i}"), s.pid());
+        procs.watch(&format!("mariadbd shard {i}"), s.pid());
     }
-    rss.watch("bench (load generator, mock Kafka)", std::process::id());
+    procs.watch("bench (load generator, mock Kafka)", std::process::id());
     let bag_dsns: Vec<String> = servers.iter().map(|s| s.dsn("bench_bag")).collect();
     let mut native = Vec::new();
     for s in &servers {
@@ -561,7 +570,7 @@ async fn setup(opts: &Options) -> anyhow::Result<World> {
     kafka.create_topic(&topic, 8, 1)?;
     kafka.create_topic(&format!("{topic}.dlq"), 1, 1)?;
     let http = reqwest::Client::builder().pool_max_idle_per_host(opts.clients * 2).build()?;
-    Ok(World { dir, servers, bag_dsns, native, kafka, topic, http, rss })
+    Ok(World { dir, servers, bag_dsns, native, kafka, topic, http, procs })
 }
 
 // ---------------------------------------------------------------- contenders
@@ -759,7 +768,7 @@ async fn run(opts: Options) -> anyhow::Result<()> {
     let started = Instant::now();
     eprintln!("bench: {opts:?}");
     let world = setup(&opts).await?;
-    let sampler = world.rss.clone();
+    let sampler = world.procs.clone();
     let sampling = Arc::new(AtomicBool::new(true));
     let s2 = sampling.clone();
     let rss_task = tokio::spawn(async move {
@@ -772,11 +781,11 @@ async fn run(opts: Options) -> anyhow::Result<()> {
     let result = phases(&opts, &world, &mut report).await;
     sampling.store(false, Ordering::Relaxed);
     let _ = rss_task.await;
-    world.rss.sample();
+    world.procs.sample();
     result?;
 
     report.section("Peak resident memory during the run");
-    let peaks = world.rss.peak_kb.lock().unwrap().clone();
+    let peaks = world.procs.peak_kb.lock().unwrap().clone();
     for (label, kb) in &peaks {
         report.line(&format!("rss {label}"), label, format!("{:.0} MiB", *kb as f64 / 1024.0), String::new());
     }
@@ -907,7 +916,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     let pick = Arc::new(AtomicU64::new(0));
     let mut q_runs = Vec::new();
     let mut q_cpu: Vec<(String, String)> = Vec::new();
-    let mut cpu_q = world.rss.cpu();
+    let mut cpu_q = world.procs.cpu();
     for (key, what, range) in [
         ("latest20", "latest 20 of one user", false),
         ("range", "compound range (user, published window)", true),
@@ -920,12 +929,10 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
             async move { json_latest(&nat, &users[u], range.then(|| range_of(u))).await.map(|_| ()) }
         })
         .await;
-        let cpu = world.rss.cpu();
         q_cpu.push((
             format!("json: {what}"),
-            cpu_per_k(&cpu_q, &cpu, rj.rate * d.as_secs_f64()).replace("rows", "queries"),
+            world.procs.cpu_step(&mut cpu_q, rj.rate * d.as_secs_f64(), "queries"),
         ));
-        cpu_q = cpu;
         let users_b = Arc::new(users.clone());
         let (p, h, rb) = (pick.clone(), http.clone(), Arc::new(rbase.clone()));
         let rbag = closed_loop(c, d, 1, move || {
@@ -934,12 +941,10 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
             async move { bag_latest(&h, &rb, &users[u], range.then(|| range_of(u))).await.map(|_| ()) }
         })
         .await;
-        let cpu = world.rss.cpu();
         q_cpu.push((
             format!("bagstore: {what}"),
-            cpu_per_k(&cpu_q, &cpu, rbag.rate * d.as_secs_f64()).replace("rows", "queries"),
+            world.procs.cpu_step(&mut cpu_q, rbag.rate * d.as_secs_f64(), "queries"),
         ));
-        cpu_q = cpu;
         report.run(&format!("{key}_json"), &format!("json: {what}"), &rj, "queries/s");
         report.run(&format!("{key}_bagstore"), &format!("bagstore: {what}"), &rbag, "queries/s");
         report.line(
@@ -1029,7 +1034,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
             .kill_on_drop(true)
             .spawn()?;
         if let Some(pid) = child.id() {
-            world.rss.watch("bagstore cleaner --index (backfill)", pid);
+            world.procs.watch("bagstore cleaner --index (backfill)", pid);
         }
         let status = child.wait().await?;
         let secs = t.elapsed().as_secs_f64();
@@ -1133,11 +1138,9 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     // ---- Write throughput, same client concurrency.
     report.section(&format!("Writes ({c} clients, {:.0} s each, new ids)", d.as_secs_f64()));
     let mut cpu_lines = Vec::new();
-    let mut cpu0 = world.rss.cpu();
+    let mut cpu0 = world.procs.cpu();
     let mut cpu_note = |what: &str, r: &Run, secs: f64| {
-        let now = world.rss.cpu();
-        cpu_lines.push((what.to_string(), cpu_per_k(&cpu0, &now, r.rate * secs)));
-        cpu0 = now;
+        cpu_lines.push((what.to_string(), world.procs.cpu_step(&mut cpu0, r.rate * secs, "rows")));
     };
     let secs = d.as_secs_f64();
     let one_raw = {
@@ -1196,11 +1199,11 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     };
     cpu_note("bagstore batch", &batch_bag, secs);
     let t_idx = Instant::now();
-    let cpu_before_catchup = world.rss.cpu();
+    let mut cpu_before_catchup = world.procs.cpu();
     world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
     cpu_lines.push((
         format!("index catch-up after the write phases ({:.1} s)", t_idx.elapsed().as_secs_f64()),
-        cpu_per_k(&cpu_before_catchup, &world.rss.cpu(), one_bag.rate * secs + batch_bag.rate * secs),
+        world.procs.cpu_step(&mut cpu_before_catchup, one_bag.rate * secs + batch_bag.rate * secs, "rows"),
     ));
     report.run("put_raw", "raw: single-row INSERT (autocommit)", &one_raw, "rows/s");
     report.run("put_json", "json: single-row INSERT", &one_json, "rows/s");
