@@ -1,6 +1,11 @@
 //! Running a plan: index scan → fetch → re-filter, until the limit is met
 //! or the index range is exhausted, so stale rows never shorten a page.
 //!
+//! The scan of a shard's index table joins that shard's `entities` on the
+//! primary key, so the entities stored next to their index rows come in the
+//! same statement; only those on other shards are fetched by id. With two
+//! shards a "latest 20" query is two statements, not three.
+//!
 //! Each equality prefix is scanned in index order on its one shard (when
 //! the prefix fixes `shard_on`) or on every shard in parallel, merged k-way
 //! by (remaining columns, entity id). A candidate row is kept only if the
@@ -12,7 +17,7 @@
 
 use schemas::codec;
 use schemas::index::{IndexKey, KeyValue};
-use schemas::store::{self, IndexScan, StoreError, StoredEntity};
+use schemas::store::{self, IndexScan, ScannedRow, StoreError, StoredEntity};
 use schemas::web::Problem;
 use schemas::{Bag, EntityId};
 use serde::{Deserialize, Serialize};
@@ -103,7 +108,7 @@ pub fn page_start(plan: &Plan, q: &Query) -> Result<Option<(IndexKey, EntityId)>
 #[derive(Debug)]
 struct Stream {
     shard: usize,
-    buf: VecDeque<(IndexKey, EntityId)>,
+    buf: VecDeque<ScannedRow>,
     after: Option<(Vec<KeyValue>, EntityId)>,
     done: bool,
 }
@@ -111,7 +116,16 @@ struct Stream {
 impl Reader {
     pub async fn get(&self, id: &EntityId) -> Result<Option<Entity>, ReadError> {
         let shard = self.shards().of_id(id);
-        match store::get_entity(shard, self.shards().pool(shard), id).await? {
+        let conns = self.shards().conns(shard);
+        let mut t = conns.take().await?;
+        let found = loop {
+            let r = store::get_entity(shard, &mut t.conn, id).await;
+            match conns.settle(t, &r).await? {
+                Some(again) => t = again,
+                None => break r?,
+            }
+        };
+        match found {
             Some(s) => Ok(Some(decode(shard, s)?)),
             None => Ok(None),
         }
@@ -126,7 +140,15 @@ impl Reader {
             per_shard[self.shards().of_id(id)].push(*id);
         }
         let jobs = per_shard.iter().enumerate().filter(|(_, v)| !v.is_empty()).map(|(shard, v)| async move {
-            let rows = store::get_entities(shard, self.shards().pool(shard), v).await?;
+            let conns = self.shards().conns(shard);
+            let mut t = conns.take().await?;
+            let rows = loop {
+                let r = store::get_entities(shard, &mut t.conn, v).await;
+                match conns.settle(t, &r).await? {
+                    Some(again) => t = again,
+                    None => break r?,
+                }
+            };
             rows.into_iter().map(|s| decode(shard, s)).collect::<Result<Vec<_>, ReadError>>()
         });
         let mut found = std::collections::HashMap::new();
@@ -217,7 +239,10 @@ impl Reader {
                 .map(|&shard| Stream { shard, buf: VecDeque::new(), after: after.clone(), done: false })
                 .collect();
             loop {
-                let want = ((q.limit - out.items.len()) * 2).clamp(32, 1000);
+                // A little more than the page still needs, for rows the
+                // re-filter drops; each local row brings its entity along.
+                let need = q.limit - out.items.len();
+                let want = (need + need / 4 + 4).min(1000);
                 let refills =
                     streams.iter_mut().filter(|s| s.buf.is_empty() && !s.done).map(|s| async move {
                         let scan = IndexScan {
@@ -226,11 +251,19 @@ impl Reader {
                             after: s.after.as_ref().map(|(rest, id)| (&rest[..], *id)),
                             descending: plan.descending,
                             limit: want,
+                            with_entities: true,
                         };
-                        let rows = store::scan_index(s.shard, self.shards().pool(s.shard), &plan.spec, &scan)
-                            .await?;
+                        let conns = self.shards().conns(s.shard);
+                        let mut t = conns.take().await?;
+                        let rows = loop {
+                            let r = store::scan_index(s.shard, &mut t.conn, &plan.spec, &scan).await;
+                            match conns.settle(t, &r).await? {
+                                Some(again) => t = again,
+                                None => break r?,
+                            }
+                        };
                         s.done = rows.len() < want;
-                        if let Some((key, id)) = rows.last() {
+                        if let Some((key, id, _)) = rows.last() {
                             s.after = Some((key[k..].to_vec(), *id));
                         }
                         s.buf.extend(rows);
@@ -243,7 +276,8 @@ impl Reader {
                     self.inner.metrics.shard_reads.with_label_values(&[table, &s.shard.to_string()]).inc();
                 }
                 // Merge while every live stream has a head (so order holds).
-                let mut candidates: Vec<(IndexKey, EntityId)> = Vec::new();
+                // (row, the shard whose index table it came from)
+                let mut candidates: Vec<(ScannedRow, usize)> = Vec::new();
                 while candidates.len() < want && !streams.iter().any(|s| s.buf.is_empty() && !s.done) {
                     let best = streams
                         .iter()
@@ -260,7 +294,8 @@ impl Reader {
                         })
                         .map(|(i, _)| i);
                     match best {
-                        Some(i) => candidates.push(streams[i].buf.pop_front().expect("has a head")),
+                        Some(i) => candidates
+                            .push((streams[i].buf.pop_front().expect("has a head"), streams[i].shard)),
                         None => break,
                     }
                 }
@@ -268,17 +303,29 @@ impl Reader {
                     break;
                 }
                 out.index_rows += candidates.len() as u64;
-                // Entities are fetched only as many at a time as the page
-                // still needs (more if the re-filter drops some): reading
-                // index rows ahead is cheap, fetching and decoding is not.
+                // Entities on the index row's own shard came with the scan;
+                // the others are fetched (one statement per shard), only as
+                // many at a time as the page still needs: fetching and
+                // decoding is what costs.
                 let mut candidates = candidates.into_iter().peekable();
                 while candidates.peek().is_some() {
                     let need = q.limit - out.items.len();
-                    let chunk: Vec<(IndexKey, EntityId)> = candidates.by_ref().take(need).collect();
-                    let ids: Vec<EntityId> = chunk.iter().map(|(_, id)| *id).collect();
+                    let chunk: Vec<(ScannedRow, usize)> = candidates.by_ref().take(need).collect();
+                    let remote: Vec<EntityId> = chunk
+                        .iter()
+                        .filter(|((_, id, _), from)| self.shards().of_id(id) != *from)
+                        .map(|((_, id, _), _)| *id)
+                        .collect();
                     let mut found: std::collections::HashMap<EntityId, Entity> =
-                        self.get_many(&ids).await?.into_iter().map(|e| (e.id, e)).collect();
-                    for (key, id) in chunk {
+                        self.get_many(&remote).await?.into_iter().map(|e| (e.id, e)).collect();
+                    let mut rows = Vec::with_capacity(chunk.len());
+                    for ((key, id, local), from) in chunk {
+                        if let Some(stored) = local.filter(|_| self.shards().of_id(&id) == from) {
+                            found.insert(id, decode(from, stored)?);
+                        }
+                        rows.push((key, id));
+                    }
+                    for (key, id) in rows {
                         let keep = found.get(&id).is_some_and(|e| {
                             !seen.contains(&id)
                                 && Self::refilter(plan, q, &e.properties)

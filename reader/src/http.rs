@@ -8,11 +8,13 @@
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use schemas::store::IndexState;
-use schemas::value::bag_to_json_map;
+use schemas::value::BagJson;
 use schemas::web::{parse_id, read_json, Problem};
+use serde::Serialize;
 use serde_json::{json, Value as JsonValue};
 use std::time::Duration;
 
@@ -34,29 +36,57 @@ pub fn router(reader: Reader) -> Router {
         .with_state(reader)
 }
 
-/// `updated` is the commit time in microseconds since the Unix epoch.
-pub fn entity_json(e: &Entity) -> JsonValue {
-    json!({
-        "id": e.id.to_hex(),
-        "version": e.version,
-        "updated": e.updated_us,
-        "properties": JsonValue::Object(bag_to_json_map(&e.properties)),
-    })
+/// An entity as answered: `{"id","version","updated","properties"}`.
+/// `updated` is the commit time in microseconds since the Unix epoch. It is
+/// written straight from the decoded bag (no intermediate JSON tree).
+#[derive(Debug, Serialize)]
+pub struct EntityJson<'a> {
+    id: String,
+    version: u64,
+    updated: i64,
+    properties: BagJson<'a>,
+}
+
+impl<'a> From<&'a Entity> for EntityJson<'a> {
+    fn from(e: &'a Entity) -> Self {
+        EntityJson {
+            id: e.id.to_hex(),
+            version: e.version,
+            updated: e.updated_us,
+            properties: BagJson(&e.properties),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct Items<'a> {
+    items: Vec<EntityJson<'a>>,
+}
+
+/// A query's answer.
+#[derive(Debug, Serialize)]
+struct QueryAnswer<'a> {
+    items: Vec<EntityJson<'a>>,
+    index: &'a str,
+    next_page_token: Option<&'a str>,
+    index_lag_ms: Option<i64>,
+    index_applied_through_us: Option<i64>,
+    explain: JsonValue,
 }
 
 fn read_problem(e: ReadError) -> Problem {
     Problem::internal(&e)
 }
 
-async fn get_one(State(r): State<Reader>, Path(id): Path<String>) -> Result<Json<JsonValue>, Problem> {
+async fn get_one(State(r): State<Reader>, Path(id): Path<String>) -> Result<Response, Problem> {
     let id = parse_id(&id)?;
     match r.get(&id).await.map_err(read_problem)? {
-        Some(e) => Ok(Json(entity_json(&e))),
+        Some(e) => Ok(Json(EntityJson::from(&e)).into_response()),
         None => Err(Problem::not_found(format!("no entity {id}"))),
     }
 }
 
-async fn get_many(State(r): State<Reader>, body: Body) -> Result<Json<JsonValue>, Problem> {
+async fn get_many(State(r): State<Reader>, body: Body) -> Result<Response, Problem> {
     let doc = read_json(body, MAX_REQUEST_BYTES, r.settings().http.request_timeout()).await?;
     let Some(JsonValue::Array(raw)) = doc.get("ids") else {
         return Err(Problem::bad_request("bad-request", "the body must be {\"ids\": [\"<id>\", ...]}"));
@@ -72,10 +102,10 @@ async fn get_many(State(r): State<Reader>, body: Body) -> Result<Json<JsonValue>
         })
         .collect::<Result<Vec<_>, _>>()?;
     let items = r.get_many(&ids).await.map_err(read_problem)?;
-    Ok(Json(json!({ "items": items.iter().map(entity_json).collect::<Vec<_>>() })))
+    Ok(Json(Items { items: items.iter().map(EntityJson::from).collect() }).into_response())
 }
 
-async fn run_query(State(r): State<Reader>, body: Body) -> Result<Json<JsonValue>, Problem> {
+async fn run_query(State(r): State<Reader>, body: Body) -> Result<Response, Problem> {
     let doc = read_json(body, MAX_REQUEST_BYTES, r.settings().http.request_timeout()).await?;
     let q = query::parse(doc, &r.settings().reader)?;
     let metas = r.index_metas().await.map_err(|e| Problem::internal(&e))?;
@@ -117,21 +147,22 @@ async fn run_query(State(r): State<Reader>, body: Body) -> Result<Json<JsonValue
         )
     })??;
     let freshness = r.freshness(&plan.spec.table).await.map_err(|e| Problem::internal(&e))?;
-    Ok(Json(json!({
-        "items": out.items.iter().map(entity_json).collect::<Vec<_>>(),
-        "index": plan.spec.table,
-        "next_page_token": out.next_page_token,
-        "index_lag_ms": freshness.lag_ms,
-        "index_applied_through_us": freshness.applied_through_us,
-        "explain": {
+    Ok(Json(QueryAnswer {
+        items: out.items.iter().map(EntityJson::from).collect(),
+        index: &plan.spec.table,
+        next_page_token: out.next_page_token.as_deref(),
+        index_lag_ms: freshness.lag_ms,
+        index_applied_through_us: freshness.applied_through_us,
+        explain: json!({
             "prefixes": plan.prefixes.len(),
             "range": plan.range.is_some(),
             "order": if plan.descending { "desc" } else { "asc" },
             "shards_touched": out.shards_touched,
             "index_rows_read": out.index_rows,
             "dropped_by_refilter": out.dropped,
-        },
-    })))
+        }),
+    })
+    .into_response())
 }
 
 async fn list_indexes(State(r): State<Reader>) -> Result<Json<JsonValue>, Problem> {

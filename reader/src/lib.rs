@@ -37,6 +37,9 @@ const STATE_TTL: Duration = Duration::from_millis(500);
 /// is reused: the figures in an answer are at most this old.
 const FRESHNESS_TTL: Duration = Duration::from_millis(200);
 
+/// Every registered index by table name, shared by the queries that read it.
+pub type Metas = Arc<HashMap<String, IndexMeta>>;
+
 #[derive(Debug, Clone)]
 pub struct Reader {
     inner: Arc<Inner>,
@@ -50,7 +53,7 @@ struct Inner {
     /// Index definitions and states from `bagstore_indexes` (the source of
     /// truth, so a new index needs no reader restart), refreshed at most
     /// every STATE_TTL.
-    states: Mutex<Option<(Instant, HashMap<String, IndexMeta>)>>,
+    states: Mutex<Option<(Instant, Metas)>>,
     /// Per index: the freshness reported with query answers, reused for
     /// FRESHNESS_TTL so a busy reader does not pay three extra statements
     /// per query for it.
@@ -79,16 +82,16 @@ impl Reader {
         &self.inner.shards
     }
 
-    /// Every registered index with its state (cached briefly).
-    pub async fn index_metas(&self) -> Result<HashMap<String, IndexMeta>, store::StoreError> {
+    /// Every registered index with its state (cached briefly; shared, so a
+    /// query does not copy every definition).
+    pub async fn index_metas(&self) -> Result<Metas, store::StoreError> {
         if let Some((at, states)) = self.inner.states.lock().expect("not poisoned").as_ref() {
             if at.elapsed() < STATE_TTL {
                 return Ok(states.clone());
             }
         }
         let metas = store::list_index_meta(self.shards().pool(0)).await?;
-        let states: HashMap<String, IndexMeta> =
-            metas.into_iter().map(|m| (m.spec.table.clone(), m)).collect();
+        let states: Metas = Arc::new(metas.into_iter().map(|m| (m.spec.table.clone(), m)).collect());
         *self.inner.states.lock().expect("not poisoned") = Some((Instant::now(), states.clone()));
         Ok(states)
     }

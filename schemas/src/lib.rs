@@ -15,12 +15,14 @@
 //! - [`names`]: the identifier rule that keeps SQL text safe.
 //! - [`settings`]: typed `Settings` from TOML + `BAGSTORE_…` variables.
 //! - [`ddl`] and [`store`]: table definitions and every SQL statement.
+//! - [`conns`]: ping-free connections for the hot paths.
 //! - [`kafka`]: shared client configuration, topics, consumer-group lag.
 //! - [`web`]: problem+json, bounded bodies, `/metrics`, graceful serving.
 //!
 //! The model modules (`id` … `settings`) stay free of tokio, HTTP and SQL.
 
 pub mod codec;
+pub mod conns;
 pub mod ddl;
 pub mod event;
 pub mod filter;

@@ -176,7 +176,8 @@ pub struct MysqlSettings {
     /// from the environment, a comma-separated string.
     #[serde(deserialize_with = "list_or_csv")]
     pub shards: Vec<Dsn>,
-    /// Pool size per shard and process.
+    /// Pool size per shard and process; the hot-path connections
+    /// ([`crate::conns`]) have their own cap of the same size.
     pub max_connections: u32,
     pub connect_timeout_ms: u64,
 }
@@ -341,11 +342,21 @@ pub struct WriterSettings {
     /// How often a relay looks at its outbox without being woken, and how
     /// often a follower tries to become leader.
     pub relay_poll_ms: u64,
+    /// Transactions in flight per shard for single writes; a slot that comes
+    /// free commits every single write queued meanwhile in one transaction
+    /// (group commit).
+    pub commit_slots: usize,
 }
 
 impl Default for WriterSettings {
     fn default() -> Self {
-        WriterSettings { max_body_bytes: 1 << 20, max_batch: 1000, relay_batch: 500, relay_poll_ms: 200 }
+        WriterSettings {
+            max_body_bytes: 1 << 20,
+            max_batch: 1000,
+            relay_batch: 500,
+            relay_poll_ms: 200,
+            commit_slots: 2,
+        }
     }
 }
 
@@ -482,7 +493,11 @@ impl Settings {
         if self.kafka.partitions < 1 {
             return Err(SettingsError::Invalid("kafka.partitions must be at least 1".into()));
         }
-        if self.writer.max_body_bytes == 0 || self.writer.max_batch == 0 || self.writer.relay_batch == 0 {
+        if self.writer.max_body_bytes == 0
+            || self.writer.max_batch == 0
+            || self.writer.relay_batch == 0
+            || self.writer.commit_slots == 0
+        {
             return Err(SettingsError::Invalid("writer limits must be positive".into()));
         }
         if self.cleaner.batch == 0

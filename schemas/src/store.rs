@@ -78,10 +78,12 @@ fn id_column(shard: usize, r: &sqlx::mysql::MySqlRow, col: &str) -> Result<Entit
     Ok(EntityId::from_slice(&bytes).unwrap_or(EntityId([0; 16])))
 }
 
-/// One connection pool per shard, in shard order.
+/// Per shard, in shard order: a sqlx pool, and the ping-free connections
+/// of the hot paths ([`crate::conns`]).
 #[derive(Debug, Clone)]
 pub struct Shards {
     pools: Vec<MySqlPool>,
+    conns: Vec<std::sync::Arc<crate::conns::Conns>>,
     dsns: Vec<Dsn>,
 }
 
@@ -95,8 +97,14 @@ impl Shards {
     /// report the outage per request instead of refusing to start.
     pub fn connect_lazy(settings: &MysqlSettings) -> Result<Shards> {
         let mut pools = Vec::new();
-        for dsn in &settings.shards {
+        let mut conns = Vec::new();
+        for (shard, dsn) in settings.shards.iter().enumerate() {
             let opts = connect_options(dsn)?;
+            conns.push(std::sync::Arc::new(crate::conns::Conns::new(
+                shard,
+                opts.clone(),
+                settings.max_connections,
+            )));
             pools.push(
                 MySqlPoolOptions::new()
                     .max_connections(settings.max_connections)
@@ -116,7 +124,7 @@ impl Shards {
                     .connect_lazy_with(opts),
             );
         }
-        Ok(Shards { pools, dsns: settings.shards.clone() })
+        Ok(Shards { pools, conns, dsns: settings.shards.clone() })
     }
 
     pub fn count(&self) -> usize {
@@ -125,6 +133,11 @@ impl Shards {
 
     pub fn pool(&self, shard: usize) -> &MySqlPool {
         &self.pools[shard]
+    }
+
+    /// Ping-free connections for the hot paths (see [`crate::conns`]).
+    pub fn conns(&self, shard: usize) -> &crate::conns::Conns {
+        &self.conns[shard]
     }
 
     pub fn dsn(&self, shard: usize) -> &Dsn {
@@ -342,14 +355,22 @@ fn stored_entity(shard: usize, r: &sqlx::mysql::MySqlRow) -> Result<StoredEntity
     })
 }
 
-pub async fn get_entity(shard: usize, pool: &MySqlPool, id: &EntityId) -> Result<Option<StoredEntity>> {
+pub async fn get_entity(
+    shard: usize,
+    pool: impl sqlx::MySqlExecutor<'_>,
+    id: &EntityId,
+) -> Result<Option<StoredEntity>> {
     let sql = format!("SELECT {ENTITY_COLUMNS} FROM entities WHERE id = ? AND body IS NOT NULL");
     let row = sqlx::query(&sql).bind(&id.0[..]).fetch_optional(pool).await.on(shard)?;
     row.map(|r| stored_entity(shard, &r)).transpose()
 }
 
 /// Live entities among `ids` (all on this shard), in no particular order.
-pub async fn get_entities(shard: usize, pool: &MySqlPool, ids: &[EntityId]) -> Result<Vec<StoredEntity>> {
+pub async fn get_entities(
+    shard: usize,
+    pool: impl sqlx::MySqlExecutor<'_>,
+    ids: &[EntityId],
+) -> Result<Vec<StoredEntity>> {
     if ids.is_empty() {
         return Ok(Vec::new());
     }
@@ -480,10 +501,10 @@ pub struct OutboxRow {
 
 /// The oldest unpublished events, in `seq` order (which, for one entity, is
 /// version order: its writes serialize on the row lock).
-pub async fn read_outbox(shard: usize, pool: &MySqlPool, limit: usize) -> Result<Vec<OutboxRow>> {
+pub async fn read_outbox(shard: usize, conn: &mut MySqlConnection, limit: usize) -> Result<Vec<OutboxRow>> {
     let rows = sqlx::query("SELECT seq, entity_id, event FROM outbox ORDER BY seq LIMIT ?")
         .bind(limit as u64)
-        .fetch_all(pool)
+        .fetch_all(&mut *conn)
         .await
         .on(shard)?;
     rows.iter()
@@ -499,7 +520,7 @@ pub async fn read_outbox(shard: usize, pool: &MySqlPool, limit: usize) -> Result
 
 /// Deletes exactly the listed rows: a row with a lower `seq` that committed
 /// late is not in the list and so survives to be published next round.
-pub async fn delete_outbox(shard: usize, pool: &MySqlPool, seqs: &[u64]) -> Result<()> {
+pub async fn delete_outbox(shard: usize, conn: &mut MySqlConnection, seqs: &[u64]) -> Result<()> {
     for chunk in seqs.chunks(1000) {
         let marks = vec!["?"; chunk.len()].join(",");
         let sql = format!("DELETE FROM outbox WHERE seq IN ({marks})");
@@ -507,7 +528,7 @@ pub async fn delete_outbox(shard: usize, pool: &MySqlPool, seqs: &[u64]) -> Resu
         for s in chunk {
             q = q.bind(*s);
         }
-        q.execute(pool).await.on(shard)?;
+        q.execute(&mut *conn).await.on(shard)?;
     }
     Ok(())
 }
@@ -750,16 +771,26 @@ pub struct IndexScan<'a> {
     pub after: Option<(&'a [KeyValue], EntityId)>,
     pub descending: bool,
     pub limit: usize,
+    /// Also read, in the same statement, each row's entity where it is
+    /// stored on this shard (a join on the primary key): the reader then
+    /// fetches only the entities that live on other shards.
+    pub with_entities: bool,
 }
+
+/// One row of an index scan: its full key, its entity id, and (with
+/// [`IndexScan::with_entities`]) the live entity if this shard stores it.
+pub type ScannedRow = (IndexKey, EntityId, Option<StoredEntity>);
 
 /// Rows of one shard's index table in index order: full keys and entity ids.
 pub async fn scan_index(
     shard: usize,
-    pool: &MySqlPool,
+    pool: impl sqlx::MySqlExecutor<'_>,
     spec: &IndexSpec,
     scan: &IndexScan<'_>,
-) -> Result<Vec<(IndexKey, EntityId)>> {
-    let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
+) -> Result<Vec<ScannedRow>> {
+    // Columns are qualified by the index table's alias, as the entities
+    // table joined in may have columns of the same names.
+    let cols: Vec<String> = spec.properties.iter().map(|p| format!("i.`{}`", p.name)).collect();
     let k = scan.prefix.len();
     let mut wheres: Vec<String> = cols[..k].iter().map(|c| format!("{c} = ?")).collect();
     let mut binds: Vec<KeyValue> = scan.prefix.to_vec();
@@ -787,7 +818,7 @@ pub async fn scan_index(
                 parts.push(format!("{} {op} ?", rest_cols[i]));
                 binds.push(rest[i].clone());
             } else {
-                parts.push(format!("entity_id {op} ?"));
+                parts.push(format!("i.entity_id {op} ?"));
             }
             ors.push(format!("({})", parts.join(" AND ")));
         }
@@ -796,9 +827,19 @@ pub async fn scan_index(
     }
     let dir = if scan.descending { " DESC" } else { "" };
     let order: Vec<String> =
-        cols[k..].iter().map(|c| format!("{c}{dir}")).chain([format!("entity_id{dir}")]).collect();
+        cols[k..].iter().map(|c| format!("{c}{dir}")).chain([format!("i.entity_id{dir}")]).collect();
+    // Entity columns get aliases no property name can take (names have no dots).
+    let (entity_cols, join) = if scan.with_entities {
+        (
+            ", e.version AS `e.version`, \
+             TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', e.updated) AS `e.updated_us`, e.body AS `e.body`",
+            " LEFT JOIN entities AS e ON e.id = i.entity_id AND e.body IS NOT NULL",
+        )
+    } else {
+        ("", "")
+    };
     let sql = format!(
-        "SELECT {}, entity_id FROM `{}` {} ORDER BY {} LIMIT ?",
+        "SELECT {}, i.entity_id{entity_cols} FROM `{}` AS i{join} {} ORDER BY {} LIMIT ?",
         cols.join(", "),
         spec.table,
         if wheres.is_empty() { String::new() } else { format!("WHERE {}", wheres.join(" AND ")) },
@@ -817,7 +858,19 @@ pub async fn scan_index(
     let mut out = Vec::with_capacity(rows.len());
     for r in &rows {
         let Some(key) = row_key(shard, spec, r)? else { continue };
-        out.push((key, id_column(shard, r, "entity_id")?));
+        let id = id_column(shard, r, "entity_id")?;
+        let entity = match scan.with_entities {
+            true => r.try_get::<Option<Vec<u8>>, _>("e.body").on(shard)?.map(|body| {
+                Ok::<_, StoreError>(StoredEntity {
+                    id,
+                    version: r.try_get("e.version").on(shard)?,
+                    updated_us: r.try_get("e.updated_us").on(shard)?,
+                    body,
+                })
+            }),
+            false => None,
+        };
+        out.push((key, id, entity.transpose()?));
     }
     Ok(out)
 }

@@ -140,6 +140,37 @@ pub fn bag_to_json_map(bag: &Bag) -> serde_json::Map<String, serde_json::Value> 
     bag.iter().map(|(k, v)| (k.clone(), v.to_json())).collect()
 }
 
+/// A value written as plain JSON straight from the stored form: the same
+/// text as serializing [`Value::to_json`], without building that tree first
+/// (a response of 20 entities would otherwise copy every string once more).
+#[derive(Debug, Clone, Copy)]
+pub struct JsonView<'a>(pub &'a Value);
+
+/// A bag written as a JSON object, like [`JsonView`].
+#[derive(Debug, Clone, Copy)]
+pub struct BagJson<'a>(pub &'a Bag);
+
+impl Serialize for JsonView<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self.0 {
+            Value::Null => s.serialize_unit(),
+            Value::Bool(b) => s.serialize_bool(*b),
+            Value::Int(i) => s.serialize_i64(*i),
+            Value::Float(f) if f.is_finite() => s.serialize_f64(*f),
+            Value::Float(_) => s.serialize_unit(),
+            Value::String(text) => s.serialize_str(text),
+            Value::Array(a) => s.collect_seq(a.iter().map(JsonView)),
+            Value::Object(o) => BagJson(o).serialize(s),
+        }
+    }
+}
+
+impl Serialize for BagJson<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(self.0.iter().map(|(k, v)| (k, JsonView(v))))
+    }
+}
+
 // ---- Decoding with a depth limit -------------------------------------------
 //
 // The derived `Deserialize` would call `Value::deserialize` for every nested
@@ -338,6 +369,11 @@ mod tests {
         assert_eq!(bag["i"], Value::Int(-7));
         assert_eq!(bag["f"], Value::Float(1.5));
         assert_eq!(serde_json::Value::Object(bag_to_json_map(&bag)), doc);
+        assert_eq!(
+            serde_json::to_string(&BagJson(&bag)).unwrap(),
+            serde_json::to_string(&bag_to_json_map(&bag)).unwrap(),
+            "the direct JSON view writes the same text as the tree"
+        );
     }
 
     #[test]
@@ -360,6 +396,10 @@ mod tests {
         for mixed in [false, true] {
             let ok = Value::from_json(&nested_json(MAX_DEPTH, mixed)).unwrap();
             assert_eq!(ok.to_json(), nested_json(MAX_DEPTH, mixed));
+            assert_eq!(
+                serde_json::to_string(&JsonView(&ok)).unwrap(),
+                nested_json(MAX_DEPTH, mixed).to_string()
+            );
             assert_eq!(Value::from_json(&nested_json(MAX_DEPTH + 1, mixed)), Err(BadValue::TooDeep));
             let bag = json!({"a": 1, "b": nested_json(MAX_DEPTH + 1, mixed)});
             assert_eq!(bag_from_json(&bag), Err(BadValue::TooDeep));
@@ -389,6 +429,7 @@ mod tests {
         for bits in [0x00ee_4000_0800_0000_u64, 0x0000_f83f_0000_0001, 0x7fef_ffff_ffff_ffff, 1] {
             let v = Value::Float(f64::from_bits(bits));
             let text = serde_json::to_string(&v.to_json()).unwrap();
+            assert_eq!(serde_json::to_string(&JsonView(&v)).unwrap(), text);
             let back = Value::from_json(&serde_json::from_str(&text).unwrap()).unwrap();
             assert_eq!(back, v, "{text}");
         }

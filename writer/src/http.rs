@@ -54,7 +54,9 @@ fn precondition(headers: &HeaderMap) -> Result<Precondition, Problem> {
 }
 
 /// Turns a JSON body into `(id from the body, properties without "id")`.
-fn entity_body(v: JsonValue, max_bytes: usize) -> Result<(Option<EntityId>, Bag), Problem> {
+/// `max_bytes` is the entity limit to check, for a batch item; a single
+/// entity's request body was already held to that limit as it was read.
+fn entity_body(v: JsonValue, max_bytes: Option<usize>) -> Result<(Option<EntityId>, Bag), Problem> {
     let JsonValue::Object(mut map) = v else {
         return Err(Problem::bad_request("not-an-object", "an entity must be a JSON object of properties"));
     };
@@ -77,14 +79,16 @@ fn entity_body(v: JsonValue, max_bytes: usize) -> Result<(Option<EntityId>, Bag)
         }
     }
     // The single-entity limit also applies inside a batch.
-    let size = serde_json::to_vec(&map).map(|b| b.len()).unwrap_or(usize::MAX);
-    if size > max_bytes {
-        return Err(Problem::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "entity-too-large",
-            "Entity too large",
-            format!("the entity takes {size} bytes of JSON, over the {max_bytes} byte limit"),
-        ));
+    if let Some(max_bytes) = max_bytes {
+        let size = serde_json::to_vec(&map).map(|b| b.len()).unwrap_or(usize::MAX);
+        if size > max_bytes {
+            return Err(Problem::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "entity-too-large",
+                "Entity too large",
+                format!("the entity takes {size} bytes of JSON, over the {max_bytes} byte limit"),
+            ));
+        }
     }
     let bag = bag_from_json_map(&map).map_err(|e| Problem::bad_request("bad-value", e.to_string()))?;
     Ok((id, bag))
@@ -126,7 +130,7 @@ fn write_problem(e: WriteError) -> Problem {
 async fn create(State(w): State<Writer>, headers: HeaderMap, body: Body) -> Result<Response, Problem> {
     let pre = precondition(&headers)?;
     let max = w.settings().writer.max_body_bytes;
-    let (id, bag) = entity_body(read_json(body, max, w.settings().http.request_timeout()).await?, max)?;
+    let (id, bag) = entity_body(read_json(body, max, w.settings().http.request_timeout()).await?, None)?;
     let id = id.unwrap_or_else(EntityId::random);
     let o = w.put(id, bag, pre).await.map_err(write_problem)?;
     Ok(answer(o, if o.created { StatusCode::CREATED } else { StatusCode::OK }))
@@ -141,7 +145,7 @@ async fn replace(
     let id = parse_id(&id)?;
     let pre = precondition(&headers)?;
     let max = w.settings().writer.max_body_bytes;
-    let (body_id, bag) = entity_body(read_json(body, max, w.settings().http.request_timeout()).await?, max)?;
+    let (body_id, bag) = entity_body(read_json(body, max, w.settings().http.request_timeout()).await?, None)?;
     if body_id.is_some_and(|b| b != id) {
         return Err(Problem::bad_request(
             "id-mismatch",
@@ -188,7 +192,7 @@ async fn batch(State(w): State<Writer>, body: Body) -> Result<Response, Problem>
     let mut valid = Vec::new();
     let mut positions = Vec::new();
     for (i, item) in items.into_iter().enumerate() {
-        match entity_body(item, max) {
+        match entity_body(item, Some(max)) {
             Ok((id, bag)) => {
                 valid.push((id.unwrap_or_else(EntityId::random), bag));
                 positions.push(i);

@@ -8,6 +8,7 @@
 //! Layout:
 //! - [`http`]: routes, request parsing and validation, status codes.
 //! - [`write`]: the write transaction (lock, check, version+1, outbox row).
+//! - [`group`]: group commit, concurrent single writes share a transaction.
 //! - [`relay`]: one publisher per shard, elected by a MySQL named lock.
 //! - [`metrics`]: the series this crate exports.
 //!
@@ -16,6 +17,7 @@
 //! atomically with the write, and a row leaves the outbox only after Kafka
 //! acknowledged it.
 
+mod group;
 pub mod http;
 pub mod metrics;
 pub mod relay;
@@ -43,9 +45,13 @@ struct Inner {
     /// One per shard: a commit wakes that shard's relay at once instead of
     /// waiting for the next poll.
     wake: Vec<Notify>,
+    /// One per shard: single writes waiting for a commit slot.
+    queues: Vec<group::Queue>,
 }
 
 impl Writer {
+    /// Must be called inside a Tokio runtime: it starts each shard's group
+    /// commit task.
     pub fn new(settings: Settings, shards: Shards, registry: &Registry) -> prometheus::Result<Writer> {
         let metrics = metrics::Metrics::register(registry)?;
         // Every shard's series exist from the start (at 0), so dashboards and
@@ -55,12 +61,16 @@ impl Writer {
             metrics.published.with_label_values(&[&s]);
             metrics.publish_failures.with_label_values(&[&s]);
             metrics.relay_leader.with_label_values(&[&s]);
+            metrics.queued.with_label_values(&[&s]);
             for kind in ["put", "delete"] {
                 metrics.writes.with_label_values(&[&s, kind]);
             }
         }
         let wake = (0..shards.count()).map(|_| Notify::new()).collect();
-        Ok(Writer { inner: Arc::new(Inner { settings, shards, metrics, wake }) })
+        let (queues, receivers) = group::queues(shards.count());
+        let inner = Arc::new(Inner { settings, shards, metrics, wake, queues });
+        group::spawn_dispatchers(&inner, receivers);
+        Ok(Writer { inner })
     }
 
     pub fn settings(&self) -> &Settings {

@@ -1,6 +1,6 @@
 //! Writer series. All names `bagstore_writer_…`, labels only `shard`/`kind`.
 
-use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 
 #[derive(Debug, Clone)]
 pub struct Metrics {
@@ -16,6 +16,10 @@ pub struct Metrics {
     pub outbox_oldest: prometheus::GaugeVec,
     /// 1 while this process is the shard's relay leader.
     pub relay_leader: IntGaugeVec,
+    /// Single writes committed together by one group commit.
+    pub group_size: HistogramVec,
+    /// Single writes waiting for a free commit slot.
+    pub queued: IntGaugeVec,
 }
 
 impl Metrics {
@@ -51,6 +55,21 @@ impl Metrics {
                 Opts::new("bagstore_writer_relay_leader", "1 while this process relays the shard's outbox"),
                 &["shard"],
             )?,
+            group_size: HistogramVec::new(
+                HistogramOpts::new(
+                    "bagstore_writer_commit_group_writes",
+                    "Single writes committed together in one transaction (group commit)",
+                )
+                .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]),
+                &["shard"],
+            )?,
+            queued: IntGaugeVec::new(
+                Opts::new(
+                    "bagstore_writer_commit_queue_writes",
+                    "Single writes waiting for a free commit slot (group commit)",
+                ),
+                &["shard"],
+            )?,
         };
         r.register(Box::new(m.writes.clone()))?;
         r.register(Box::new(m.published.clone()))?;
@@ -58,6 +77,8 @@ impl Metrics {
         r.register(Box::new(m.outbox_backlog.clone()))?;
         r.register(Box::new(m.outbox_oldest.clone()))?;
         r.register(Box::new(m.relay_leader.clone()))?;
+        r.register(Box::new(m.group_size.clone()))?;
+        r.register(Box::new(m.queued.clone()))?;
         Ok(m)
     }
 }

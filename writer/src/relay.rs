@@ -90,7 +90,6 @@ impl Writer {
         shutdown: &CancellationToken,
     ) -> Result<(), StoreError> {
         let poll = Duration::from_millis(self.settings().writer.relay_poll_ms);
-        let pool = self.shards().pool(shard);
         let mut backoff = poll;
         // Set once shutdown is asked for: until then the relay keeps
         // publishing what is committed (HTTP has stopped, so nothing new
@@ -128,7 +127,7 @@ impl Writer {
                     source: sqlx::Error::Protocol("relay lock lost".into()),
                 });
             }
-            let rows = store::read_outbox(shard, pool, self.settings().writer.relay_batch).await?;
+            let rows = store::read_outbox(shard, lock_conn, self.settings().writer.relay_batch).await?;
             if rows.is_empty() {
                 if report() {
                     self.report_backlog(shard).await;
@@ -147,7 +146,7 @@ impl Writer {
             let acked = self.publish(shard, producer, &rows).await;
             if acked > 0 {
                 let seqs: Vec<u64> = rows[..acked].iter().map(|r| r.seq).collect();
-                store::delete_outbox(shard, pool, &seqs).await?;
+                store::delete_outbox(shard, lock_conn, &seqs).await?;
                 self.inner.metrics.published.with_label_values(&[&shard.to_string()]).inc_by(acked as u64);
             }
             if report() {

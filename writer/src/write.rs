@@ -4,10 +4,12 @@
 //! that fails validation or its precondition.
 
 use schemas::codec;
+use schemas::conns::is_dead_connection;
 use schemas::event::{ChangeEvent, Op};
-use schemas::store::{self, StoreError};
+use schemas::store::{self, OnShard, StoreError};
 use schemas::web::now_micros;
 use schemas::{Bag, EntityId};
+use sqlx::Connection;
 use std::collections::HashMap;
 
 use crate::Writer;
@@ -41,8 +43,9 @@ pub enum WriteError {
     NotFound,
     #[error(transparent)]
     Store(#[from] StoreError),
-    /// The batch transaction of this item's shard failed; shared by its items.
-    #[error("the batch transaction on shard {shard} failed")]
+    /// The transaction this item shared with others (a batch, or a group
+    /// commit) failed on its shard; the error is shared by those items.
+    #[error("the shared transaction on shard {shard} failed")]
     ShardFailed {
         shard: usize,
         #[source]
@@ -66,30 +69,6 @@ impl Writer {
         self.write_one(id, Change::Delete, pre).await
     }
 
-    async fn write_one(
-        &self,
-        id: EntityId,
-        change: Change,
-        pre: Precondition,
-    ) -> Result<Outcome, WriteError> {
-        let shard = self.shards().of_id(&id);
-        let mut attempt = 0;
-        loop {
-            let result = self.transaction(shard, &[(id, change.clone(), pre)]).await;
-            match result {
-                Err(e) if e.is_retryable_conflict() && attempt < CONFLICT_RETRIES => attempt += 1,
-                Err(e) => return Err(e.into()),
-                Ok(mut results) => {
-                    let r = results.pop().expect("one result per item");
-                    if r.is_ok() {
-                        self.inner.wake[shard].notify_one();
-                    }
-                    return r;
-                }
-            }
-        }
-    }
-
     /// Puts many entities; those on one shard commit in one transaction.
     /// Results come back in input order.
     pub async fn put_batch(&self, items: Vec<(EntityId, Bag)>) -> Vec<Result<Outcome, WriteError>> {
@@ -109,19 +88,7 @@ impl Writer {
                 .iter()
                 .map(|&i| (items[i].0, Change::Put(items[i].1.clone()), Precondition::default()))
                 .collect();
-            async move {
-                let mut attempt = 0;
-                loop {
-                    match self.transaction(shard, &batch).await {
-                        Err(e) if e.is_retryable_conflict() && attempt < CONFLICT_RETRIES => attempt += 1,
-                        Err(e) => return (shard, Err(e)),
-                        Ok(r) => {
-                            self.inner.wake[shard].notify_one();
-                            return (shard, Ok(r));
-                        }
-                    }
-                }
-            }
+            async move { (shard, self.transaction_with_retries(shard, &batch).await) }
         });
         let done = futures::future::join_all(jobs).await;
         let mut out: Vec<Option<Result<Outcome, WriteError>>> = (0..items.len()).map(|_| None).collect();
@@ -143,6 +110,46 @@ impl Writer {
         out.into_iter().map(|r| r.expect("every item belongs to one shard")).collect()
     }
 
+    /// [`Writer::transaction`] on one of the shard's ping-free connections,
+    /// run again after a deadlock or a lost race to create an id; a commit
+    /// wakes the shard's relay.
+    pub(crate) async fn transaction_with_retries(
+        &self,
+        shard: usize,
+        items: &[(EntityId, Change, Precondition)],
+    ) -> Result<Vec<Result<Outcome, WriteError>>, StoreError> {
+        let conns = self.shards().conns(shard);
+        let mut taken = conns.take().await?;
+        let mut attempt = 0;
+        loop {
+            let result = match taken.conn.begin().await.on(shard) {
+                Ok(tx) => self.transaction(shard, tx, items).await.map_err(|e| (e, true)),
+                Err(e) => Err((e, false)),
+            };
+            match result {
+                Ok(r) => {
+                    conns.give_back(taken);
+                    self.inner.wake[shard].notify_one();
+                    return Ok(r);
+                }
+                // A reused connection found dead at BEGIN carried nothing of
+                // this write: the write goes on a new connection.
+                Err((e, false)) if is_dead_connection(&e) && taken.reused => {
+                    drop(taken);
+                    taken = conns.take_new().await?;
+                }
+                // Dropped, not given back; whether a COMMIT that died on the
+                // way took effect is unknown, so the write is not run again.
+                Err((e, _)) if is_dead_connection(&e) => return Err(e),
+                Err((e, _)) if e.is_retryable_conflict() && attempt < CONFLICT_RETRIES => attempt += 1,
+                Err((e, _)) => {
+                    conns.give_back(taken);
+                    return Err(e);
+                }
+            }
+        }
+    }
+
     /// Runs the items in one transaction on `shard`, in at most five
     /// statements whatever their number: one locking read of every id, then
     /// the decisions in memory (in item order, so an id written twice sees
@@ -155,10 +162,9 @@ impl Writer {
     async fn transaction(
         &self,
         shard: usize,
+        mut tx: sqlx::Transaction<'_, sqlx::MySql>,
         items: &[(EntityId, Change, Precondition)],
     ) -> Result<Vec<Result<Outcome, WriteError>>, StoreError> {
-        let pool = self.shards().pool(shard);
-        let mut tx = pool.begin().await.map_err(|source| StoreError::Shard { shard, source })?;
         let ids: Vec<EntityId> = items.iter().map(|(id, _, _)| *id).collect();
         let mut rows: HashMap<EntityId, Row> = store::lock_entities(shard, &mut tx, &ids)
             .await?
@@ -186,6 +192,9 @@ impl Writer {
             }
         }
         if !events.is_empty() {
+            // Rows are written in id order, so two transactions creating the
+            // same new ids cannot wait on each other in opposite orders.
+            written.sort_unstable();
             let (present, absent): (Vec<_>, Vec<_>) = written
                 .iter()
                 .map(|id| {

@@ -29,12 +29,14 @@
 use anyhow::{bail, ensure, Context};
 use bagstore_tests::{metric_sum, MariaDb, Proc};
 use rdkafka::mocking::MockCluster;
+use schemas::conns::Conns;
 use serde_json::{json, Value};
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::Row;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -52,6 +54,14 @@ const SHARDS: usize = 2;
 const USERS: usize = 1000;
 /// Entities per batch write, for every contender.
 const BATCH: usize = 100;
+/// Partitions of the change topic. librdkafka's mock broker finds a fetch
+/// offset by walking the partition's message sets from the oldest (its
+/// source: "FIXME: Maintain an index"), so its cost grows with the square of
+/// the partition count at a given write rate; with 8 partitions that walk
+/// took 11.6% of the machine in the single-put phase. A real broker looks
+/// offsets up in an index. The bench runs one indexer per index, so 2
+/// partitions (one per core) cost bagstore nothing else.
+const PARTITIONS: i32 = 2;
 const INDEX_MAIN: &str = "index_user_published";
 const INDEX_NEW: &str = "index_link";
 
@@ -380,14 +390,6 @@ impl ProcSampler {
         self.pids.lock().unwrap().push((label.to_string(), pid));
     }
 
-    /// "CPU s per 1000 <unit>" since `last` for `ops` operations; moves `last` on.
-    fn cpu_step(&self, last: &mut BTreeMap<String, u64>, ops: f64, unit: &str) -> String {
-        let now = self.cpu();
-        let line = cpu_per_k(last, &now, ops, unit);
-        *last = now;
-        line
-    }
-
     /// CPU ticks used so far, per label (processes that share a label add up).
     fn cpu(&self) -> BTreeMap<String, u64> {
         let mut out = BTreeMap::new();
@@ -443,18 +445,50 @@ struct World {
     /// Per shard: bagstore's database.
     bag_dsns: Vec<String>,
     /// Per shard: the raw and json contenders' database.
-    native: Vec<MySqlPool>,
+    native: Arc<Native>,
     kafka: MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
     topic: String,
     http: reqwest::Client,
     procs: Arc<ProcSampler>,
 }
 
+/// What the machine spent: CPU ticks per process group, and the statements
+/// the MariaDB servers ran (`Questions`, summed over the servers).
+#[derive(Debug, Clone, Default)]
+struct Usage {
+    cpu: BTreeMap<String, u64>,
+    statements: u64,
+}
+
 impl World {
+    async fn usage(&self) -> Usage {
+        let mut statements = 0;
+        for pool in &self.native.pools {
+            let row: Result<(String, String), _> =
+                sqlx::query_as("SHOW GLOBAL STATUS LIKE 'Questions'").fetch_one(pool).await;
+            statements += row.ok().and_then(|(_, v)| v.parse::<u64>().ok()).unwrap_or(0);
+        }
+        Usage { cpu: self.procs.cpu(), statements }
+    }
+
+    /// "CPU s per 1000 <unit>: …; statements per <unit>" since `last` for
+    /// `ops` operations; moves `last` on.
+    async fn usage_step(&self, last: &mut Usage, ops: f64, unit: &str) -> String {
+        let now = self.usage().await;
+        let per = now.statements.saturating_sub(last.statements) as f64 / ops.max(1.0);
+        let line = format!(
+            "{}; MariaDB statements per {}: {per:.2}",
+            cpu_per_k(&last.cpu, &now.cpu, ops, unit),
+            unit.trim_end_matches('s')
+        );
+        *last = now;
+        line
+    }
+
     fn config(&self, with_new_index: bool) -> PathBuf {
         let shards: Vec<String> = self.bag_dsns.iter().map(|d| format!("{d:?}")).collect();
         let mut toml = format!(
-            "[mysql]\nshards = [{}]\nmax_connections = 32\n\n[kafka]\nbrokers = {:?}\ntopic = {:?}\npartitions = 8\n\n\
+            "[mysql]\nshards = [{}]\nmax_connections = 32\n\n[kafka]\nbrokers = {:?}\ntopic = {:?}\npartitions = {PARTITIONS}\n\n\
              [http]\naddr = \"127.0.0.1:0\"\n\n\
              [[indexes]]\ntable = \"{INDEX_MAIN}\"\nproperties = [{{ name = \"user_id\", type = \"uuid\" }}, {{ name = \"published\", type = \"int\" }}]\nshard_on = \"user_id\"\n",
             shards.join(", "),
@@ -539,8 +573,9 @@ async fn setup(opts: &Options) -> anyhow::Result<World> {
     }
     procs.watch("bench (load generator, mock Kafka)", std::process::id());
     let bag_dsns: Vec<String> = servers.iter().map(|s| s.dsn("bench_bag")).collect();
-    let mut native = Vec::new();
-    for s in &servers {
+    let mut pools = Vec::new();
+    let mut conns = Vec::new();
+    for (i, s) in servers.iter().enumerate() {
         let root = MySqlPool::connect(&s.dsn("")).await?;
         sqlx::query("CREATE DATABASE IF NOT EXISTS bench_native").execute(&root).await?;
         root.close().await;
@@ -563,11 +598,14 @@ async fn setup(opts: &Options) -> anyhow::Result<World> {
         )
         .execute(&pool)
         .await?;
-        native.push(pool);
+        pools.push(pool);
+        let options = sqlx::mysql::MySqlConnectOptions::from_str(&s.dsn("bench_native"))?;
+        conns.push(Conns::new(i, options, opts.clients as u32 + 4));
     }
+    let native = Arc::new(Native { pools, conns });
     let kafka = MockCluster::new(1)?;
     let topic = "bench.entity-changes".to_string();
-    kafka.create_topic(&topic, 8, 1)?;
+    kafka.create_topic(&topic, PARTITIONS, 1)?;
     kafka.create_topic(&format!("{topic}.dlq"), 1, 1)?;
     let http = reqwest::Client::builder().pool_max_idle_per_host(opts.clients * 2).build()?;
     Ok(World { dir, servers, bag_dsns, native, kafka, topic, http, procs })
@@ -575,12 +613,38 @@ async fn setup(opts: &Options) -> anyhow::Result<World> {
 
 // ---------------------------------------------------------------- contenders
 
+/// The raw and JSON contenders' database on each server. Their statements
+/// run on reused connections without a ping, as bagstore's hot paths do
+/// (`schemas::conns`): sqlx's pool would add two pings to every statement
+/// and make the contenders slower than they need to be. The pools serve the
+/// setup, the `ALTER`s and the status reads.
+struct Native {
+    pools: Vec<MySqlPool>,
+    conns: Vec<Conns>,
+}
+
+impl Native {
+    async fn execute(&self, shard: usize, q: MyQuery<'_>) -> anyhow::Result<()> {
+        let mut t = self.conns[shard].take().await?;
+        q.execute(&mut t.conn).await?;
+        self.conns[shard].give_back(t);
+        Ok(())
+    }
+
+    async fn fetch_all(&self, shard: usize, q: MyQuery<'_>) -> anyhow::Result<Vec<sqlx::mysql::MySqlRow>> {
+        let mut t = self.conns[shard].take().await?;
+        let rows = q.fetch_all(&mut t.conn).await?;
+        self.conns[shard].give_back(t);
+        Ok(rows)
+    }
+}
+
 type MyQuery<'q> = sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments>;
 
 /// One multi-row INSERT per shard, shards in parallel: `head`, then one
 /// `tuple` per row; the row's id is bound first, `bind` binds the rest.
 async fn insert_by_shard<T: Send + Sync + 'static>(
-    pools: Arc<Vec<MySqlPool>>,
+    native: Arc<Native>,
     items: Vec<(String, T)>,
     head: &'static str,
     tuple: &'static str,
@@ -591,14 +655,14 @@ async fn insert_by_shard<T: Send + Sync + 'static>(
         per[shard_of_hex(&id)].push((id, v));
     }
     let jobs = per.into_iter().enumerate().filter(|(_, v)| !v.is_empty()).map(|(s, rows)| {
-        let pool = pools[s].clone();
+        let native = native.clone();
         async move {
             let sql = format!("{head} {}", vec![tuple; rows.len()].join(", "));
             let mut q = sqlx::query(&sql);
             for (id, v) in &rows {
                 q = bind(q.bind(hex16(id).to_vec()), v);
             }
-            q.execute(&pool).await.map(|_| ())
+            native.execute(s, q).await
         }
     });
     for r in futures::future::join_all(jobs).await {
@@ -608,14 +672,14 @@ async fn insert_by_shard<T: Send + Sync + 'static>(
 }
 
 /// Raw rows shaped like bagstore's `entities`, bodies already encoded.
-async fn raw_insert(pools: Arc<Vec<MySqlPool>>, items: Vec<(String, Vec<u8>)>) -> anyhow::Result<()> {
+async fn raw_insert(native: Arc<Native>, items: Vec<(String, Vec<u8>)>) -> anyhow::Result<()> {
     let head = "INSERT INTO entities (id, version, updated, body) VALUES";
-    insert_by_shard(pools, items, head, "(?, 1, NOW(6), ?)", |q, body| q.bind(&body[..])).await
+    insert_by_shard(native, items, head, "(?, 1, NOW(6), ?)", |q, body| q.bind(&body[..])).await
 }
 
 /// JSON documents into the native table.
-async fn json_insert(pools: Arc<Vec<MySqlPool>>, items: Vec<(String, String)>) -> anyhow::Result<()> {
-    insert_by_shard(pools, items, "INSERT INTO docs (id, doc) VALUES", "(?, ?)", |q, doc| {
+async fn json_insert(native: Arc<Native>, items: Vec<(String, String)>) -> anyhow::Result<()> {
+    insert_by_shard(native, items, "INSERT INTO docs (id, doc) VALUES", "(?, ?)", |q, doc| {
         q.bind(doc.as_str())
     })
     .await
@@ -651,21 +715,17 @@ async fn bag_batch(http: reqwest::Client, base: Arc<String>, ids: Vec<u64>) -> a
 
 /// "Latest 20 of one user" (and a range on `published`), natively: both
 /// shards (the table is sharded by entity id), merged by `published` desc.
-async fn json_latest(
-    pools: &[MySqlPool],
-    user: &str,
-    range: Option<(i64, i64)>,
-) -> anyhow::Result<Vec<String>> {
+async fn json_latest(native: &Native, user: &str, range: Option<(i64, i64)>) -> anyhow::Result<Vec<String>> {
     let sql = match range {
         None => "SELECT LOWER(HEX(id)) AS id, doc, published FROM docs WHERE user_id = ? ORDER BY published DESC LIMIT 20",
         Some(_) => "SELECT LOWER(HEX(id)) AS id, doc, published FROM docs WHERE user_id = ? AND published >= ? AND published < ? ORDER BY published DESC LIMIT 20",
     };
-    let jobs = pools.iter().map(|p| {
+    let jobs = (0..SHARDS).map(|s| {
         let mut q = sqlx::query(sql).bind(user);
         if let Some((a, b)) = range {
             q = q.bind(a).bind(b);
         }
-        q.fetch_all(p)
+        native.fetch_all(s, q)
     });
     let mut rows: Vec<(i64, String)> = Vec::new();
     for r in futures::future::join_all(jobs).await {
@@ -837,7 +897,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     let reader = world.bagstore(&["reader"], false).await?;
     let wbase = Arc::new(writer.url.clone());
     let rbase = reader.url.clone();
-    let native = Arc::new(world.native.clone());
+    let native = world.native.clone();
     let http = world.http.clone();
 
     // ---- Load the same N entities into json and bagstore.
@@ -916,7 +976,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     let pick = Arc::new(AtomicU64::new(0));
     let mut q_runs = Vec::new();
     let mut q_cpu: Vec<(String, String)> = Vec::new();
-    let mut cpu_q = world.procs.cpu();
+    let mut cpu_q = world.usage().await;
     for (key, what, range) in [
         ("latest20", "latest 20 of one user", false),
         ("range", "compound range (user, published window)", true),
@@ -931,7 +991,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         .await;
         q_cpu.push((
             format!("json: {what}"),
-            world.procs.cpu_step(&mut cpu_q, rj.rate * d.as_secs_f64(), "queries"),
+            world.usage_step(&mut cpu_q, rj.rate * d.as_secs_f64(), "queries").await,
         ));
         let users_b = Arc::new(users.clone());
         let (p, h, rb) = (pick.clone(), http.clone(), Arc::new(rbase.clone()));
@@ -943,7 +1003,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         .await;
         q_cpu.push((
             format!("bagstore: {what}"),
-            world.procs.cpu_step(&mut cpu_q, rbag.rate * d.as_secs_f64(), "queries"),
+            world.usage_step(&mut cpu_q, rbag.rate * d.as_secs_f64(), "queries").await,
         ));
         report.run(&format!("{key}_json"), &format!("json: {what}"), &rj, "queries/s");
         report.run(&format!("{key}_bagstore"), &format!("bagstore: {what}"), &rbag, "queries/s");
@@ -961,10 +1021,8 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         let nat = nat.clone();
         async move {
             let id = entity_id(i);
-            let row = sqlx::query("SELECT doc FROM docs WHERE id = ?")
-                .bind(hex16(&id).to_vec())
-                .fetch_optional(&nat[shard_of_hex(&id)])
-                .await?;
+            let q = sqlx::query("SELECT doc FROM docs WHERE id = ?").bind(hex16(&id).to_vec());
+            let row = nat.fetch_all(shard_of_hex(&id), q).await?.pop();
             let doc: Vec<u8> = row.with_context(|| format!("json: {id} missing"))?.try_get("doc")?;
             let _: Value = serde_json::from_slice(&doc)?;
             Ok(())
@@ -1079,7 +1137,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         let t = Instant::now();
         // MariaDB cannot add a virtual column and its index in one online
         // ALTER: the column first (instant), then the index without locking.
-        let alters = world.native.iter().map(|p| async move {
+        let alters = world.native.pools.iter().map(|p| async move {
             sqlx::query(
                 "ALTER TABLE docs ADD COLUMN link VARCHAR(200) AS (JSON_VALUE(doc, '$.link')) VIRTUAL",
             )
@@ -1138,10 +1196,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     // ---- Write throughput, same client concurrency.
     report.section(&format!("Writes ({c} clients, {:.0} s each, new ids)", d.as_secs_f64()));
     let mut cpu_lines = Vec::new();
-    let mut cpu0 = world.procs.cpu();
-    let mut cpu_note = |what: &str, r: &Run, secs: f64| {
-        cpu_lines.push((what.to_string(), world.procs.cpu_step(&mut cpu0, r.rate * secs, "rows")));
-    };
+    let mut cpu0 = world.usage().await;
     let secs = d.as_secs_f64();
     let one_raw = {
         let nat = native.clone();
@@ -1152,7 +1207,8 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         })
         .await
     };
-    cpu_note("raw single", &one_raw, secs);
+    cpu_lines
+        .push(("raw single".to_string(), world.usage_step(&mut cpu0, one_raw.rate * secs, "rows").await));
     let batch_raw = {
         let nat = native.clone();
         closed_loop(c, d, BATCH, move || {
@@ -1163,7 +1219,8 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         })
         .await
     };
-    cpu_note("raw batch", &batch_raw, secs);
+    cpu_lines
+        .push(("raw batch".to_string(), world.usage_step(&mut cpu0, batch_raw.rate * secs, "rows").await));
     let one_json = {
         let nat = native.clone();
         closed_loop(c, d, 1, move || {
@@ -1173,7 +1230,8 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         })
         .await
     };
-    cpu_note("json single", &one_json, secs);
+    cpu_lines
+        .push(("json single".to_string(), world.usage_step(&mut cpu0, one_json.rate * secs, "rows").await));
     let batch_json = {
         let nat = native.clone();
         closed_loop(c, d, BATCH, move || {
@@ -1184,12 +1242,16 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         })
         .await
     };
-    cpu_note("json batch", &batch_json, secs);
+    cpu_lines
+        .push(("json batch".to_string(), world.usage_step(&mut cpu0, batch_json.rate * secs, "rows").await));
     let one_bag = {
         let (h, wb) = (http.clone(), wbase.clone());
         closed_loop(c, d, 1, move || bag_put(h.clone(), wb.clone(), fresh())).await
     };
-    cpu_note("bagstore single", &one_bag, secs);
+    cpu_lines.push((
+        "bagstore single".to_string(),
+        world.usage_step(&mut cpu0, one_bag.rate * secs, "rows").await,
+    ));
     let batch_bag = {
         let (h, wb) = (http.clone(), wbase.clone());
         closed_loop(c, d, BATCH, move || {
@@ -1197,13 +1259,16 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         })
         .await
     };
-    cpu_note("bagstore batch", &batch_bag, secs);
+    cpu_lines.push((
+        "bagstore batch".to_string(),
+        world.usage_step(&mut cpu0, batch_bag.rate * secs, "rows").await,
+    ));
     let t_idx = Instant::now();
-    let mut cpu_before_catchup = world.procs.cpu();
+    let mut cpu_before_catchup = world.usage().await;
     world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
     cpu_lines.push((
         format!("index catch-up after the write phases ({:.1} s)", t_idx.elapsed().as_secs_f64()),
-        world.procs.cpu_step(&mut cpu_before_catchup, one_bag.rate * secs + batch_bag.rate * secs, "rows"),
+        world.usage_step(&mut cpu_before_catchup, one_bag.rate * secs + batch_bag.rate * secs, "rows").await,
     ));
     report.run("put_raw", "raw: single-row INSERT (autocommit)", &one_raw, "rows/s");
     report.run("put_json", "json: single-row INSERT", &one_json, "rows/s");

@@ -1,0 +1,189 @@
+//! Group commit and the ping-free connections of the hot paths.
+//!
+//! - Single writes that queue behind a busy shard commit together in one
+//!   transaction, and each still gets its own answer (201, 412, 404).
+//! - A connection killed on the server costs no request: the reader runs
+//!   its read again on a new connection, and the writer moves a write whose
+//!   BEGIN found the connection dead to a new one.
+
+use bagstore_tests::{eventually, metric_sum, TestEnv, STANDARD_INDEXES};
+use schemas::EntityId;
+use serde_json::json;
+use sqlx::MySqlPool;
+use std::time::Duration;
+
+/// `count` ids (hex) that live on `shard` of 2, made from `seed`.
+fn ids_on(shard: usize, seed: u8, count: usize) -> Vec<String> {
+    (0u32..)
+        .map(|i| {
+            let mut b = [seed; 16];
+            b[..4].copy_from_slice(&i.to_be_bytes());
+            EntityId(b)
+        })
+        .filter(|id| schemas::shard_of(id.as_bytes(), 2) == shard)
+        .take(count)
+        .map(|id| id.to_hex())
+        .collect()
+}
+
+/// Write transactions (their locking read) waiting for the table lock.
+async fn writes_waiting_on_lock(admin: &MySqlPool, db: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.processlist \
+         WHERE db = ? AND state LIKE 'Waiting for table%' AND info LIKE '%FOR UPDATE%'",
+    )
+    .bind(db)
+    .fetch_one(admin)
+    .await
+    .expect("processlist")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_writes_queued_behind_a_busy_shard_commit_together_and_keep_their_own_answers() {
+    let env = TestEnv::new("group", STANDARD_INDEXES).await;
+    let dev = env.dev().await;
+    let api = dev.api();
+    let ids = ids_on(0, 0x5a, 11);
+    let (existing, blockers, fresh, absent) = (&ids[0], &ids[1..3], &ids[3..10], &ids[10]);
+    assert_eq!(api.put(existing, &json!({"user_id": existing, "n": 1})).await.0, 201);
+
+    // Hold shard 0's entities table, so both commit slots of shard 0 block.
+    let admin = env.pool(0).await;
+    let db = env.dsns[0].rsplit('/').next().unwrap().to_string();
+    let mut lock = admin.acquire().await.expect("connection");
+    sqlx::query(&format!("LOCK TABLES `{db}`.`entities` WRITE")).execute(&mut *lock).await.expect("lock");
+    let mut blocked = Vec::new();
+    for id in blockers {
+        let (api, id) = (api.clone(), id.clone());
+        blocked.push(tokio::spawn(async move { api.put(&id, &json!({"n": 0})).await }));
+    }
+    eventually("both commit slots wait for the lock", Duration::from_secs(20), || async {
+        (writes_waiting_on_lock(&admin, &db).await == 2).then_some(())
+    })
+    .await;
+
+    // Everything sent now queues: new ids, preconditions that fail, a
+    // delete of an absent id.
+    let mut queued = Vec::new();
+    for id in fresh {
+        let (api, id) = (api.clone(), id.clone());
+        queued.push(tokio::spawn(async move { ("put", api.put(&id, &json!({"n": 2})).await) }));
+    }
+    for header in [("If-Match", "\"7\""), ("If-Match", "\"0\""), ("If-None-Match", "*")] {
+        let (api, id) = (api.clone(), existing.clone());
+        queued.push(tokio::spawn(async move {
+            ("precondition", api.put_with(&id, &json!({"n": 3}), header).await)
+        }));
+    }
+    {
+        let (api, id) = (api.clone(), absent.clone());
+        queued.push(tokio::spawn(async move { ("delete", api.delete(&id).await) }));
+    }
+    let metrics_api = api.clone();
+    eventually("11 writes wait for a commit slot", Duration::from_secs(20), || async {
+        let text = metrics_api.metrics().await;
+        (metric_sum(&text, "bagstore_writer_commit_queue_writes", &[("shard", "0")]) == 11.0).then_some(())
+    })
+    .await;
+    sqlx::query("UNLOCK TABLES").execute(&mut *lock).await.expect("unlock");
+
+    for b in blocked {
+        assert_eq!(b.await.unwrap().0, 201);
+    }
+    for q in queued {
+        let (what, (status, body)) = q.await.unwrap();
+        match what {
+            "put" => assert_eq!(status, 201, "{body}"),
+            "precondition" => {
+                assert_eq!((status, body["current_version"].clone()), (412, json!(1)), "{body}")
+            }
+            _ => assert_eq!(status, 404, "{body}"),
+        }
+    }
+    // The 11 went in one transaction: one group of more than 8 writes.
+    let text = api.metrics().await;
+    let groups = metric_sum(&text, "bagstore_writer_commit_group_writes_count", &[("shard", "0")]);
+    let small =
+        metric_sum(&text, "bagstore_writer_commit_group_writes_bucket", &[("shard", "0"), ("le", "8")]);
+    assert_eq!(groups - small, 1.0, "exactly one group of more than 8 writes:\n{text}");
+    assert_eq!(metric_sum(&text, "bagstore_writer_commit_queue_writes", &[("shard", "0")]), 0.0);
+    // Stored: the new ids at version 1, the existing entity untouched.
+    assert_eq!(api.get(existing).await.1["version"], 1);
+    for (id, n) in fresh.iter().map(|id| (id, 2)).chain(blockers.iter().map(|id| (id, 0))) {
+        let (status, got) = api.get(id).await;
+        assert_eq!(
+            (status, got["version"].clone(), got["properties"]["n"].clone()),
+            (200, json!(1), json!(n)),
+            "{id}"
+        );
+    }
+    assert_eq!(api.get(absent).await.0, 404);
+    // 1 + 2 + 7 committed writes on shard 0; the 4 refused ones wrote nothing.
+    assert_eq!(metric_sum(&text, "bagstore_writer_writes_total", &[("shard", "0")]), 10.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_killed_on_the_server_cost_no_request() {
+    let env = TestEnv::new("killed", STANDARD_INDEXES).await;
+    let dev = env.dev().await;
+    let api = dev.api();
+    let ids: Vec<String> = (0..2).flat_map(|s| ids_on(s, 0x6b, 2)).collect();
+    for id in &ids {
+        assert_eq!(api.put(id, &json!({"user_id": id})).await.0, 201);
+        assert_eq!(api.get(id).await.0, 200);
+    }
+    let q = json!({"index": "index_user_id", "where": {"user_id": ids[0]}});
+    eventually("the query finds the entity", Duration::from_secs(20), || async {
+        (api.query_ids(&q).await == vec![ids[0].clone()]).then_some(())
+    })
+    .await;
+
+    for round in 0..3 {
+        // Every connection of the service, on both shards, killed at once;
+        // the next requests come well within the 1 s that connections are
+        // reused without a ping.
+        let killed = kill_every_connection(&env).await;
+        assert!(killed >= 2, "round {round}: only {killed} connections to kill");
+        // Writes first: the connections they take are the killed ones (reads
+        // that ran first would leave new connections on top of the list).
+        for id in &ids {
+            let (status, body) = api.put(id, &json!({"user_id": id, "round": round})).await;
+            assert_eq!(status, 200, "round {round}: PUT after the kill: {body}");
+        }
+        for kill_first in [false, true] {
+            if kill_first {
+                kill_every_connection(&env).await;
+            }
+            for id in &ids {
+                let (status, body) = api.get(id).await;
+                assert_eq!(status, 200, "round {round}: GET after the kill: {body}");
+            }
+        }
+        let (status, body) = api.query(&q).await;
+        assert_eq!(status, 200, "round {round}: query after the kill: {body}");
+    }
+}
+
+/// Kills every connection to this test's databases (but the killer's own);
+/// returns how many.
+async fn kill_every_connection(env: &TestEnv) -> usize {
+    let mut killed = 0;
+    for shard in 0..2 {
+        let admin = env.pool(shard).await;
+        let db = env.dsns[shard].rsplit('/').next().unwrap().to_string();
+        let victims: Vec<i64> = sqlx::query_scalar(
+            "SELECT id FROM information_schema.processlist WHERE db = ? AND id <> CONNECTION_ID()",
+        )
+        .bind(&db)
+        .fetch_all(&admin)
+        .await
+        .expect("processlist");
+        for v in victims {
+            if sqlx::query(&format!("KILL CONNECTION {v}")).execute(&admin).await.is_ok() {
+                killed += 1;
+            }
+        }
+        admin.close().await;
+    }
+    killed
+}
