@@ -242,7 +242,7 @@ impl Reader {
                 // A little more than the page still needs, for rows the
                 // re-filter drops; each local row brings its entity along.
                 let need = q.limit - out.items.len();
-                let want = (need + need / 4 + 4).min(1000);
+                let want = (need + need / 8 + 2).min(1000);
                 let refills =
                     streams.iter_mut().filter(|s| s.buf.is_empty() && !s.done).map(|s| async move {
                         let scan = IndexScan {
