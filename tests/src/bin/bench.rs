@@ -479,7 +479,10 @@ impl World {
         let line = format!(
             "{}; MariaDB statements per {}: {per:.2}",
             cpu_per_k(&last.cpu, &now.cpu, ops, unit),
-            unit.trim_end_matches('s')
+            match unit {
+                "queries" => "query",
+                other => other.trim_end_matches('s'),
+            }
         );
         *last = now;
         line
