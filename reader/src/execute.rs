@@ -58,6 +58,26 @@ pub enum ReadError {
     },
 }
 
+/// Runs one read (`$conn` names the connection inside `$read`) on one of
+/// `$conns`' ping-free connections; once more, on a new connection, if the
+/// reused one turned out dead (see `schemas::conns`). A macro rather than a
+/// function taking an async closure: such closures, borrowing as these do,
+/// cost the HTTP handlers' futures their `Send`.
+macro_rules! read_on {
+    ($conns:expr, $conn:ident => $read:expr) => {{
+        let conns = $conns;
+        let mut taken = conns.take().await?;
+        loop {
+            let $conn = &mut taken.conn;
+            let r = $read.await;
+            match conns.settle(taken, &r).await? {
+                Some(again) => taken = again,
+                None => break r?,
+            }
+        }
+    }};
+}
+
 fn decode(shard: usize, s: StoredEntity) -> Result<Entity, ReadError> {
     let properties =
         codec::decode_body(&s.body).map_err(|source| ReadError::Corrupt { id: s.id, shard, source })?;
@@ -116,15 +136,7 @@ struct Stream {
 impl Reader {
     pub async fn get(&self, id: &EntityId) -> Result<Option<Entity>, ReadError> {
         let shard = self.shards().of_id(id);
-        let conns = self.shards().conns(shard);
-        let mut t = conns.take().await?;
-        let found = loop {
-            let r = store::get_entity(shard, &mut t.conn, id).await;
-            match conns.settle(t, &r).await? {
-                Some(again) => t = again,
-                None => break r?,
-            }
-        };
+        let found = read_on!(self.shards().conns(shard), c => store::get_entity(shard, c, id));
         match found {
             Some(s) => Ok(Some(decode(shard, s)?)),
             None => Ok(None),
@@ -140,15 +152,7 @@ impl Reader {
             per_shard[self.shards().of_id(id)].push(*id);
         }
         let jobs = per_shard.iter().enumerate().filter(|(_, v)| !v.is_empty()).map(|(shard, v)| async move {
-            let conns = self.shards().conns(shard);
-            let mut t = conns.take().await?;
-            let rows = loop {
-                let r = store::get_entities(shard, &mut t.conn, v).await;
-                match conns.settle(t, &r).await? {
-                    Some(again) => t = again,
-                    None => break r?,
-                }
-            };
+            let rows = read_on!(self.shards().conns(shard), c => store::get_entities(shard, c, v));
             rows.into_iter().map(|s| decode(shard, s)).collect::<Result<Vec<_>, ReadError>>()
         });
         let mut found = std::collections::HashMap::new();
@@ -253,15 +257,10 @@ impl Reader {
                             limit: want,
                             with_entities: true,
                         };
-                        let conns = self.shards().conns(s.shard);
-                        let mut t = conns.take().await?;
-                        let rows = loop {
-                            let r = store::scan_index(s.shard, &mut t.conn, &plan.spec, &scan).await;
-                            match conns.settle(t, &r).await? {
-                                Some(again) => t = again,
-                                None => break r?,
-                            }
-                        };
+                        let rows = read_on!(
+                            self.shards().conns(s.shard),
+                            c => store::scan_index(s.shard, c, &plan.spec, &scan)
+                        );
                         s.done = rows.len() < want;
                         if let Some((key, id, _)) = rows.last() {
                             s.after = Some((key[k..].to_vec(), *id));

@@ -93,13 +93,8 @@ impl Conns {
     /// connection is dropped, and if it was a reused one the read should run
     /// again: `Some(new connection)`. Reads only, as they may run twice:
     ///
-    /// ```ignore
-    /// let mut t = conns.take().await?;
-    /// let rows = loop {
-    ///     let r = store::get_entities(shard, &mut t.conn, ids).await;
-    ///     match conns.settle(t, &r).await? { Some(again) => t = again, None => break r? }
-    /// };
-    /// ```
+    /// (The reader's `read_on!` wraps the loop: take, read, settle, and
+    /// read again on `Some`.)
     pub async fn settle<T>(&self, taken: Taken, result: &Result<T>) -> Result<Option<Taken>> {
         match result {
             Err(e) if is_dead_connection(e) => {

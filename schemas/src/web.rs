@@ -65,7 +65,8 @@ impl Problem {
             StatusCode::SERVICE_UNAVAILABLE,
             "unavailable",
             "Storage unavailable",
-            "a shard could not complete the request; it is safe to retry",
+            "a shard could not complete the request: a read may simply be retried; a write may or may \
+             not have been committed, so read it back before retrying one with If-Match or If-None-Match",
         )
     }
 

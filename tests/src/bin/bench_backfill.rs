@@ -186,8 +186,9 @@ fn loaded_entity(i: usize) -> Value {
     })
 }
 
-/// Sends one batch; items answered 503 ("safe to retry": the writer gave up
-/// on a deadlocked shard transaction) are sent again after a backoff.
+/// Sends one batch; items answered 503 (the writer gave up on a deadlocked
+/// shard transaction; these unconditional puts may simply be sent again)
+/// are sent again after a backoff.
 /// Returns the number of retried items.
 async fn load_batch(api: Api, items: Vec<Value>) -> anyhow::Result<u64> {
     let mut pending = items;
