@@ -36,13 +36,15 @@ pub(crate) struct Pending {
 /// The sending side of one shard's queue.
 pub(crate) type Queue = mpsc::UnboundedSender<Pending>;
 
-/// Makes one queue per shard and starts the tasks that drain them. A task
-/// holds only a weak reference to the writer, and ends once the writer (and
-/// with it the queue's sender) is dropped.
+/// One queue per shard: the senders live in the writer, the receivers go to
+/// [`spawn_dispatchers`].
 pub(crate) fn queues(shards: usize) -> (Vec<Queue>, Vec<mpsc::UnboundedReceiver<Pending>>) {
     (0..shards).map(|_| mpsc::unbounded_channel()).unzip()
 }
 
+/// Starts one task per shard that drains its queue. A task holds only a
+/// weak reference to the writer, and ends once the writer (and with it the
+/// queue's sender) is dropped.
 pub(crate) fn spawn_dispatchers(inner: &Arc<Inner>, receivers: Vec<mpsc::UnboundedReceiver<Pending>>) {
     let slots = inner.settings.writer.commit_slots;
     let max = inner.settings.writer.max_batch;
