@@ -26,7 +26,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::store::{OnShard, Result, StoreError};
+use crate::store::{OnShard, Result};
 
 /// A connection idle longer than this is pinged before use.
 pub const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
@@ -97,7 +97,7 @@ impl Conns {
     /// read again on `Some`.)
     pub async fn settle<T>(&self, taken: Taken, result: &Result<T>) -> Result<Option<Taken>> {
         match result {
-            Err(e) if is_dead_connection(e) => {
+            Err(e) if e.is_dead_connection() => {
                 let again = taken.reused;
                 drop(taken);
                 if again {
@@ -122,22 +122,5 @@ impl Conns {
     /// Connections idle now (for tests).
     pub fn idle_count(&self) -> usize {
         self.idle.lock().expect("not poisoned").len()
-    }
-}
-
-/// The error says the connection is gone, not that the statement failed:
-/// I/O and protocol errors, and the server's "connection was killed" (1927),
-/// "server shutdown in progress" (1053) and lost-connection (2006, 2013).
-pub fn is_dead_connection(e: &StoreError) -> bool {
-    match e {
-        StoreError::Shard { source, .. } => match source {
-            sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::Tls(_) => true,
-            sqlx::Error::Database(db) => matches!(
-                db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().map(|e| e.number()),
-                Some(1927 | 1053 | 2006 | 2013)
-            ),
-            _ => false,
-        },
-        _ => false,
     }
 }

@@ -42,18 +42,33 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// The MySQL error number, when the server answered with an error.
+    fn mysql_number(&self) -> Option<u16> {
+        match self {
+            StoreError::Shard { source: sqlx::Error::Database(db), .. } => {
+                db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().map(|e| e.number())
+            }
+            _ => None,
+        }
+    }
+
     /// Deadlocks, lock wait timeouts and a lost race to insert the same new
     /// id: the transaction was rolled back and may simply be run again.
     pub fn is_retryable_conflict(&self) -> bool {
-        match self {
-            StoreError::Shard { source: sqlx::Error::Database(db), .. } => {
-                matches!(
-                    db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().map(|e| e.number()),
-                    Some(1213 | 1205 | 1062)
-                )
+        matches!(self.mysql_number(), Some(1213 | 1205 | 1062))
+    }
+
+    /// The connection is gone, not the statement refused: I/O and protocol
+    /// errors, and the server's "connection was killed" (1927), "server
+    /// shutdown in progress" (1053) and lost-connection (2006, 2013).
+    pub fn is_dead_connection(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Shard {
+                source: sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::Tls(_),
+                ..
             }
-            _ => false,
-        }
+        ) || matches!(self.mysql_number(), Some(1927 | 1053 | 2006 | 2013))
     }
 }
 

@@ -21,7 +21,7 @@ use schemas::EntityId;
 use std::sync::{Arc, Weak};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
-use crate::write::{Change, Outcome, Precondition, WriteError};
+use crate::write::{per_item, Change, Outcome, Precondition, WriteError};
 use crate::{Inner, Writer};
 
 /// A single write waiting for its shard's next transaction.
@@ -102,22 +102,10 @@ impl Writer {
         self.inner.metrics.group_size.with_label_values(&[&shard.to_string()]).observe(group.len() as f64);
         let (items, answers): (Vec<_>, Vec<_>) =
             group.into_iter().map(|p| ((p.id, p.change, p.pre), p.answer)).unzip();
-        match self.transaction_with_retries(shard, &items).await {
-            Ok(results) => {
-                for (answer, r) in answers.into_iter().zip(results) {
-                    // A closed receiver is a client that went away.
-                    let _ = answer.send(r);
-                }
-            }
-            Err(e) if answers.len() == 1 => {
-                let _ = answers.into_iter().next().expect("one").send(Err(WriteError::Store(e)));
-            }
-            Err(e) => {
-                let source = Arc::new(e);
-                for answer in answers {
-                    let _ = answer.send(Err(WriteError::ShardFailed { shard, source: source.clone() }));
-                }
-            }
+        let result = self.transaction_with_retries(shard, &items).await;
+        for (answer, r) in answers.into_iter().zip(per_item(shard, result, items.len())) {
+            // A closed receiver is a client that went away.
+            let _ = answer.send(r);
         }
     }
 }

@@ -4,7 +4,6 @@
 //! that fails validation or its precondition.
 
 use schemas::codec;
-use schemas::conns::is_dead_connection;
 use schemas::event::{ChangeEvent, Op};
 use schemas::store::{self, OnShard, StoreError};
 use schemas::web::now_micros;
@@ -93,18 +92,8 @@ impl Writer {
         let done = futures::future::join_all(jobs).await;
         let mut out: Vec<Option<Result<Outcome, WriteError>>> = (0..items.len()).map(|_| None).collect();
         for (shard, result) in done {
-            match result {
-                Ok(results) => {
-                    for (&i, r) in per_shard[shard].iter().zip(results) {
-                        out[i] = Some(r);
-                    }
-                }
-                Err(e) => {
-                    let shared = std::sync::Arc::new(e);
-                    for &i in &per_shard[shard] {
-                        out[i] = Some(Err(WriteError::ShardFailed { shard, source: shared.clone() }));
-                    }
-                }
+            for (&i, r) in per_shard[shard].iter().zip(per_item(shard, result, per_shard[shard].len())) {
+                out[i] = Some(r);
             }
         }
         out.into_iter().map(|r| r.expect("every item belongs to one shard")).collect()
@@ -134,13 +123,13 @@ impl Writer {
                 }
                 // A reused connection found dead at BEGIN carried nothing of
                 // this write: the write goes on a new connection.
-                Err((e, false)) if is_dead_connection(&e) && taken.reused => {
+                Err((e, false)) if e.is_dead_connection() && taken.reused => {
                     drop(taken);
                     taken = conns.take_new().await?;
                 }
                 // Dropped, not given back; whether a COMMIT that died on the
                 // way took effect is unknown, so the write is not run again.
-                Err((e, _)) if is_dead_connection(&e) => return Err(e),
+                Err((e, _)) if e.is_dead_connection() => return Err(e),
                 Err((e, _)) if e.is_retryable_conflict() && attempt < CONFLICT_RETRIES => attempt += 1,
                 Err((e, _)) => {
                     conns.give_back(taken);
@@ -216,6 +205,23 @@ impl Writer {
             self.inner.metrics.writes.with_label_values(&[&shard_label, kind]).inc();
         }
         Ok(results)
+    }
+}
+
+/// Each of the `n` items' results from one transaction they shared: their
+/// own when it committed, else its error (shared when there are several).
+pub(crate) fn per_item(
+    shard: usize,
+    result: Result<Vec<Result<Outcome, WriteError>>, StoreError>,
+    n: usize,
+) -> Vec<Result<Outcome, WriteError>> {
+    match result {
+        Ok(results) => results,
+        Err(e) if n == 1 => vec![Err(WriteError::Store(e))],
+        Err(e) => {
+            let source = std::sync::Arc::new(e);
+            (0..n).map(|_| Err(WriteError::ShardFailed { shard, source: source.clone() })).collect()
+        }
     }
 }
 
