@@ -4,10 +4,13 @@
 //! descending, below the highest id present when the backfill started:
 //! later writes reach the index through its consumer group, which starts
 //! with the index), writes their rows with multi-row upserts, and persists
-//! a cursor after every batch, in one statement with the row count, so a
-//! backfill killed at any point resumes where it stopped and rows counted
-//! as scanned are never scanned again. A named lock keeps one backfiller
-//! per index; a rate limit and a shard concurrency keep live traffic healthy.
+//! a cursor, in one statement with the row count, at most every
+//! `SAVE_EVERY` and at the end. A backfill killed at any point resumes from
+//! its last saved cursor: it redoes at most that long of work (the upserts
+//! are idempotent), and rows counted as done are never scanned again.
+//! Saving after every batch cost a durable commit per batch on shard 0,
+//! as many as the index rows' own. A named lock keeps one backfiller per
+//! index; a rate limit and a shard concurrency keep live traffic healthy.
 
 use schemas::codec;
 use schemas::store::{self, IndexState, ScannedEntity, StoreError};
@@ -19,6 +22,9 @@ use tokio::sync::{Mutex, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::{Cleaner, CleanerError};
+
+/// How often the cursor is persisted while the backfill runs.
+const SAVE_EVERY: Duration = Duration::from_secs(1);
 
 /// Persisted in `bagstore_indexes.backfill_cursor` as JSON.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -56,6 +62,7 @@ struct Shared {
     cursor: Cursor,
     rows_done: u64,
     scanned_this_run: u64,
+    saved_at: Instant,
 }
 
 impl Cleaner {
@@ -119,8 +126,15 @@ impl Cleaner {
             }
         };
         tracing::info!(index = %table, rows_done, rows_total, "backfill running");
-        let shared = Arc::new(Mutex::new(Shared { cursor, rows_done, scanned_this_run: 0 }));
+        let shared =
+            Arc::new(Mutex::new(Shared { cursor, rows_done, scanned_this_run: 0, saved_at: Instant::now() }));
         let gate = Semaphore::new(self.settings().cleaner.backfill_concurrency);
+        // The cursor covers only batches whose rows are committed.
+        let save = |s: &Shared| {
+            let text = serde_json::to_string(&s.cursor).expect("cursor serializes");
+            let (rows_done, table) = (s.rows_done, &table);
+            async move { store::set_backfill_progress(meta0, table, Some(&text), rows_done, rows_total).await }
+        };
         let progress_now = |s: &Shared| Progress {
             rows_done: s.rows_done,
             rows_total,
@@ -172,8 +186,10 @@ impl Cleaner {
                     }
                     s.rows_done += batch.len() as u64;
                     s.scanned_this_run += batch.len() as u64;
-                    let text = serde_json::to_string(&s.cursor).expect("cursor serializes");
-                    store::set_backfill_progress(meta0, table, Some(&text), s.rows_done, rows_total).await?;
+                    if s.saved_at.elapsed() >= SAVE_EVERY {
+                        save(&s).await?;
+                        s.saved_at = Instant::now();
+                    }
                     let p = progress_now(&s);
                     drop(s);
                     self.metrics().backfill_rows.with_label_values(&[table]).inc_by(batch.len() as u64);
@@ -183,9 +199,16 @@ impl Cleaner {
                 }
             }
         });
-        for r in futures::future::join_all(jobs).await {
-            r?;
+        let results = futures::future::join_all(jobs).await;
+        if let Some(e) = results.into_iter().find_map(Result::err) {
+            // Keep what the other shards finished since the last save (best
+            // effort: the error may be shard 0's own).
+            if let Err(save_err) = save(&*shared.lock().await).await {
+                tracing::warn!(index = %table, error = %save_err, "could not save the backfill cursor");
+            }
+            return Err(e);
         }
+        save(&*shared.lock().await).await?;
         store::set_index_state(meta0, &table, IndexState::Active).await?;
         self.metrics().index_state.with_label_values(&[&table]).set(super::state_code(IndexState::Active));
         let s = shared.lock().await;

@@ -277,6 +277,33 @@ fn ratio(a: f64, b: f64) -> String {
 
 // ---------------------------------------------------------------- load drivers
 
+/// What closed-loop workers did: every operation's latency (s) and the
+/// time they ran. Tallies of alternating rounds add up.
+#[derive(Debug, Default)]
+struct Tally {
+    secs: f64,
+    rows_per_op: usize,
+    samples: Vec<f64>,
+    errors: u64,
+}
+
+impl Tally {
+    fn add(&mut self, other: Tally) {
+        self.secs += other.secs;
+        self.rows_per_op = other.rows_per_op;
+        self.samples.extend(other.samples);
+        self.errors += other.errors;
+    }
+
+    fn run(mut self) -> Run {
+        Run {
+            rate: (self.samples.len() * self.rows_per_op) as f64 / self.secs.max(1e-9),
+            latency: latency(&mut self.samples),
+            errors: self.errors,
+        }
+    }
+}
+
 /// Runs `clients` closed-loop workers for `phase`; each call of `op` does
 /// one operation of `rows` rows and returns Ok or an error.
 async fn closed_loop<F, Fut>(clients: usize, phase: Duration, rows: usize, op: F) -> Run
@@ -284,7 +311,14 @@ where
     F: Fn() -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = anyhow::Result<()>> + Send,
 {
-    let op = Arc::new(op);
+    closed_loop_tally(clients, phase, rows, Arc::new(op)).await.run()
+}
+
+async fn closed_loop_tally<F, Fut>(clients: usize, phase: Duration, rows: usize, op: Arc<F>) -> Tally
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + Send,
+{
     let until = Instant::now() + phase;
     let start = Instant::now();
     let errors = Arc::new(AtomicU64::new(0));
@@ -311,13 +345,48 @@ where
     for t in tasks {
         samples.extend(t.await.expect("worker"));
     }
-    let secs = start.elapsed().as_secs_f64();
-    let done = samples.len();
-    Run {
-        rate: (done * rows) as f64 / secs,
-        latency: latency(&mut samples),
+    Tally {
+        secs: start.elapsed().as_secs_f64(),
+        rows_per_op: rows,
+        samples,
         errors: errors.load(Ordering::Relaxed),
     }
+}
+
+/// Rounds of a read comparison: `ROUNDS` short turns each, alternating, so a
+/// slow spell of this shared machine falls on both contenders, not on one.
+const ROUNDS: u32 = 4;
+
+/// Two read contenders side by side: `ROUNDS` alternating turns of
+/// `phase / ROUNDS` each, their latencies pooled. Returns each one's run and
+/// what the machine spent during its own turns.
+async fn side_by_side<FA, FutA, FB, FutB>(
+    world: &World,
+    clients: usize,
+    phase: Duration,
+    a: FA,
+    b: FB,
+) -> ((Run, Usage), (Run, Usage))
+where
+    FA: Fn() -> FutA + Send + Sync + 'static,
+    FutA: std::future::Future<Output = anyhow::Result<()>> + Send,
+    FB: Fn() -> FutB + Send + Sync + 'static,
+    FutB: std::future::Future<Output = anyhow::Result<()>> + Send,
+{
+    let (a, b) = (Arc::new(a), Arc::new(b));
+    let turn = phase / ROUNDS;
+    let (mut ta, mut tb) = (Tally::default(), Tally::default());
+    let (mut ua, mut ub) = (Usage::default(), Usage::default());
+    for _ in 0..ROUNDS {
+        let u0 = world.usage().await;
+        ta.add(closed_loop_tally(clients, turn, 1, a.clone()).await);
+        let u1 = world.usage().await;
+        tb.add(closed_loop_tally(clients, turn, 1, b.clone()).await);
+        let u2 = world.usage().await;
+        ua.add(&u1, &u0);
+        ub.add(&u2, &u1);
+    }
+    ((ta.run(), ua), (tb.run(), ub))
 }
 
 /// An open-loop writer: starts one `op` every `1/rate` s until `stop`,
@@ -358,6 +427,54 @@ where
     Run { rate: s.len() as f64 / secs, latency: latency(&mut s), errors: errors.load(Ordering::Relaxed) }
 }
 
+/// The steady writer alone for `d`: its run, what the machine spent
+/// meanwhile, and the seconds that took.
+async fn steady_alone<F, Fut>(
+    world: &World,
+    rate: f64,
+    d: Duration,
+    op: F,
+) -> anyhow::Result<(Run, Usage, f64)>
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+{
+    let before = world.usage().await;
+    let t = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let steady = tokio::spawn(open_loop(rate, stop.clone(), op));
+    tokio::time::sleep(d).await;
+    stop.store(true, Ordering::Relaxed);
+    let run = steady.await?;
+    let secs = t.elapsed().as_secs_f64();
+    let mut spent = Usage::default();
+    spent.add(&world.usage().await, &before);
+    Ok((run, spent, secs))
+}
+
+/// A control load that is not bagstore: threads (one per core needed) that
+/// each spin for a share of every 20 ms and sleep the rest, `cores` cores
+/// busy in all, until `stop`.
+fn burn(cores: f64, stop: Arc<AtomicBool>) -> Vec<std::thread::JoinHandle<()>> {
+    let threads = (cores.ceil() as usize).clamp(1, 2);
+    let duty = (cores / threads as f64).clamp(0.0, 1.0);
+    let period = Duration::from_millis(20);
+    (0..threads)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let t = Instant::now();
+                    while t.elapsed() < period.mul_f64(duty) {
+                        std::hint::spin_loop();
+                    }
+                    std::thread::sleep(period.saturating_sub(t.elapsed()));
+                }
+            })
+        })
+        .collect()
+}
+
 // ---------------------------------------------------------------- peak memory
 
 /// The processes of the run, labelled: their largest resident set (kB,
@@ -366,6 +483,9 @@ where
 struct ProcSampler {
     pids: Mutex<Vec<(String, u32)>>,
     peak_kb: Mutex<BTreeMap<String, u64>>,
+    /// Per pid, the CPU ticks last read: a process that has exited (the
+    /// backfilling cleaner) keeps counting what it used.
+    last_ticks: Mutex<BTreeMap<u32, u64>>,
 }
 
 fn rss_kb(pid: u32) -> Option<u64> {
@@ -394,17 +514,30 @@ impl ProcSampler {
     fn cpu(&self) -> BTreeMap<String, u64> {
         let mut out = BTreeMap::new();
         for (label, pid) in self.pids.lock().unwrap().iter() {
-            if let Some(t) = cpu_ticks(*pid) {
+            if let Some(t) = self.ticks(*pid) {
                 *out.entry(short_label(label)).or_insert(0) += t;
             }
         }
         out
     }
 
+    /// `pid`'s CPU ticks now, or the last read if it has exited.
+    fn ticks(&self, pid: u32) -> Option<u64> {
+        let mut last = self.last_ticks.lock().unwrap();
+        match cpu_ticks(pid) {
+            Some(t) => {
+                last.insert(pid, t);
+                Some(t)
+            }
+            None => last.get(&pid).copied(),
+        }
+    }
+
     fn sample(&self) {
         let pids = self.pids.lock().unwrap().clone();
         let mut peak = self.peak_kb.lock().unwrap();
         for (label, pid) in pids {
+            self.ticks(pid);
             if let Some(kb) = rss_kb(pid) {
                 let e = peak.entry(label).or_insert(0);
                 *e = (*e).max(kb);
@@ -453,39 +586,96 @@ struct World {
 }
 
 /// What the machine spent: CPU ticks per process group, and the statements
-/// the MariaDB servers ran (`Questions`, summed over the servers).
+/// the MariaDB servers ran, their fsyncs and redo-log writes (`Questions`,
+/// `Innodb_data_fsyncs`, `Innodb_log_writes`, summed over the servers).
 #[derive(Debug, Clone, Default)]
 struct Usage {
     cpu: BTreeMap<String, u64>,
     statements: u64,
+    fsyncs: u64,
+    log_writes: u64,
 }
 
-impl World {
-    async fn usage(&self) -> Usage {
-        let mut statements = 0;
-        for pool in &self.native.pools {
-            let row: Result<(String, String), _> =
-                sqlx::query_as("SHOW GLOBAL STATUS LIKE 'Questions'").fetch_one(pool).await;
-            statements += row.ok().and_then(|(_, v)| v.parse::<u64>().ok()).unwrap_or(0);
+impl Usage {
+    /// Adds what was spent between `before` and `after`.
+    fn add(&mut self, after: &Usage, before: &Usage) {
+        for (label, t) in &after.cpu {
+            let used = t.saturating_sub(before.cpu.get(label).copied().unwrap_or(0));
+            *self.cpu.entry(label.clone()).or_insert(0) += used;
         }
-        Usage { cpu: self.procs.cpu(), statements }
+        self.statements += after.statements.saturating_sub(before.statements);
+        self.fsyncs += after.fsyncs.saturating_sub(before.fsyncs);
+        self.log_writes += after.log_writes.saturating_sub(before.log_writes);
     }
 
-    /// "CPU s per 1000 <unit>: …; statements per <unit>" since `last` for
-    /// `ops` operations; moves `last` on.
-    async fn usage_step(&self, last: &mut Usage, ops: f64, unit: &str) -> String {
-        let now = self.usage().await;
-        let per = now.statements.saturating_sub(last.statements) as f64 / ops.max(1.0);
-        let line = format!(
+    /// "cores busy: <group> 0.42, …; InnoDB fsyncs/s …, log writes/s …"
+    /// over `secs`.
+    fn busy(&self, secs: f64) -> String {
+        let groups: Vec<String> = self
+            .cpu
+            .iter()
+            .filter(|(_, t)| **t > 0)
+            .map(|(label, t)| format!("{label} {:.2}", *t as f64 / 100.0 / secs))
+            .collect();
+        format!(
+            "cores busy: {} (all {:.2}); InnoDB fsyncs/s {:.0}, log writes/s {:.0}",
+            groups.join(", "),
+            self.cores(secs),
+            self.fsyncs as f64 / secs,
+            self.log_writes as f64 / secs
+        )
+    }
+
+    /// Cores busy over `secs`, every watched process together.
+    fn cores(&self, secs: f64) -> f64 {
+        self.cpu.values().sum::<u64>() as f64 / 100.0 / secs
+    }
+
+    /// "CPU s per 1000 <unit>: …; MariaDB statements per <unit>: …" for
+    /// `ops` operations.
+    fn per_op(&self, ops: f64, unit: &str) -> String {
+        let per = self.statements as f64 / ops.max(1.0);
+        format!(
             "{}; MariaDB statements per {}: {per:.2}",
-            cpu_per_k(&last.cpu, &now.cpu, ops, unit),
+            cpu_per_k(&BTreeMap::new(), &self.cpu, ops, unit),
             match unit {
                 "queries" => "query",
                 other => other.trim_end_matches('s'),
             }
-        );
+        )
+    }
+}
+
+impl World {
+    async fn usage(&self) -> Usage {
+        let mut u = Usage { cpu: self.procs.cpu(), ..Usage::default() };
+        for pool in &self.native.pools {
+            let rows: Vec<(String, String)> = sqlx::query_as(
+                "SHOW GLOBAL STATUS WHERE Variable_name IN ('Questions', 'Innodb_data_fsyncs', 'Innodb_log_writes')",
+            )
+            .fetch_all(pool)
+            .await
+            .unwrap_or_default();
+            for (name, v) in rows {
+                let v = v.parse::<u64>().unwrap_or(0);
+                match name.as_str() {
+                    "Questions" => u.statements += v,
+                    "Innodb_data_fsyncs" => u.fsyncs += v,
+                    _ => u.log_writes += v,
+                }
+            }
+        }
+        u
+    }
+
+    /// What was spent since `last` for `ops` operations (see
+    /// `Usage::per_op`); moves `last` on.
+    async fn usage_step(&self, last: &mut Usage, ops: f64, unit: &str) -> String {
+        let now = self.usage().await;
+        let mut spent = Usage::default();
+        spent.add(&now, last);
         *last = now;
-        line
+        spent.per_op(ops, unit)
     }
 
     fn config(&self, with_new_index: bool) -> PathBuf {
@@ -973,41 +1163,33 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         ensure!(a == b, "range answers differ for user {u}: json {a:?} bagstore {b:?}");
     }
     report.section(&format!(
-        "Queries ({c} clients, {:.0} s each; answers checked equal first)",
+        "Queries ({c} clients, {:.0} s each in {ROUNDS} alternating turns; answers checked equal first)",
         d.as_secs_f64()
     ));
     let pick = Arc::new(AtomicU64::new(0));
     let mut q_runs = Vec::new();
     let mut q_cpu: Vec<(String, String)> = Vec::new();
-    let mut cpu_q = world.usage().await;
     for (key, what, range) in [
         ("latest20", "latest 20 of one user", false),
         ("range", "compound range (user, published window)", true),
     ] {
         let users_j = Arc::new(users.clone());
         let (p, nat) = (pick.clone(), native.clone());
-        let rj = closed_loop(c, d, 1, move || {
+        let json_op = move || {
             let u = p.fetch_add(1, Ordering::Relaxed) as usize % USERS;
             let (users, nat) = (users_j.clone(), nat.clone());
             async move { json_latest(&nat, &users[u], range.then(|| range_of(u))).await.map(|_| ()) }
-        })
-        .await;
-        q_cpu.push((
-            format!("json: {what}"),
-            world.usage_step(&mut cpu_q, rj.rate * d.as_secs_f64(), "queries").await,
-        ));
+        };
         let users_b = Arc::new(users.clone());
         let (p, h, rb) = (pick.clone(), http.clone(), Arc::new(rbase.clone()));
-        let rbag = closed_loop(c, d, 1, move || {
+        let bag_op = move || {
             let u = p.fetch_add(1, Ordering::Relaxed) as usize % USERS;
             let (users, h, rb) = (users_b.clone(), h.clone(), rb.clone());
             async move { bag_latest(&h, &rb, &users[u], range.then(|| range_of(u))).await.map(|_| ()) }
-        })
-        .await;
-        q_cpu.push((
-            format!("bagstore: {what}"),
-            world.usage_step(&mut cpu_q, rbag.rate * d.as_secs_f64(), "queries").await,
-        ));
+        };
+        let ((rj, uj), (rbag, ub)) = side_by_side(world, c, d, json_op, bag_op).await;
+        q_cpu.push((format!("json: {what}"), uj.per_op(rj.latency.n as f64, "queries")));
+        q_cpu.push((format!("bagstore: {what}"), ub.per_op(rbag.latency.n as f64, "queries")));
         report.run(&format!("{key}_json"), &format!("json: {what}"), &rj, "queries/s");
         report.run(&format!("{key}_bagstore"), &format!("bagstore: {what}"), &rbag, "queries/s");
         report.line(
@@ -1019,7 +1201,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         q_runs.push((rj, rbag));
     }
     let (p, nat) = (pick.clone(), native.clone());
-    let gj = closed_loop(c, d, 1, move || {
+    let json_get = move || {
         let i = p.fetch_add(7, Ordering::Relaxed) % n;
         let nat = nat.clone();
         async move {
@@ -1030,10 +1212,9 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
             let _: Value = serde_json::from_slice(&doc)?;
             Ok(())
         }
-    })
-    .await;
+    };
     let (p, h, rb) = (pick.clone(), http.clone(), Arc::new(rbase.clone()));
-    let gb = closed_loop(c, d, 1, move || {
+    let bag_get = move || {
         let i = p.fetch_add(7, Ordering::Relaxed) % n;
         let (h, rb) = (h.clone(), rb.clone());
         async move {
@@ -1042,8 +1223,8 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
             let _: Value = r.json().await?;
             Ok(())
         }
-    })
-    .await;
+    };
+    let ((gj, _), (gb, _)) = side_by_side(world, c, d, json_get, bag_get).await;
     report.run("get_json", "json: point get by id", &gj, "gets/s");
     report.run("get_bagstore", "bagstore: point get by id", &gb, "gets/s");
     report.line(
@@ -1063,20 +1244,15 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         opts.steady_rate
     ));
     let rate = opts.steady_rate as f64;
-    let (bag_base, bag_during, backfill_secs) = {
-        let stop = Arc::new(AtomicBool::new(false));
-        let (h, wb) = (http.clone(), wbase.clone());
-        let steady =
-            tokio::spawn(open_loop(rate, stop.clone(), move || bag_put(h.clone(), wb.clone(), fresh())));
-        tokio::time::sleep(d).await;
-        stop.store(true, Ordering::Relaxed);
-        let base = steady.await?;
+    let (h, wb) = (http.clone(), wbase.clone());
+    let bag_steady = move || bag_put(h.clone(), wb.clone(), fresh());
+    let (bag_base, bag_during, backfill_secs, bag_use) = {
+        let (base, base_use, base_secs) = steady_alone(world, rate, d, bag_steady.clone()).await?;
         world.migrate(true).await?;
         let link_indexer = world.bagstore(&["indexer", "--index", INDEX_NEW], true).await?;
         let stop = Arc::new(AtomicBool::new(false));
-        let (h, wb) = (http.clone(), wbase.clone());
-        let steady =
-            tokio::spawn(open_loop(rate, stop.clone(), move || bag_put(h.clone(), wb.clone(), fresh())));
+        let before = world.usage().await;
+        let steady = tokio::spawn(open_loop(rate, stop.clone(), bag_steady.clone()));
         let t = Instant::now();
         let mut args: Vec<String> = vec![
             "cleaner".into(),
@@ -1101,6 +1277,8 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         let secs = t.elapsed().as_secs_f64();
         stop.store(true, Ordering::Relaxed);
         let during = steady.await?;
+        let mut during_use = Usage::default();
+        during_use.add(&world.usage().await, &before);
         ensure!(status.success(), "the backfill failed: {status}");
         world.caught_up(INDEX_NEW, Duration::from_secs(3600)).await?;
         let mut rows = 0i64;
@@ -1117,26 +1295,31 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         }
         ensure!(rows == live, "{INDEX_NEW} holds {rows} rows for {live} entities");
         link_indexer.terminate().await;
-        (base, during, secs)
-    };
-    let (json_base, json_during, alter_secs) = {
+        // The control: the same steady writer beside a load that is not
+        // bagstore's, as many cores busy as the backfill added.
+        let extra = (during_use.cores(secs) - base_use.cores(base_secs)).max(0.0);
         let stop = Arc::new(AtomicBool::new(false));
-        let nat = native.clone();
-        let steady = tokio::spawn(open_loop(rate, stop.clone(), move || {
-            let nat = nat.clone();
-            let i = fresh();
-            async move { json_insert(nat, vec![(entity_id(i), entity(i).to_string())]).await }
-        }));
-        tokio::time::sleep(d).await;
+        let burners = burn(extra, stop.clone());
+        let burned = steady_alone(world, rate, d, bag_steady.clone()).await;
         stop.store(true, Ordering::Relaxed);
-        let base = steady.await?;
+        for b in burners {
+            b.join().expect("burner");
+        }
+        let (burned, burned_use, burned_secs) = burned?;
+        let uses = [(base_use, base_secs), (during_use, secs), (burned_use, burned_secs)];
+        (base, (during, burned, extra), secs, uses)
+    };
+    let nat = native.clone();
+    let json_steady = move || {
+        let nat = nat.clone();
+        let i = fresh();
+        async move { json_insert(nat, vec![(entity_id(i), entity(i).to_string())]).await }
+    };
+    let (json_base, json_during, alter_secs, json_use) = {
+        let (base, base_use, base_secs) = steady_alone(world, rate, d, json_steady.clone()).await?;
         let stop = Arc::new(AtomicBool::new(false));
-        let nat = native.clone();
-        let steady = tokio::spawn(open_loop(rate, stop.clone(), move || {
-            let nat = nat.clone();
-            let i = fresh();
-            async move { json_insert(nat, vec![(entity_id(i), entity(i).to_string())]).await }
-        }));
+        let before = world.usage().await;
+        let steady = tokio::spawn(open_loop(rate, stop.clone(), json_steady.clone()));
         let t = Instant::now();
         // MariaDB cannot add a virtual column and its index in one online
         // ALTER: the column first (instant), then the index without locking.
@@ -1156,8 +1339,11 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         let secs = t.elapsed().as_secs_f64();
         stop.store(true, Ordering::Relaxed);
         let during = steady.await?;
-        (base, during, secs)
+        let mut during_use = Usage::default();
+        during_use.add(&world.usage().await, &before);
+        (base, during, secs, [(base_use, base_secs), (during_use, secs)])
     };
+    let (bag_during, bag_burned, extra_cores) = bag_during;
     report.line(
         "backfill_bagstore",
         &format!("bagstore: online backfill (cleaner --index, --rate {})", opts.backfill_rate),
@@ -1195,6 +1381,30 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         ratio(json_during.latency.p99, json_base.latency.p99),
         String::new(),
     );
+    report.run(
+        "steady_bagstore_burner",
+        &format!(
+            "bagstore steady writer beside a CPU burner of {extra_cores:.2} cores (the backfill's extra)"
+        ),
+        &bag_burned,
+        "writes/s",
+    );
+    report.line(
+        "steady_bagstore_burner_ratio",
+        "bagstore writer p99, beside the burner / before",
+        ratio(bag_burned.latency.p99, bag_base.latency.p99),
+        String::new(),
+    );
+    let phases = [
+        ("bagstore steady writer, before", &bag_use[0]),
+        ("during the backfill", &bag_use[1]),
+        ("beside the CPU burner", &bag_use[2]),
+        ("json steady writer, before", &json_use[0]),
+        ("during the ALTER", &json_use[1]),
+    ];
+    for (i, (what, (u, secs))) in phases.into_iter().enumerate() {
+        report.line(&format!("build_cpu_{i}"), &format!("CPU, {what}"), String::new(), u.busy(*secs));
+    }
 
     // ---- Write throughput, same client concurrency.
     report.section(&format!("Writes ({c} clients, {:.0} s each, new ids)", d.as_secs_f64()));
