@@ -99,8 +99,7 @@ fn fingerprint(plan: &Plan, q: &Query) -> u64 {
 }
 
 fn encode_token(t: &Token) -> String {
-    let json = serde_json::to_vec(t).expect("tokens serialize");
-    json.iter().map(|b| format!("{b:02x}")).collect()
+    schemas::id::hex(&serde_json::to_vec(t).expect("tokens serialize"))
 }
 
 fn decode_token(s: &str) -> Option<Token> {

@@ -47,8 +47,20 @@ impl EntityId {
 
     /// 32 lowercase hex digits, the only form bagstore ever returns.
     pub fn to_hex(&self) -> String {
-        uuid::Uuid::from_bytes(self.0).simple().to_string()
+        hex(&self.0)
     }
+}
+
+/// Lowercase hex of `bytes`, two digits a byte, in one allocation (the
+/// reader writes an id per item and a page token per page).
+pub fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        out.push(DIGITS[usize::from(b >> 4)] as char);
+        out.push(DIGITS[usize::from(b & 0xf)] as char);
+    }
+    out
 }
 
 impl fmt::Display for EntityId {
@@ -73,6 +85,15 @@ mod tests {
         let b = EntityId::parse("71F0C4D2-2918-44CC-A2DF-6F486E96E37C").unwrap();
         assert_eq!(a, b);
         assert_eq!(b.to_string(), "71f0c4d2291844cca2df6f486e96e37c");
+    }
+
+    #[test]
+    fn hex_writes_every_byte_as_two_lowercase_digits() {
+        let all: Vec<u8> = (0..=255).collect();
+        let want: String = all.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex(&all), want);
+        let id = EntityId::parse("00ff10a09b3c4d5e6f708192a3b4c5d6").unwrap();
+        assert_eq!(id.to_hex(), uuid::Uuid::from_bytes(id.0).simple().to_string());
     }
 
     #[test]
