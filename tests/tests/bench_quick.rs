@@ -30,7 +30,17 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
         "| lag at 50% ",
         "| lag at 90% ",
         "| bagstore writer |",
+        "| bagstore writer p99, beside the burner / before |",
+        "| CPU, during the backfill |",
     ] {
         assert!(stdout.contains(line), "the report lacks {line:?}:\n{stdout}");
     }
+    // The steady writer commits, so the servers' fsync counter must move
+    // (a misspelt status variable reads as 0).
+    let before =
+        stdout.lines().find(|l| l.starts_with("| CPU, bagstore steady writer, before |")).unwrap_or("");
+    assert!(
+        before.contains("InnoDB fsyncs/s") && !before.contains("InnoDB fsyncs/s 0,"),
+        "no fsyncs counted during the steady writer: {before:?}"
+    );
 }
