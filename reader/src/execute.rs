@@ -135,25 +135,22 @@ struct Stream {
 impl Reader {
     pub async fn get(&self, id: &EntityId) -> Result<Option<Entity>, ReadError> {
         let shard = self.shards().of_id(id);
-        let found = read_on!(self.shards().conns(shard), c => store::get_entity(shard, c, id));
-        match found {
-            Some(s) => Ok(Some(decode(shard, s)?)),
-            None => Ok(None),
-        }
+        Ok(self.fetch_on(shard, std::slice::from_ref(id)).await?.pop())
     }
 
     /// Live entities among `ids`, in the order asked, absent ones left out.
-    /// One statement per shard, shards in parallel.
+    /// Shards in parallel.
     pub async fn get_many(&self, ids: &[EntityId]) -> Result<Vec<Entity>, ReadError> {
         let n = self.shards().count();
         let mut per_shard: Vec<Vec<EntityId>> = vec![Vec::new(); n];
         for id in ids {
             per_shard[self.shards().of_id(id)].push(*id);
         }
-        let jobs = per_shard.iter().enumerate().filter(|(_, v)| !v.is_empty()).map(|(shard, v)| async move {
-            let rows = read_on!(self.shards().conns(shard), c => store::get_entities(shard, c, v));
-            rows.into_iter().map(|s| decode(shard, s)).collect::<Result<Vec<_>, ReadError>>()
-        });
+        let jobs = per_shard
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| !v.is_empty())
+            .map(|(shard, v)| self.fetch_on(shard, v));
         let mut found = std::collections::HashMap::new();
         for r in futures::future::join_all(jobs).await {
             for e in r? {
@@ -167,6 +164,54 @@ impl Reader {
                 if let Some(e) = found.remove(id) {
                     out.push(e);
                 }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Live entities among `ids` (all on `shard`), in no particular order:
+    /// one statement for those whose location is remembered, one by id for
+    /// the others and for any whose remembered row turned out not to be
+    /// theirs (see [`crate::locations`]).
+    async fn fetch_on(&self, shard: usize, ids: &[EntityId]) -> Result<Vec<Entity>, ReadError> {
+        let locations = &self.inner.locations;
+        let fetches = &self.inner.metrics.fetches;
+        let mut out = Vec::with_capacity(ids.len());
+        let (mut by_id, mut at) = (Vec::new(), Vec::new());
+        for id in ids {
+            match locations.get(id) {
+                Some(added_id) => at.push((*id, added_id)),
+                None => by_id.push(*id),
+            }
+        }
+        fetches.with_label_values(&["id"]).inc_by(by_id.len() as u64);
+        if !at.is_empty() {
+            let added: Vec<u64> = at.iter().map(|(_, a)| *a).collect();
+            let rows = read_on!(self.shards().conns(shard), c => store::get_entities_at(shard, c, &added));
+            // Keyed by the id each row really holds: a row that is not the
+            // asked id's leaves that id unresolved.
+            let mut got: std::collections::HashMap<EntityId, Option<StoredEntity>> =
+                rows.into_iter().collect();
+            let mut stale = 0;
+            for (id, _) in &at {
+                match got.remove(id) {
+                    Some(Some(entity)) => out.push(decode(shard, entity)?),
+                    Some(None) => {} // a tombstone: deleted
+                    None => {
+                        locations.forget(id);
+                        by_id.push(*id);
+                        stale += 1;
+                    }
+                }
+            }
+            fetches.with_label_values(&["location"]).inc_by((at.len() - stale) as u64);
+            fetches.with_label_values(&["stale"]).inc_by(stale as u64);
+        }
+        if !by_id.is_empty() {
+            let rows = read_on!(self.shards().conns(shard), c => store::get_entities(shard, c, &by_id));
+            locations.learn(rows.iter().map(|s| (s.id, s.added_id)));
+            for s in rows {
+                out.push(decode(shard, s)?);
             }
         }
         Ok(out)
@@ -319,6 +364,7 @@ impl Reader {
                     let mut rows = Vec::with_capacity(chunk.len());
                     for ((key, id, local), from) in chunk {
                         if let Some(stored) = local.filter(|_| self.shards().of_id(&id) == from) {
+                            self.inner.locations.learn([(id, stored.added_id)]);
                             found.insert(id, decode(from, stored)?);
                         }
                         rows.push((key, id));

@@ -20,6 +20,7 @@
 pub mod consistency;
 pub mod execute;
 pub mod http;
+pub mod locations;
 pub mod metrics;
 pub mod query;
 
@@ -58,13 +59,17 @@ struct Inner {
     /// FRESHNESS_TTL so a busy reader does not pay three extra statements
     /// per query for it.
     freshness: Mutex<HashMap<String, (Instant, consistency::Freshness)>>,
+    /// Where entities read before live (`reader.location_cache`).
+    locations: locations::Locations,
 }
 
 impl Reader {
     pub fn new(settings: Settings, shards: Shards, registry: &Registry) -> prometheus::Result<Reader> {
         let metrics = metrics::Metrics::register(registry)?;
+        let locations = locations::Locations::new(settings.reader.location_cache);
         Ok(Reader {
             inner: Arc::new(Inner {
+                locations,
                 settings,
                 shards,
                 metrics,

@@ -1,4 +1,4 @@
-//! Reader series, `bagstore_reader_…`, labelled by `index`.
+//! Reader series, `bagstore_reader_…`, most labelled by `index`.
 
 use prometheus::{IntCounterVec, Opts, Registry};
 
@@ -10,6 +10,9 @@ pub struct Metrics {
     pub dropped: IntCounterVec,
     /// Index-table queries sent to shards (one per key and page).
     pub shard_reads: IntCounterVec,
+    /// Entities fetched, `by`: `location` (a remembered row key), `id`
+    /// (none remembered) or `stale` (the remembered row was not theirs).
+    pub fetches: IntCounterVec,
 }
 
 impl Metrics {
@@ -30,10 +33,18 @@ impl Metrics {
                 Opts::new("bagstore_reader_index_reads_total", "Index-table reads sent to shards"),
                 &["index", "shard"],
             )?,
+            fetches: IntCounterVec::new(
+                Opts::new(
+                    "bagstore_reader_entity_fetches_total",
+                    "Entities fetched from their shards, by remembered location or by id",
+                ),
+                &["by"],
+            )?,
         };
         r.register(Box::new(m.index_rows.clone()))?;
         r.register(Box::new(m.dropped.clone()))?;
         r.register(Box::new(m.shard_reads.clone()))?;
+        r.register(Box::new(m.fetches.clone()))?;
         Ok(m)
     }
 }

@@ -387,6 +387,9 @@ pub struct ReaderSettings {
     pub max_batch_get: usize,
     /// Longest a query may take, including a `consistent_with` wait.
     pub query_timeout_ms: u64,
+    /// Entity locations (id → the row's clustered key) remembered, so a
+    /// fetch by id takes one B-tree descent instead of two (0: off).
+    pub location_cache: usize,
 }
 
 impl Default for ReaderSettings {
@@ -397,6 +400,7 @@ impl Default for ReaderSettings {
             max_in: 1000,
             max_batch_get: 1000,
             query_timeout_ms: 5000,
+            location_cache: 200_000,
         }
     }
 }

@@ -349,35 +349,31 @@ pub async fn insert_outbox_rows(
     Ok(())
 }
 
-/// A live entity as stored.
+/// A live entity as stored. `added_id` is its row's clustered key on its
+/// shard: fixed for the life of the id (updates and deletes keep the row).
 #[derive(Debug, Clone)]
 pub struct StoredEntity {
     pub id: EntityId,
+    pub added_id: u64,
     pub version: u64,
     pub updated_us: i64,
     pub body: Vec<u8>,
 }
 
 const ENTITY_COLUMNS: &str =
-    "id, version, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated) AS updated_us, body";
+    "id, added_id, version, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated) AS updated_us, body";
 
-fn stored_entity(shard: usize, r: &sqlx::mysql::MySqlRow) -> Result<StoredEntity> {
-    Ok(StoredEntity {
+/// The entity of a row of `ENTITY_COLUMNS`; `None` for a tombstone.
+fn stored_entity(shard: usize, r: &sqlx::mysql::MySqlRow) -> Result<Option<StoredEntity>> {
+    let body: Option<Vec<u8>> = r.try_get("body").on(shard)?;
+    let Some(body) = body else { return Ok(None) };
+    Ok(Some(StoredEntity {
         id: id_column(shard, r, "id")?,
+        added_id: r.try_get("added_id").on(shard)?,
         version: r.try_get("version").on(shard)?,
         updated_us: r.try_get("updated_us").on(shard)?,
-        body: r.try_get("body").on(shard)?,
-    })
-}
-
-pub async fn get_entity(
-    shard: usize,
-    pool: impl sqlx::MySqlExecutor<'_>,
-    id: &EntityId,
-) -> Result<Option<StoredEntity>> {
-    let sql = format!("SELECT {ENTITY_COLUMNS} FROM entities WHERE id = ? AND body IS NOT NULL");
-    let row = sqlx::query(&sql).bind(&id.0[..]).fetch_optional(pool).await.on(shard)?;
-    row.map(|r| stored_entity(shard, &r)).transpose()
+        body,
+    }))
 }
 
 /// Live entities among `ids` (all on this shard), in no particular order.
@@ -396,7 +392,28 @@ pub async fn get_entities(
         q = q.bind(&id.0[..]);
     }
     let rows = q.fetch_all(pool).await.on(shard)?;
-    rows.iter().map(|r| stored_entity(shard, r)).collect()
+    rows.iter().filter_map(|r| stored_entity(shard, r).transpose()).collect()
+}
+
+/// The rows at `added_ids` (clustered-key lookups: one B-tree descent each,
+/// where a lookup by id descends the unique `id` key first): each row's id
+/// and its entity, `None` for a tombstone. Rows absent are left out.
+pub async fn get_entities_at(
+    shard: usize,
+    pool: impl sqlx::MySqlExecutor<'_>,
+    added_ids: &[u64],
+) -> Result<Vec<(EntityId, Option<StoredEntity>)>> {
+    if added_ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let marks = vec!["?"; added_ids.len()].join(",");
+    let sql = format!("SELECT {ENTITY_COLUMNS} FROM entities WHERE added_id IN ({marks})");
+    let mut q = sqlx::query(&sql);
+    for a in added_ids {
+        q = q.bind(*a);
+    }
+    let rows = q.fetch_all(pool).await.on(shard)?;
+    rows.iter().map(|r| Ok((id_column(shard, r, "id")?, stored_entity(shard, r)?))).collect()
 }
 
 // ---------------------------------------------------------------- sweeps
@@ -846,7 +863,7 @@ pub async fn scan_index(
     // Entity columns get aliases no property name can take (names have no dots).
     let (entity_cols, join) = if scan.with_entities {
         (
-            ", e.version AS `e.version`, \
+            ", e.added_id AS `e.added_id`, e.version AS `e.version`, \
              TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', e.updated) AS `e.updated_us`, e.body AS `e.body`",
             " LEFT JOIN entities AS e ON e.id = i.entity_id AND e.body IS NOT NULL",
         )
@@ -878,6 +895,7 @@ pub async fn scan_index(
             true => r.try_get::<Option<Vec<u8>>, _>("e.body").on(shard)?.map(|body| {
                 Ok::<_, StoreError>(StoredEntity {
                     id,
+                    added_id: r.try_get("e.added_id").on(shard)?,
                     version: r.try_get("e.version").on(shard)?,
                     updated_us: r.try_get("e.updated_us").on(shard)?,
                     body,

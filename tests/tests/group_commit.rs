@@ -1,10 +1,14 @@
-//! Group commit and the ping-free connections of the hot paths.
+//! The hot paths: group commit, ping-free connections, remembered entity
+//! locations.
 //!
 //! - Single writes that queue behind a busy shard commit together in one
 //!   transaction, and each still gets its own answer (201, 412, 404).
 //! - A connection killed on the server costs no request: the reader runs
 //!   its read again on a new connection, and the writer moves a write whose
 //!   BEGIN found the connection dead to a new one.
+//! - The reader fetches entities it has seen by their row's clustered key;
+//!   a remembered key that no longer holds the entity costs a second
+//!   statement (by id), never a wrong or missing answer.
 
 use bagstore_tests::{eventually, metric_sum, TestEnv, STANDARD_INDEXES};
 use schemas::EntityId;
@@ -162,6 +166,52 @@ async fn connections_killed_on_the_server_cost_no_request() {
         let (status, body) = api.query(&q).await;
         assert_eq!(status, 200, "round {round}: query after the kill: {body}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remembered_location_that_no_longer_holds_the_entity_falls_back_to_its_id() {
+    let env = TestEnv::new("locations", STANDARD_INDEXES).await;
+    let dev = env.dev().await;
+    let api = dev.api();
+    let ids: Vec<String> = (0..2).flat_map(|s| ids_on(s, 0x7c, 2)).collect();
+    for (n, id) in ids.iter().enumerate() {
+        assert_eq!(api.put(id, &json!({"user_id": id, "n": n})).await.0, 201);
+    }
+    let fetched =
+        |text: &str, by: &str| metric_sum(text, "bagstore_reader_entity_fetches_total", &[("by", by)]);
+    let read_all = || async {
+        for (n, id) in ids.iter().enumerate() {
+            let (status, body) = api.get(id).await;
+            assert_eq!(status, 200, "GET {id}: {body}");
+            assert_eq!(body["properties"]["n"], json!(n), "GET {id}: {body}");
+        }
+    };
+    // The first reads go by id and learn where the rows are; the second
+    // ones use that.
+    read_all().await;
+    read_all().await;
+    let text = api.metrics().await;
+    assert_eq!((fetched(&text, "id"), fetched(&text, "location"), fetched(&text, "stale")), (4.0, 4.0, 0.0));
+
+    // Move every row to another clustered key behind the reader's back.
+    for shard in 0..2 {
+        let admin = env.pool(shard).await;
+        sqlx::query("UPDATE entities SET added_id = added_id + 1000000").execute(&admin).await.expect("move");
+        admin.close().await;
+    }
+    read_all().await;
+    let text = api.metrics().await;
+    assert_eq!(fetched(&text, "stale"), 4.0, "the moved rows were not noticed:\n{text}");
+    // Learned again: by location once more.
+    read_all().await;
+    let text = api.metrics().await;
+    assert_eq!((fetched(&text, "location"), fetched(&text, "stale")), (8.0, 4.0));
+
+    // A deleted entity is found deleted where it was, with no second look.
+    assert_eq!(api.delete(&ids[0]).await.0, 200);
+    assert_eq!(api.get(&ids[0]).await.0, 404);
+    let text = api.metrics().await;
+    assert_eq!((fetched(&text, "location"), fetched(&text, "stale")), (9.0, 4.0));
 }
 
 /// Kills every connection to this test's databases (but the killer's own);
