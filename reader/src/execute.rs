@@ -138,12 +138,13 @@ impl Reader {
         Ok(self.fetch_on(shard, std::slice::from_ref(id)).await?.pop())
     }
 
-    /// Live entities among `ids`, in the order asked, absent ones left out.
-    /// Shards in parallel.
+    /// Live entities among `ids`, in the order asked, absent ones and
+    /// repeats left out. Shards in parallel, each id fetched once.
     pub async fn get_many(&self, ids: &[EntityId]) -> Result<Vec<Entity>, ReadError> {
         let n = self.shards().count();
         let mut per_shard: Vec<Vec<EntityId>> = vec![Vec::new(); n];
-        for id in ids {
+        let mut asked = HashSet::new();
+        for id in ids.iter().filter(|id| asked.insert(**id)) {
             per_shard[self.shards().of_id(id)].push(*id);
         }
         let jobs = per_shard
@@ -169,10 +170,10 @@ impl Reader {
         Ok(out)
     }
 
-    /// Live entities among `ids` (all on `shard`), in no particular order:
-    /// one statement for those whose location is remembered, one by id for
-    /// the others and for any whose remembered row turned out not to be
-    /// theirs (see [`crate::locations`]).
+    /// Live entities among `ids` (all on `shard`, no repeats), in no
+    /// particular order: one statement for those whose location is
+    /// remembered, one by id for the others and for any whose remembered
+    /// row turned out not to be theirs (see [`crate::locations`]).
     async fn fetch_on(&self, shard: usize, ids: &[EntityId]) -> Result<Vec<Entity>, ReadError> {
         let locations = &self.inner.locations;
         let fetches = &self.inner.metrics.fetches;

@@ -192,6 +192,13 @@ async fn a_remembered_location_that_no_longer_holds_the_entity_falls_back_to_its
     read_all().await;
     let text = api.metrics().await;
     assert_eq!((fetched(&text, "id"), fetched(&text, "location"), fetched(&text, "stale")), (4.0, 4.0, 0.0));
+    // An id asked twice is answered and fetched once.
+    let (status, doc) = api.get_many(&[&ids[1], &ids[1], &ids[2]]).await;
+    assert_eq!(status, 200, "{doc}");
+    let got: Vec<&str> = doc["items"].as_array().unwrap().iter().map(|e| e["id"].as_str().unwrap()).collect();
+    assert_eq!(got, [ids[1].as_str(), ids[2].as_str()]);
+    let text = api.metrics().await;
+    assert_eq!((fetched(&text, "location"), fetched(&text, "stale")), (6.0, 0.0));
 
     // Move every row to another clustered key behind the reader's back.
     for shard in 0..2 {
@@ -205,13 +212,13 @@ async fn a_remembered_location_that_no_longer_holds_the_entity_falls_back_to_its
     // Learned again: by location once more.
     read_all().await;
     let text = api.metrics().await;
-    assert_eq!((fetched(&text, "location"), fetched(&text, "stale")), (8.0, 4.0));
+    assert_eq!((fetched(&text, "location"), fetched(&text, "stale")), (10.0, 4.0));
 
     // A deleted entity is found deleted where it was, with no second look.
     assert_eq!(api.delete(&ids[0]).await.0, 200);
     assert_eq!(api.get(&ids[0]).await.0, 404);
     let text = api.metrics().await;
-    assert_eq!((fetched(&text, "location"), fetched(&text, "stale")), (9.0, 4.0));
+    assert_eq!((fetched(&text, "location"), fetched(&text, "stale")), (11.0, 4.0));
 }
 
 /// Kills every connection to this test's databases (but the killer's own);
