@@ -56,15 +56,19 @@ async fn single_writes_queued_behind_a_busy_shard_commit_together_and_keep_their
     let db = env.dsns[0].rsplit('/').next().unwrap().to_string();
     let mut lock = admin.acquire().await.expect("connection");
     sqlx::query(&format!("LOCK TABLES `{db}`.`entities` WRITE")).execute(&mut *lock).await.expect("lock");
+    // One blocker at a time: two sent together can queue before a slot
+    // takes them, and then share one transaction, leaving a slot free.
     let mut blocked = Vec::new();
-    for id in blockers {
+    for (n, id) in blockers.iter().enumerate() {
         let (api, id) = (api.clone(), id.clone());
         blocked.push(tokio::spawn(async move { api.put(&id, &json!({"n": 0})).await }));
+        eventually(
+            &format!("{} commit slot(s) wait for the lock", n + 1),
+            Duration::from_secs(20),
+            || async { (writes_waiting_on_lock(&admin, &db).await == n as i64 + 1).then_some(()) },
+        )
+        .await;
     }
-    eventually("both commit slots wait for the lock", Duration::from_secs(20), || async {
-        (writes_waiting_on_lock(&admin, &db).await == 2).then_some(())
-    })
-    .await;
 
     // Everything sent now queues: new ids, preconditions that fail, a
     // delete of an absent id.
