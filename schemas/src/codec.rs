@@ -93,7 +93,7 @@ pub fn decode_body(blob: &[u8]) -> Result<Bag, CodecError> {
 mod tests {
     use super::*;
     use crate::event::{ChangeEvent, Op};
-    use crate::id::EntityId;
+    use crate::id::{hex, EntityId};
     use crate::value::{bag_from_json, Value, MAX_DEPTH};
 
     #[test]
@@ -127,10 +127,6 @@ mod tests {
             "o": {"x": {"y": 1e100}}
         }))
         .unwrap()
-    }
-
-    fn hex(bytes: &[u8]) -> String {
-        bytes.iter().map(|b| format!("{b:02x}")).collect()
     }
 
     fn unhex(s: &str) -> Vec<u8> {

@@ -57,7 +57,7 @@ proptest! {
     #[test]
     fn uuid_order_equals_the_order_of_their_hex_spelling(a in any::<[u8; 16]>(), b in any::<[u8; 16]>()) {
         let p = prop(PropType::Uuid);
-        let hex = |x: &[u8; 16]| x.iter().map(|b| format!("{b:02x}")).collect::<String>();
+        let hex = |x: &[u8; 16]| bagstore_schemas::id::hex(x);
         let (ka, kb) = (p.typed(&Value::String(hex(&a))).unwrap(), p.typed(&Value::String(hex(&b))).unwrap());
         prop_assert_eq!(ka.partial_cmp(&kb), Some(hex(&a).cmp(&hex(&b))));
         prop_assert_eq!(ka, KeyValue::Uuid(a));
