@@ -465,10 +465,8 @@ struct Stack {
 
 const CLEANER_ENV: [(&str, &str); 1] = [("BAGSTORE_CLEANER__INTERVAL_MS", "200")];
 
-/// Whether every index group is fully assigned with every live indexer
-/// owning part of it: a new member has really joined (a sum alone could be
-/// met by the survivor before the newcomer's rebalance has even begun).
-async fn groups_settled(indexers: &[Option<Proc>]) -> bool {
+/// Partitions each live indexer reports owning, per index group.
+async fn assignments(indexers: &[Option<Proc>]) -> HashMap<&'static str, Vec<f64>> {
     let mut per_index: HashMap<&str, Vec<f64>> = HashMap::new();
     for p in indexers.iter().flatten() {
         let m = p.api().metrics().await;
@@ -480,22 +478,41 @@ async fn groups_settled(indexers: &[Option<Proc>]) -> bool {
             ));
         }
     }
+    per_index
+}
+
+/// Whether every index group is fully assigned with every live indexer
+/// owning part of it: a new member has really joined (a sum alone could be
+/// met by the survivor before the newcomer's rebalance has even begun).
+fn settled(per_index: &HashMap<&str, Vec<f64>>) -> bool {
     STANDARD_TABLES.iter().all(|t| {
         let owned = &per_index[t];
         owned.iter().sum::<f64>() == PARTITIONS as f64 && owned.iter().all(|n| *n > 0.0)
     })
 }
 
+/// Waits for [`settled`]. Usually 5–16 s here: the dead member's session
+/// timeout (6 s), then a rebalance or two. After a mock-broker outage a
+/// member's request can sit unanswered until the socket timeout (10 s in
+/// this suite) more than once, so the deadline is generous; on timeout the
+/// message says which group was stuck, and how.
 async fn until_group_owns_everything(env: &TestEnv, indexers: &[Option<Proc>]) {
-    eventually(
-        "every index group to be spread over the live indexers, each partition owned once",
-        Duration::from_secs(90),
-        || async {
-            heal_broker(env).await;
-            groups_settled(indexers).await.then_some(())
-        },
-    )
-    .await;
+    let deadline = Duration::from_secs(150);
+    let until = Instant::now() + deadline;
+    loop {
+        heal_broker(env).await;
+        let now = assignments(indexers).await;
+        if settled(&now) {
+            return;
+        }
+        if Instant::now() >= until {
+            panic!(
+                "timed out after {deadline:?} waiting for every index group to be spread over the \
+                 live indexers, each partition owned once; partitions per indexer: {now:?}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Restarts a tansu broker that broke on its own (see `Tansu::heal`); a
