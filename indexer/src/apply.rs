@@ -57,10 +57,12 @@ pub fn collapse(ops: &[RowOp], shards: usize) -> Vec<Vec<&RowOp>> {
 pub async fn apply(shards: &Shards, spec: &IndexSpec, ops: &[RowOp]) -> Result<(), StoreError> {
     let jobs = collapse(ops, shards.count()).into_iter().enumerate().filter(|(_, ops)| !ops.is_empty()).map(
         |(shard, ops)| async move {
-            let rows = |kind: RowOpKind| -> Vec<(IndexKey, EntityId, u64)> {
-                ops.iter().filter(|o| o.kind == kind).map(|o| (o.key.clone(), o.entity, o.version)).collect()
-            };
-            let (deletes, upserts) = (rows(RowOpKind::DeleteOlder), rows(RowOpKind::Upsert));
+            let of = |kind: RowOpKind| ops.iter().filter(move |o| o.kind == kind);
+            let deletes: Vec<(IndexKey, EntityId, u64)> =
+                of(RowOpKind::DeleteOlder).map(|o| (o.key.clone(), o.entity, o.version)).collect();
+            let upserts: Vec<store::UpsertRow> = of(RowOpKind::Upsert)
+                .map(|o| (o.key.clone(), o.entity, o.version, o.entity_added_id))
+                .collect();
             let mut tx =
                 shards.pool(shard).begin().await.map_err(|source| StoreError::Shard { shard, source })?;
             if !deletes.is_empty() {
@@ -90,6 +92,7 @@ mod tests {
             key: vec![KeyValue::Str(tag.into())],
             entity: EntityId([entity; 16]),
             version,
+            entity_added_id: None,
         }
     }
 

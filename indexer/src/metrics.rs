@@ -117,13 +117,16 @@ impl CleanerMetrics {
     pub fn register(r: &Registry) -> prometheus::Result<CleanerMetrics> {
         let m = CleanerMetrics {
             drift_found: IntCounterVec::new(
-                Opts::new("bagstore_cleaner_drift_found_total", "Index rows found missing or dangling"),
+                Opts::new(
+                    "bagstore_cleaner_drift_found_total",
+                    "Index rows found missing, dangling, or not saying where their entity is (kind location)",
+                ),
                 &["index", "kind"],
             )?,
             drift_fixed: IntCounterVec::new(
                 Opts::new(
                     "bagstore_cleaner_drift_fixed_total",
-                    "Missing rows written and dangling rows deleted",
+                    "Missing rows written, dangling rows deleted, entity locations written into rows",
                 ),
                 &["index", "kind"],
             )?,

@@ -22,6 +22,8 @@ pub struct RowOp {
     pub key: IndexKey,
     pub entity: EntityId,
     pub version: u64,
+    /// Where the entity's row is on its shard, if the event says.
+    pub entity_added_id: Option<u64>,
 }
 
 /// The row operations one event causes in one index, with their shards.
@@ -34,6 +36,7 @@ pub fn plan(spec: &IndexSpec, event: &ChangeEvent, shards: usize) -> Vec<RowOp> 
         key: key.clone(),
         entity: event.id,
         version: event.version,
+        entity_added_id: event.added_id,
     };
     let mut ops: Vec<RowOp> =
         before.iter().filter(|k| !after.contains(k)).map(|k| op(RowOpKind::DeleteOlder, k)).collect();
@@ -66,6 +69,7 @@ mod tests {
             shard: 0,
             before: before.map(|b| bag_from_json(&b).unwrap()),
             after: after.map(|a| bag_from_json(&a).unwrap()),
+            added_id: Some(12),
         }
     }
 
@@ -86,6 +90,7 @@ mod tests {
         assert_eq!(keys(&ops, RowOpKind::DeleteOlder), vec!["a"]);
         assert_eq!(keys(&ops, RowOpKind::Upsert), vec!["b", "c"]);
         assert!(ops.iter().all(|o| o.version == 5 && o.entity == EntityId([7; 16])));
+        assert!(ops.iter().all(|o| o.entity_added_id == Some(12)), "rows carry the entity's location");
     }
 
     #[test]

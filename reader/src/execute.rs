@@ -2,9 +2,12 @@
 //! or the index range is exhausted, so stale rows never shorten a page.
 //!
 //! The scan of a shard's index table joins that shard's `entities` on the
-//! primary key, so the entities stored next to their index rows come in the
-//! same statement; only those on other shards are fetched by id. With two
-//! shards a "latest 20" query is two statements, not three.
+//! clustered key (each index row says where its entity's row is, checked
+//! against the id), so the entities stored next to their index rows come in
+//! the same statement; only those on other shards are fetched, by the same
+//! location. With two shards a "latest 20" query is two statements, not
+//! three, and each entity costs one B-tree descent, not two. A row whose
+//! location is unknown or wrong costs a fetch by id instead.
 //!
 //! Each equality prefix is scanned in index order on its one shard (when
 //! the prefix fixes `shard_on`) or on every shard in parallel, merged k-way
@@ -17,7 +20,7 @@
 
 use schemas::codec;
 use schemas::index::{IndexKey, KeyValue};
-use schemas::store::{self, IndexScan, ScannedRow, StoreError, StoredEntity};
+use schemas::store::{self, IndexScan, Local, ScannedRow, StoreError, StoredEntity};
 use schemas::web::Problem;
 use schemas::{Bag, EntityId};
 use serde::{Deserialize, Serialize};
@@ -135,52 +138,57 @@ struct Stream {
 impl Reader {
     pub async fn get(&self, id: &EntityId) -> Result<Option<Entity>, ReadError> {
         let shard = self.shards().of_id(id);
-        Ok(self.fetch_on(shard, std::slice::from_ref(id)).await?.pop())
+        Ok(self.fetch_on(shard, &[(*id, None)]).await?.pop())
     }
 
     /// Live entities among `ids`, in the order asked, absent ones and
     /// repeats left out. Shards in parallel, each id fetched once.
     pub async fn get_many(&self, ids: &[EntityId]) -> Result<Vec<Entity>, ReadError> {
+        let found = self.fetch_located(ids.iter().map(|id| (*id, None))).await?;
+        let mut found: std::collections::HashMap<EntityId, Entity> =
+            found.into_iter().map(|e| (e.id, e)).collect();
+        Ok(ids.iter().filter_map(|id| found.remove(id)).collect())
+    }
+
+    /// Live entities among `ids` (each with where its row is, if known), in
+    /// no particular order; shards in parallel, each id fetched once.
+    async fn fetch_located(
+        &self,
+        ids: impl Iterator<Item = (EntityId, Option<u64>)>,
+    ) -> Result<Vec<Entity>, ReadError> {
         let n = self.shards().count();
-        let mut per_shard: Vec<Vec<EntityId>> = vec![Vec::new(); n];
+        let mut per_shard: Vec<Vec<(EntityId, Option<u64>)>> = vec![Vec::new(); n];
         let mut asked = HashSet::new();
-        for id in ids.iter().filter(|id| asked.insert(**id)) {
-            per_shard[self.shards().of_id(id)].push(*id);
+        for (id, at) in ids.filter(|(id, _)| asked.insert(*id)) {
+            per_shard[self.shards().of_id(&id)].push((id, at));
         }
         let jobs = per_shard
             .iter()
             .enumerate()
             .filter(|(_, v)| !v.is_empty())
             .map(|(shard, v)| self.fetch_on(shard, v));
-        let mut found = std::collections::HashMap::new();
-        for r in futures::future::join_all(jobs).await {
-            for e in r? {
-                found.insert(e.id, e);
-            }
-        }
         let mut out = Vec::new();
-        let mut seen = HashSet::new();
-        for id in ids {
-            if seen.insert(*id) {
-                if let Some(e) = found.remove(id) {
-                    out.push(e);
-                }
-            }
+        for r in futures::future::join_all(jobs).await {
+            out.extend(r?);
         }
         Ok(out)
     }
 
     /// Live entities among `ids` (all on `shard`, no repeats), in no
-    /// particular order: one statement for those whose location is
-    /// remembered, one by id for the others and for any whose remembered
-    /// row turned out not to be theirs (see [`crate::locations`]).
-    async fn fetch_on(&self, shard: usize, ids: &[EntityId]) -> Result<Vec<Entity>, ReadError> {
+    /// particular order: one statement for those whose location is given
+    /// or remembered, one by id for the others and for any whose location
+    /// turned out not to hold them (see [`crate::locations`]).
+    async fn fetch_on(
+        &self,
+        shard: usize,
+        ids: &[(EntityId, Option<u64>)],
+    ) -> Result<Vec<Entity>, ReadError> {
         let locations = &self.inner.locations;
         let fetches = &self.inner.metrics.fetches;
         let mut out = Vec::with_capacity(ids.len());
         let (mut by_id, mut at) = (Vec::new(), Vec::new());
-        for id in ids {
-            match locations.get(id) {
+        for (id, given) in ids {
+            match given.or_else(|| locations.get(id)) {
                 Some(added_id) => at.push((*id, added_id)),
                 None => by_id.push(*id),
             }
@@ -307,8 +315,8 @@ impl Reader {
                             c => store::scan_index(s.shard, c, &plan.spec, &scan)
                         );
                         s.done = rows.len() < want;
-                        if let Some((key, id, _)) = rows.last() {
-                            s.after = Some((key[k..].to_vec(), *id));
+                        if let Some(last) = rows.last() {
+                            s.after = Some((last.key[k..].to_vec(), last.entity));
                         }
                         s.buf.extend(rows);
                         Ok::<_, StoreError>(())
@@ -328,11 +336,11 @@ impl Reader {
                         .enumerate()
                         .filter_map(|(i, s)| s.buf.front().map(|h| (i, h)))
                         .min_by(|(_, a), (_, b)| {
-                            in_order(&a.0, &b.0).then_with(|| {
+                            in_order(&a.key, &b.key).then_with(|| {
                                 if plan.descending {
-                                    b.1.cmp(&a.1)
+                                    b.entity.cmp(&a.entity)
                                 } else {
-                                    a.1.cmp(&b.1)
+                                    a.entity.cmp(&b.entity)
                                 }
                             })
                         })
@@ -348,28 +356,30 @@ impl Reader {
                 }
                 out.index_rows += candidates.len() as u64;
                 // Entities on the index row's own shard came with the scan;
-                // the others are fetched (one statement per shard), only as
-                // many at a time as the page still needs: fetching and
-                // decoding is what costs.
+                // the others (and any the join missed) are fetched, one
+                // statement per shard, only as many at a time as the page
+                // still needs: fetching and decoding is what costs.
                 let mut candidates = candidates.into_iter().peekable();
                 while candidates.peek().is_some() {
                     let need = q.limit - out.items.len();
                     let chunk: Vec<(ScannedRow, usize)> = candidates.by_ref().take(need).collect();
-                    let remote: Vec<EntityId> = chunk
-                        .iter()
-                        .filter(|((_, id, _), from)| self.shards().of_id(id) != *from)
-                        .map(|((_, id, _), _)| *id)
-                        .collect();
                     let mut found: std::collections::HashMap<EntityId, Entity> =
-                        self.get_many(&remote).await?.into_iter().map(|e| (e.id, e)).collect();
+                        std::collections::HashMap::new();
+                    let mut fetch = Vec::new();
                     let mut rows = Vec::with_capacity(chunk.len());
-                    for ((key, id, local), from) in chunk {
-                        if let Some(stored) = local.filter(|_| self.shards().of_id(&id) == from) {
-                            self.inner.locations.learn([(id, stored.added_id)]);
-                            found.insert(id, decode(from, stored)?);
+                    for (row, from) in chunk {
+                        let here = self.shards().of_id(&row.entity) == from;
+                        match row.local {
+                            Local::Live(stored) if here => {
+                                self.inner.locations.learn([(row.entity, stored.added_id)]);
+                                found.insert(row.entity, decode(from, stored)?);
+                            }
+                            Local::Deleted if here => {}
+                            _ => fetch.push((row.entity, row.entity_added_id)),
                         }
-                        rows.push((key, id));
+                        rows.push((row.key, row.entity));
                     }
+                    found.extend(self.fetch_located(fetch.into_iter()).await?.into_iter().map(|e| (e.id, e)));
                     for (key, id) in rows {
                         let keep = found.get(&id).is_some_and(|e| {
                             !seen.contains(&id)

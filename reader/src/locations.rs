@@ -10,6 +10,10 @@
 //! `execute::Reader::get_many`). The rows themselves are always read fresh;
 //! only where to find them is remembered.
 //!
+//! Queries mostly do not need it: index rows carry their entity's location
+//! (see `schemas::ddl::index_table`). It serves point reads (`GET`, batch
+//! get) and index rows that do not know the location yet.
+//!
 //! Bounded, approximately least recently used: two generations of at most
 //! `capacity / 2` entries each. New and used entries go to the young one;
 //! when it is full it becomes the old one and the previous old one is

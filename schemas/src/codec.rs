@@ -174,6 +174,7 @@ mod tests {
             shard: 0,
             before: Some(Bag::from([("k".into(), Value::Int(1))])),
             after: Some(after),
+            added_id: None,
         }
     }
 
@@ -212,12 +213,14 @@ mod tests {
             blob.extend_from_slice(&lz4_flex::compress_prepend_size(&raw));
             assert!(blob.len() < 64 * 1024, "tiny on the wire: {} bytes", blob.len());
             assert!(matches!(decode_body(&blob), Err(CodecError::Bincode(_))));
-            // The same nesting inside an event's `after`, which comes last:
-            // replace its `Some(empty map)` (bytes 1, 0).
+            // The same nesting inside an event's `after`, which comes next
+            // to last: replace its `Some(empty map)` (bytes 1, 0), keeping
+            // the `added_id` `None` (0) after it.
             let mut ev = options().serialize(&event_with(Bag::new())).unwrap();
-            assert_eq!(ev[ev.len() - 2..], [1, 0]);
-            ev.truncate(ev.len() - 1);
+            assert_eq!(ev[ev.len() - 3..], [1, 0, 0]);
+            ev.truncate(ev.len() - 2);
             ev.extend_from_slice(&raw);
+            ev.push(0);
             let mut blob = vec![FORMAT_LZ4_BINCODE];
             blob.extend_from_slice(&lz4_flex::compress_prepend_size(&ev));
             assert!(matches!(ChangeEvent::decode(&blob), Err(CodecError::Bincode(_))));

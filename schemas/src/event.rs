@@ -30,6 +30,25 @@ pub struct ChangeEvent {
     pub before: Option<Bag>,
     /// `None` for a delete.
     pub after: Option<Bag>,
+    /// The entity row's `added_id` (its clustered key on its shard, fixed
+    /// for the life of the id), when the writer knew it: index rows carry
+    /// it so a query reads the entity by its clustered key. A hint, checked
+    /// on every use. Last, so events from before it existed still decode.
+    pub added_id: Option<u64>,
+}
+
+/// The layout of events written before `added_id` existed (they may still
+/// be in the topic, the outbox or a dead-letter queue when a new version
+/// starts).
+#[derive(Deserialize)]
+struct ChangeEventV1 {
+    id: EntityId,
+    version: u64,
+    op: Op,
+    committed_at_us: i64,
+    shard: u32,
+    before: Option<Bag>,
+    after: Option<Bag>,
 }
 
 impl ChangeEvent {
@@ -37,8 +56,21 @@ impl ChangeEvent {
         codec::encode(self)
     }
 
+    /// Decodes the current layout, else the one before `added_id`.
     pub fn decode(blob: &[u8]) -> Result<ChangeEvent, CodecError> {
-        codec::decode(blob)
+        codec::decode(blob).or_else(|e| match codec::decode::<ChangeEventV1>(blob) {
+            Ok(v1) => Ok(ChangeEvent {
+                id: v1.id,
+                version: v1.version,
+                op: v1.op,
+                committed_at_us: v1.committed_at_us,
+                shard: v1.shard,
+                before: v1.before,
+                after: v1.after,
+                added_id: None,
+            }),
+            Err(_) => Err(e),
+        })
     }
 }
 
@@ -57,8 +89,39 @@ mod tests {
             shard: 1,
             before: None,
             after: Some(Bag::from([("title".into(), Value::String("x".into()))])),
+            added_id: Some(41),
         };
         assert_eq!(ChangeEvent::decode(&e.encode()).unwrap(), e);
         assert!(ChangeEvent::decode(b"\x01garbage").is_err());
+    }
+
+    /// The layout before `added_id`, as such events were encoded.
+    #[derive(Serialize)]
+    struct OldEvent<'a> {
+        id: EntityId,
+        version: u64,
+        op: Op,
+        committed_at_us: i64,
+        shard: u32,
+        before: Option<&'a Bag>,
+        after: Option<&'a Bag>,
+    }
+
+    #[test]
+    fn events_from_before_the_location_decode_without_it() {
+        let bag = Bag::from([("n".into(), Value::Int(3))]);
+        let id = EntityId::random();
+        let old = OldEvent {
+            id,
+            version: 2,
+            op: Op::Put,
+            committed_at_us: 9,
+            shard: 1,
+            before: None,
+            after: Some(&bag),
+        };
+        let e = ChangeEvent::decode(&codec::encode(&old)).unwrap();
+        assert_eq!((e.id, e.version, e.shard, e.added_id), (id, 2, 1, None));
+        assert_eq!(e.after, Some(bag));
     }
 }

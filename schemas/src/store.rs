@@ -235,8 +235,24 @@ pub async fn create_base_tables(shard: usize, pool: &MySqlPool) -> Result<()> {
     Ok(())
 }
 
+/// Creates the index table, or brings an older one up to date: a table
+/// made before `entity_added_id` existed gets the column (an instant
+/// `ALTER` on MariaDB ≥ 10.3 and MySQL ≥ 8.0; its rows read NULL, "location
+/// unknown", until the indexer or the cleaner rewrites them).
 pub async fn create_index_table(shard: usize, pool: &MySqlPool, spec: &IndexSpec) -> Result<()> {
     sqlx::query(&ddl::index_table(spec)).execute(pool).await.on(shard)?;
+    let (has,): (i64,) = sqlx::query_as(
+        "SELECT COUNT(*) FROM information_schema.COLUMNS \
+         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = 'entity_added_id'",
+    )
+    .bind(&spec.table)
+    .fetch_one(pool)
+    .await
+    .on(shard)?;
+    if has == 0 {
+        let sql = format!("ALTER TABLE `{}` ADD COLUMN {}", spec.table, ddl::LOCATION_COLUMN);
+        sqlx::query(&sql).execute(pool).await.on(shard)?;
+    }
     Ok(())
 }
 
@@ -259,6 +275,8 @@ pub struct Current {
     pub version: u64,
     /// `None` for a tombstone (a deleted entity).
     pub body: Option<Vec<u8>>,
+    /// The row's clustered key, fixed for the life of the id.
+    pub added_id: u64,
 }
 
 /// `SELECT … FOR UPDATE` of many ids in one statement: the rows present (id
@@ -275,7 +293,7 @@ pub async fn lock_entities(
     sorted.dedup();
     for chunk in sorted.chunks(1000) {
         let sql = format!(
-            "SELECT id, version, body FROM entities WHERE id IN ({}) FOR UPDATE",
+            "SELECT id, version, body, added_id FROM entities WHERE id IN ({}) FOR UPDATE",
             vec!["?"; chunk.len()].join(", ")
         );
         let mut q = sqlx::query(&sql);
@@ -286,7 +304,11 @@ pub async fn lock_entities(
             let id = id_column(shard, &r, "id")?;
             out.insert(
                 id,
-                Current { version: r.try_get("version").on(shard)?, body: r.try_get("body").on(shard)? },
+                Current {
+                    version: r.try_get("version").on(shard)?,
+                    body: r.try_get("body").on(shard)?,
+                    added_id: r.try_get("added_id").on(shard)?,
+                },
             );
         }
     }
@@ -302,18 +324,26 @@ pub async fn lock_entities(
 /// may create the same id first; the insert then fails on the unique key
 /// (1062, a retryable conflict) instead of silently overwriting that write
 /// with the same version.
+///
+/// Returns, for inserted rows, each one's new `added_id` where it is known
+/// without another statement: the server reports the first of a statement
+/// (`LAST_INSERT_ID`), which is the only one of a one-row statement; the
+/// others follow it one by one when `consecutive` (see
+/// [`autoinc_is_consecutive`]). `None` for updated rows and unknown ones.
 pub async fn write_entities(
     shard: usize,
     conn: &mut MySqlConnection,
     rows: &[(EntityId, u64, i64, Option<Vec<u8>>)],
     locked: bool,
-) -> Result<()> {
+    consecutive: bool,
+) -> Result<Vec<Option<u64>>> {
     let tuple = "(?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)";
     let tail = if locked {
         " ON DUPLICATE KEY UPDATE version = VALUES(version), updated = VALUES(updated), body = VALUES(body)"
     } else {
         ""
     };
+    let mut added = Vec::with_capacity(rows.len());
     for chunk in rows.chunks(500) {
         let sql = format!(
             "INSERT INTO entities (id, version, updated, body) VALUES {}{tail}",
@@ -323,9 +353,26 @@ pub async fn write_entities(
         for (id, version, updated_us, body) in chunk {
             q = q.bind(&id.0[..]).bind(*version).bind(*updated_us).bind(body.as_deref());
         }
-        q.execute(&mut *conn).await.on(shard)?;
+        let done = q.execute(&mut *conn).await.on(shard)?;
+        let first = done.last_insert_id();
+        let known = !locked && first > 0 && (chunk.len() == 1 || consecutive);
+        added.extend((0..chunk.len() as u64).map(|i| known.then_some(first + i)));
     }
-    Ok(())
+    Ok(added)
+}
+
+/// Whether a multi-row `INSERT` on this server numbers its rows one after
+/// another from `LAST_INSERT_ID()`: InnoDB guarantees it for such "simple
+/// inserts" in auto-increment lock modes 0 and 1 (MariaDB's default), not
+/// in mode 2 (MySQL 8's default), and only with an increment of 1.
+pub async fn autoinc_is_consecutive(shard: usize, conn: &mut MySqlConnection) -> Result<bool> {
+    let (mode, step): (i64, i64) = sqlx::query_as(
+        "SELECT CAST(@@innodb_autoinc_lock_mode AS SIGNED), CAST(@@auto_increment_increment AS SIGNED)",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .on(shard)?;
+    Ok(mode <= 1 && step == 1)
 }
 
 /// Change events into the outbox in multi-row statements, in the given
@@ -633,32 +680,60 @@ fn key_equals(spec: &IndexSpec) -> String {
     spec.properties.iter().map(|p| format!("`{}` = ?", p.name)).collect::<Vec<_>>().join(" AND ")
 }
 
+/// One index row to write: its key, its entity, the version writing it, and
+/// the entity's `added_id` (see [`crate::ddl::index_table`]) where known.
+pub type UpsertRow = (IndexKey, EntityId, u64, Option<u64>);
+
 /// Writes rows, or raises their versions; never lowers one, so a replayed
 /// old event cannot make a row look older than what was already applied.
+/// A known entity location is written; an unknown one keeps what the row
+/// has (an id's `added_id` never changes, so any known one is the same).
 /// Up to 500 rows per statement.
 pub async fn upsert_index_rows(
     shard: usize,
     conn: &mut MySqlConnection,
     spec: &IndexSpec,
-    rows: &[(IndexKey, EntityId, u64)],
+    rows: &[UpsertRow],
 ) -> Result<()> {
     let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
-    let tuple = format!("({}, ?, ?)", vec!["?"; cols.len()].join(", "));
+    let tuple = format!("({}, ?, ?, ?)", vec!["?"; cols.len()].join(", "));
     for chunk in rows.chunks(500) {
         let sql = format!(
-            "INSERT INTO `{}` ({}, entity_id, version) VALUES {} \
-             ON DUPLICATE KEY UPDATE version = GREATEST(version, VALUES(version))",
+            "INSERT INTO `{}` ({}, entity_id, version, entity_added_id) VALUES {} \
+             ON DUPLICATE KEY UPDATE entity_added_id = COALESCE(VALUES(entity_added_id), entity_added_id), \
+             version = GREATEST(version, VALUES(version))",
             spec.table,
             cols.join(", "),
             vec![tuple.as_str(); chunk.len()].join(", ")
         );
         let mut q = sqlx::query(&sql);
-        for (key, entity, version) in chunk {
-            q = bind_key(q, key).bind(&entity.0[..]).bind(*version);
+        for (key, entity, version, at) in chunk {
+            q = bind_key(q, key).bind(&entity.0[..]).bind(*version).bind(*at);
         }
         q.execute(&mut *conn).await.on(shard)?;
     }
     Ok(())
+}
+
+/// Sets where each row's entity is (key, entity, its `added_id`), on rows
+/// that exist; never creates one. Returns how many rows changed.
+pub async fn set_index_row_locations(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    spec: &IndexSpec,
+    rows: &[(IndexKey, EntityId, u64)],
+) -> Result<u64> {
+    let sql = format!(
+        "UPDATE `{}` SET entity_added_id = ? WHERE {} AND entity_id = ?",
+        spec.table,
+        key_equals(spec)
+    );
+    let mut changed = 0;
+    for (key, entity, at) in rows {
+        let q = bind_key(sqlx::query(&sql).bind(*at), key).bind(&entity.0[..]);
+        changed += q.execute(&mut *conn).await.on(shard)?.rows_affected();
+    }
+    Ok(changed)
 }
 
 /// Deletes rows written by an older version than each row's `version`: a
@@ -736,6 +811,8 @@ pub struct IndexRow {
     pub key: IndexKey,
     pub entity: EntityId,
     pub version: u64,
+    /// The entity's `added_id` as the row has it (NULL: unknown).
+    pub entity_added_id: Option<u64>,
 }
 
 /// Every row of the listed entities in this shard's copy of the index.
@@ -752,7 +829,7 @@ pub async fn index_rows_of(
     let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
     let marks = vec!["?"; ids.len()].join(",");
     let sql = format!(
-        "SELECT {}, entity_id, version FROM `{}` WHERE entity_id IN ({marks})",
+        "SELECT {}, entity_id, version, entity_added_id FROM `{}` WHERE entity_id IN ({marks})",
         cols.join(", "),
         spec.table
     );
@@ -768,6 +845,7 @@ pub async fn index_rows_of(
             key,
             entity: id_column(shard, r, "entity_id")?,
             version: r.try_get("version").on(shard)?,
+            entity_added_id: r.try_get("entity_added_id").on(shard)?,
         });
     }
     Ok(out)
@@ -809,9 +887,30 @@ pub struct IndexScan<'a> {
     pub with_entities: bool,
 }
 
-/// One row of an index scan: its full key, its entity id, and (with
-/// [`IndexScan::with_entities`]) the live entity if this shard stores it.
-pub type ScannedRow = (IndexKey, EntityId, Option<StoredEntity>);
+/// One row of an index scan: its full key, its entity id, where the row
+/// says its entity is, and (with [`IndexScan::with_entities`]) what this
+/// shard holds there.
+#[derive(Debug, Clone)]
+pub struct ScannedRow {
+    pub key: IndexKey,
+    pub entity: EntityId,
+    /// The entity's `added_id` on its own shard, as the index row has it.
+    pub entity_added_id: Option<u64>,
+    pub local: Local,
+}
+
+/// The joined entity of a scanned index row.
+#[derive(Debug, Clone)]
+pub enum Local {
+    /// The row's entity, stored on this shard at the row's location.
+    Live(StoredEntity),
+    /// The row's entity is a tombstone there: deleted.
+    Deleted,
+    /// Nothing of the entity's at that location here: it lives on another
+    /// shard, the row's location is unknown or wrong, or the scan did not
+    /// join. The caller fetches it by id.
+    Unknown,
+}
 
 /// Rows of one shard's index table in index order: full keys and entity ids.
 pub async fn scan_index(
@@ -860,18 +959,21 @@ pub async fn scan_index(
     let dir = if scan.descending { " DESC" } else { "" };
     let order: Vec<String> =
         cols[k..].iter().map(|c| format!("{c}{dir}")).chain([format!("i.entity_id{dir}")]).collect();
-    // Entity columns get aliases no property name can take (names have no dots).
+    // Entity columns get aliases no property name can take (names have no
+    // dots). The join is on the entities table's clustered key, checked
+    // against the id, so a wrong or unknown location joins nothing.
     let (entity_cols, join) = if scan.with_entities {
         (
             ", e.added_id AS `e.added_id`, e.version AS `e.version`, \
              TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', e.updated) AS `e.updated_us`, e.body AS `e.body`",
-            " LEFT JOIN entities AS e ON e.id = i.entity_id AND e.body IS NOT NULL",
+            " LEFT JOIN entities AS e FORCE INDEX (PRIMARY) \
+             ON e.added_id = i.entity_added_id AND e.id = i.entity_id",
         )
     } else {
         ("", "")
     };
     let sql = format!(
-        "SELECT {}, i.entity_id{entity_cols} FROM `{}` AS i{join} {} ORDER BY {} LIMIT ?",
+        "SELECT {}, i.entity_id, i.entity_added_id{entity_cols} FROM `{}` AS i{join} {} ORDER BY {} LIMIT ?",
         cols.join(", "),
         spec.table,
         if wheres.is_empty() { String::new() } else { format!("WHERE {}", wheres.join(" AND ")) },
@@ -891,19 +993,29 @@ pub async fn scan_index(
     for r in &rows {
         let Some(key) = row_key(shard, spec, r)? else { continue };
         let id = id_column(shard, r, "entity_id")?;
-        let entity = match scan.with_entities {
-            true => r.try_get::<Option<Vec<u8>>, _>("e.body").on(shard)?.map(|body| {
-                Ok::<_, StoreError>(StoredEntity {
+        let joined: Option<u64> = match scan.with_entities {
+            true => r.try_get("e.added_id").on(shard)?,
+            false => None,
+        };
+        let local = match joined {
+            None => Local::Unknown,
+            Some(added_id) => match r.try_get::<Option<Vec<u8>>, _>("e.body").on(shard)? {
+                None => Local::Deleted,
+                Some(body) => Local::Live(StoredEntity {
                     id,
-                    added_id: r.try_get("e.added_id").on(shard)?,
+                    added_id,
                     version: r.try_get("e.version").on(shard)?,
                     updated_us: r.try_get("e.updated_us").on(shard)?,
                     body,
-                })
-            }),
-            false => None,
+                }),
+            },
         };
-        out.push((key, id, entity.transpose()?));
+        out.push(ScannedRow {
+            key,
+            entity: id,
+            entity_added_id: r.try_get("entity_added_id").on(shard)?,
+            local,
+        });
     }
     Ok(out)
 }

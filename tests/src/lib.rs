@@ -356,6 +356,27 @@ impl TestEnv {
         counts.into_iter().map(|(_, (n,))| n).sum()
     }
 
+    /// For every row of index `table` on every shard: its entity id, the
+    /// location the row gives for it, and where the entity's row really is
+    /// (its `added_id`; `None` if no shard has the entity).
+    pub async fn index_row_locations(&self, table: &str) -> Vec<RowLocation> {
+        type Row = (Vec<u8>, Option<u64>);
+        let rows: Vec<(usize, Row)> =
+            self.fetch_all_shards(&format!("SELECT entity_id, entity_added_id FROM `{table}`")).await;
+        let entities: std::collections::HashMap<Vec<u8>, u64> = self
+            .fetch_all_shards("SELECT id, added_id FROM entities")
+            .await
+            .into_iter()
+            .map(|(_, r)| r)
+            .collect();
+        rows.into_iter()
+            .map(|(_, (id, given))| {
+                let actual = entities.get(&id).copied();
+                RowLocation { entity: schemas::id::hex(&id), given, actual }
+            })
+            .collect()
+    }
+
     /// Runs `sql` on every shard and returns (shard, row) for every row.
     pub async fn fetch_all_shards<T>(&self, sql: &str) -> Vec<(usize, T)>
     where
@@ -370,6 +391,14 @@ impl TestEnv {
         }
         out
     }
+}
+
+/// See [`TestEnv::index_row_locations`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowLocation {
+    pub entity: String,
+    pub given: Option<u64>,
+    pub actual: Option<u64>,
 }
 
 /// A running `bagstore` process.

@@ -110,6 +110,12 @@ async fn a_new_index_is_backfilled_online_through_creating_backfilling_active() 
     let m = cleaner.api().metrics().await;
     assert_eq!(metric_sum(&m, "bagstore_cleaner_backfill_progress_ratio", &[("index", "index_link")]), 1.0);
     assert_eq!(metric_sum(&m, "bagstore_index_state", &[("index", "index_link")]), 2.0);
+    // Backfilled rows (and the indexer's) say where their entity's row is.
+    let rows = env.index_row_locations("index_link").await;
+    assert_eq!(rows.len(), 601);
+    for r in rows {
+        assert!(r.given.is_some() && r.given == r.actual, "{r:?}");
+    }
     for p in [writer, reader, indexer, cleaner] {
         p.terminate().await;
     }

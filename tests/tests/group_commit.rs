@@ -9,6 +9,10 @@
 //! - The reader fetches entities it has seen by their row's clustered key;
 //!   a remembered key that no longer holds the entity costs a second
 //!   statement (by id), never a wrong or missing answer.
+//! - Index rows say where their entity's row is (written by the indexer
+//!   from the change event, by the backfill, repaired by the cleaner), so a
+//!   query reads entities by clustered key; a wrong or missing location
+//!   costs a fetch by id, never a wrong answer.
 
 use bagstore_tests::{eventually, metric_sum, TestEnv, STANDARD_INDEXES};
 use schemas::EntityId;
@@ -223,6 +227,100 @@ async fn a_remembered_location_that_no_longer_holds_the_entity_falls_back_to_its
     assert_eq!(api.get(&ids[0]).await.0, 404);
     let text = api.metrics().await;
     assert_eq!((fetched(&text, "location"), fetched(&text, "stale")), (11.0, 4.0));
+}
+
+#[tokio::test]
+async fn index_rows_say_where_their_entities_are_and_a_wrong_location_costs_no_answer() {
+    let env = TestEnv::new("rowlocations", STANDARD_INDEXES).await;
+    // Its own cleaner waits an hour between sweeps: the wrong locations
+    // below must stay wrong until a cleaner is asked to repair them.
+    let dev = env
+        .spawn_env(&["dev", "--http", "127.0.0.1:0"], &[("BAGSTORE_CLEANER__INTERVAL_MS", "3600000")])
+        .await;
+    let api = dev.api();
+    let user = "5ca1ab1e5ca1ab1e5ca1ab1e5ca1ab1e";
+    // New entities in multi-row inserts (a batch: three per shard), one at
+    // a time, and an update (the row existed: its location is read).
+    let ids: Vec<String> = (0..2).flat_map(|s| ids_on(s, 0x3d, 5)).collect();
+    let batch: Vec<_> =
+        ids[..3].iter().chain(&ids[5..8]).map(|id| json!({"id": id, "user_id": user})).collect();
+    let (status, doc) = api.batch(&batch).await;
+    assert_eq!(status, 200, "{doc}");
+    for id in ids[3..5].iter().chain(&ids[8..]) {
+        assert_eq!(api.put(id, &json!({"user_id": user})).await.0, 201);
+    }
+    assert_eq!(api.put(&ids[0], &json!({"user_id": user, "n": 1})).await.0, 200);
+    env.until_caught_up(&["index_user_id"]).await;
+    let rows = env.index_row_locations("index_user_id").await;
+    assert_eq!(rows.len(), 10);
+    for r in rows {
+        assert!(r.given.is_some() && r.given == r.actual, "{r:?}");
+    }
+
+    let fetched =
+        |text: &str, by: &str| metric_sum(text, "bagstore_reader_entity_fetches_total", &[("by", by)]);
+    let q = json!({"index": "index_user_id", "where": {"user_id": user}, "limit": 20});
+    let mut want = api.query_ids(&q).await;
+    want.sort();
+    let mut all = ids.clone();
+    all.sort();
+    assert_eq!(want, all);
+    // Local entities came with the scan, the others by their location: no
+    // fetch by id at all.
+    let text = api.metrics().await;
+    assert_eq!((fetched(&text, "id"), fetched(&text, "stale")), (0.0, 0.0), "{text}");
+
+    // Wrong locations, then none: the same answer, at the cost of fetches
+    // by id (the local ones miss the join, and every given location is
+    // stale: counted as such, then fetched by id).
+    let shard = schemas::shard_of(&EntityId::parse(user).unwrap().0, 2);
+    let admin = env.pool(shard).await;
+    sqlx::query("UPDATE index_user_id SET entity_added_id = entity_added_id + 1000000")
+        .execute(&admin)
+        .await
+        .expect("move");
+    let mut got = api.query_ids(&q).await;
+    got.sort();
+    assert_eq!(got, all);
+    let text = api.metrics().await;
+    assert_eq!((fetched(&text, "id"), fetched(&text, "stale")), (0.0, 10.0), "{text}");
+    sqlx::query("UPDATE index_user_id SET entity_added_id = NULL").execute(&admin).await.expect("forget");
+    let mut got = api.query_ids(&q).await;
+    got.sort();
+    assert_eq!(got, all);
+
+    // A cleaner writes the locations back.
+    let cleaner = env.spawn_env(&["cleaner"], &[("BAGSTORE_CLEANER__INTERVAL_MS", "200")]).await;
+    eventually("the cleaner to write every location back", Duration::from_secs(60), || async {
+        let rows = env.index_row_locations("index_user_id").await;
+        rows.iter().all(|r| r.given.is_some() && r.given == r.actual).then_some(())
+    })
+    .await;
+    let m = cleaner.api().metrics().await;
+    let drift = |name: &str| metric_sum(&m, name, &[("index", "index_user_id"), ("kind", "location")]);
+    assert_eq!(
+        (drift("bagstore_cleaner_drift_found_total"), drift("bagstore_cleaner_drift_fixed_total")),
+        (10.0, 10.0),
+        "{m}"
+    );
+    cleaner.terminate().await;
+
+    // A table made before the column existed gets it from migrate.
+    sqlx::query("ALTER TABLE index_tag DROP COLUMN entity_added_id")
+        .execute(&admin)
+        .await
+        .expect("drop column");
+    env.migrate().await;
+    let (n,): (i64,) = sqlx::query_as(
+        "SELECT COUNT(*) FROM information_schema.COLUMNS \
+         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'index_tag' AND COLUMN_NAME = 'entity_added_id'",
+    )
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert_eq!(n, 1);
+    admin.close().await;
+    dev.terminate().await;
 }
 
 /// Kills every connection to this test's databases (but the killer's own);

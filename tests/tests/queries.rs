@@ -324,13 +324,13 @@ async fn index_order_in_mysql_equals_value_order_for_every_type() {
             };
             let mut id = [0u8; 16];
             id[..4].copy_from_slice(&i.to_be_bytes());
-            rows.push((vec![v], schemas::EntityId(id), 1u64));
+            rows.push((vec![v], schemas::EntityId(id), 1u64, None));
         }
         let mut conn = shards.pool(0).acquire().await.unwrap();
         store::upsert_index_rows(0, &mut conn, &spec, &rows).await.unwrap();
         drop(conn);
         let mut want: Vec<(Vec<KeyValue>, schemas::EntityId)> =
-            rows.iter().map(|(k, id, _)| (k.clone(), *id)).collect();
+            rows.iter().map(|(k, id, ..)| (k.clone(), *id)).collect();
         want.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap().then(a.1.cmp(&b.1)));
         want.dedup();
         for descending in [false, true] {
@@ -350,7 +350,7 @@ async fn index_order_in_mysql_equals_value_order_for_every_type() {
                     .await
                     .unwrap()
                     .into_iter()
-                    .map(|(key, id, _)| (key, id))
+                    .map(|row| (row.key, row.entity))
                     .collect();
                 if page.is_empty() {
                     break;

@@ -47,6 +47,9 @@ struct Inner {
     wake: Vec<Notify>,
     /// One per shard: single writes waiting for a commit slot.
     queues: Vec<group::Queue>,
+    /// One per shard, asked once: whether a multi-row insert's new rows are
+    /// numbered consecutively (see `store::autoinc_is_consecutive`).
+    consecutive: Vec<tokio::sync::OnceCell<bool>>,
 }
 
 impl Writer {
@@ -68,7 +71,8 @@ impl Writer {
         }
         let wake = (0..shards.count()).map(|_| Notify::new()).collect();
         let (queues, receivers) = group::queues(shards.count());
-        let inner = Arc::new(Inner { settings, shards, metrics, wake, queues });
+        let consecutive = (0..shards.count()).map(|_| tokio::sync::OnceCell::new()).collect();
+        let inner = Arc::new(Inner { settings, shards, metrics, wake, queues, consecutive });
         group::spawn_dispatchers(&inner, receivers);
         Ok(Writer { inner })
     }

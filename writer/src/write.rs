@@ -155,11 +155,12 @@ impl Writer {
         items: &[(EntityId, Change, Precondition)],
     ) -> Result<Vec<Result<Outcome, WriteError>>, StoreError> {
         let ids: Vec<EntityId> = items.iter().map(|(id, _, _)| *id).collect();
-        let mut rows: HashMap<EntityId, Row> = store::lock_entities(shard, &mut tx, &ids)
-            .await?
-            .into_iter()
-            .map(|(id, c)| (id, Row::stored(shard, &id, c)))
-            .collect();
+        let current = store::lock_entities(shard, &mut tx, &ids).await?;
+        // Where each entity's row is (its clustered key): the existing ones
+        // now, the new ones once inserted. Events carry it for the indexes.
+        let mut located: HashMap<EntityId, u64> = current.iter().map(|(id, c)| (*id, c.added_id)).collect();
+        let mut rows: HashMap<EntityId, Row> =
+            current.into_iter().map(|(id, c)| (id, Row::stored(shard, &id, c))).collect();
         let locked: std::collections::HashSet<EntityId> = rows.keys().copied().collect();
         let now = now_micros();
         let mut results = Vec::with_capacity(items.len());
@@ -170,7 +171,7 @@ impl Writer {
             match decide(shard, id, rows.get(id), change, *pre, now) {
                 Ok((row, event, outcome)) => {
                     kinds.push(if matches!(change, Change::Delete) { "delete" } else { "put" });
-                    events.push((*id, event.version, now, event.encode()));
+                    events.push(event);
                     if !written.contains(id) {
                         written.push(*id);
                     }
@@ -192,11 +193,31 @@ impl Writer {
                 })
                 .partition(|(id, ..)| locked.contains(id));
             if !present.is_empty() {
-                store::write_entities(shard, &mut tx, &present, true).await?;
+                store::write_entities(shard, &mut tx, &present, true, false).await?;
             }
             if !absent.is_empty() {
-                store::write_entities(shard, &mut tx, &absent, false).await?;
+                let consecutive = match absent.len() {
+                    1 => false, // one row per statement: nothing to number
+                    _ => {
+                        *self.inner.consecutive[shard]
+                            .get_or_try_init(|| store::autoinc_is_consecutive(shard, &mut tx))
+                            .await?
+                    }
+                };
+                let added = store::write_entities(shard, &mut tx, &absent, false, consecutive).await?;
+                for ((id, ..), at) in absent.iter().zip(added) {
+                    if let Some(at) = at {
+                        located.insert(*id, at);
+                    }
+                }
             }
+            let events: Vec<_> = events
+                .into_iter()
+                .map(|mut e| {
+                    e.added_id = located.get(&e.id).copied();
+                    (e.id, e.version, now, e.encode())
+                })
+                .collect();
             store::insert_outbox_rows(shard, &mut tx, &events).await?;
         }
         tx.commit().await.map_err(|source| StoreError::Shard { shard, source })?;
@@ -283,7 +304,16 @@ fn decide(
         Change::Delete => (Op::Delete, None),
     };
     let row = Row { version, bag: after.clone(), live: after.is_some() };
-    let event =
-        ChangeEvent { id: *id, version, op, committed_at_us: now, shard: shard as u32, before, after };
+    // The row's location is filled in once it is known (after the insert).
+    let event = ChangeEvent {
+        id: *id,
+        version,
+        op,
+        committed_at_us: now,
+        shard: shard as u32,
+        before,
+        after,
+        added_id: None,
+    };
     Ok((row, event, Outcome { id: *id, version, created: live_version.is_none() }))
 }

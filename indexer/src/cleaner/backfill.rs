@@ -14,7 +14,7 @@
 
 use schemas::codec;
 use schemas::store::{self, IndexState, ScannedEntity, StoreError};
-use schemas::{EntityId, IndexKey, IndexSpec};
+use schemas::IndexSpec;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -233,13 +233,13 @@ impl Cleaner {
     /// Upserts the rows of a batch of entities, grouped by target shard.
     async fn write_rows(&self, spec: &IndexSpec, batch: &[ScannedEntity]) -> Result<(), StoreError> {
         let n = self.shards().count();
-        let mut per_shard: Vec<Vec<(IndexKey, EntityId, u64)>> = vec![Vec::new(); n];
+        let mut per_shard: Vec<Vec<store::UpsertRow>> = vec![Vec::new(); n];
         for e in batch {
             let Some(body) = e.body.as_deref() else { continue };
             match codec::decode_body(body) {
                 Ok(bag) => {
                     for key in spec.keys(&bag) {
-                        per_shard[spec.shard_of_key(&key, n)].push((key, e.id, e.version));
+                        per_shard[spec.shard_of_key(&key, n)].push((key, e.id, e.version, Some(e.added_id)));
                     }
                 }
                 Err(err) => tracing::error!(id = %e.id, error = %err, "corrupt entity body; not indexed"),

@@ -60,14 +60,28 @@ pub async fn reconcile(
         actual.extend(r?.into_iter().map(|row| (shard, row)));
     }
 
-    // Missing: a key the entity produces without its row.
-    let mut missing: Vec<Vec<(IndexKey, EntityId, u64)>> = vec![Vec::new(); n];
+    // Missing: a key the entity produces without its row. Mislocated: a
+    // row that is right but does not say where its entity is (written
+    // before rows did) or says it wrong; queries then fetch it by id.
+    let mut missing: Vec<Vec<store::UpsertRow>> = vec![Vec::new(); n];
     let mut missing_count = 0u64;
+    let mut mislocated: Vec<Vec<(IndexKey, EntityId, u64)>> = vec![Vec::new(); n];
+    let mut mislocated_count = 0u64;
     for (id, (version, keys)) in &expected {
+        let at = by_id.get(id).map(|e| e.added_id);
         for key in keys {
-            if !actual.iter().any(|(_, r)| r.entity == *id && &r.key == key) {
-                missing[spec.shard_of_key(key, n)].push((key.clone(), *id, *version));
-                missing_count += 1;
+            let shard = spec.shard_of_key(key, n);
+            match actual.iter().find(|(s, r)| *s == shard && r.entity == *id && &r.key == key) {
+                None => {
+                    missing[shard].push((key.clone(), *id, *version, at));
+                    missing_count += 1;
+                }
+                Some((_, row)) => {
+                    if let Some(at) = at.filter(|a| row.entity_added_id != Some(*a)) {
+                        mislocated[shard].push((key.clone(), *id, at));
+                        mislocated_count += 1;
+                    }
+                }
             }
         }
     }
@@ -93,6 +107,17 @@ pub async fn reconcile(
         m.drift_fixed.with_label_values(&[table, "missing"]).inc_by(missing_count);
         tracing::info!(index = table, rows = missing_count, "wrote missing index rows");
         undo_overtaken(cleaner, spec, &missing).await?;
+    }
+    if mislocated_count > 0 {
+        m.drift_found.with_label_values(&[table, "location"]).inc_by(mislocated_count);
+        let mut fixed = 0;
+        for (shard, rows) in mislocated.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
+            let mut conn =
+                shards.pool(shard).acquire().await.map_err(|source| StoreError::Shard { shard, source })?;
+            fixed += store::set_index_row_locations(shard, &mut conn, spec, rows).await?;
+        }
+        m.drift_fixed.with_label_values(&[table, "location"]).inc_by(fixed);
+        tracing::info!(index = table, rows = fixed, "wrote entity locations into index rows");
     }
     if candidates.is_empty() {
         return Ok(());
@@ -135,14 +160,14 @@ pub async fn reconcile(
 async fn undo_overtaken(
     cleaner: &Cleaner,
     spec: &IndexSpec,
-    written: &[Vec<(IndexKey, EntityId, u64)>],
+    written: &[Vec<store::UpsertRow>],
 ) -> Result<(), CleanerError> {
-    let ids: Vec<EntityId> = written.iter().flatten().map(|(_, id, _)| *id).collect();
+    let ids: Vec<EntityId> = written.iter().flatten().map(|(_, id, ..)| *id).collect();
     let now = cleaner.read_any(&ids).await?;
     let now: HashMap<EntityId, &ScannedEntity> = now.iter().map(|e| (e.id, e)).collect();
     let shards = cleaner.shards();
     for (shard, rows) in written.iter().enumerate() {
-        for (key, id, version) in rows {
+        for (key, id, version, _) in rows {
             let (current, keys) = expected_keys(spec, now.get(id).copied());
             if current == *version || keys.contains(key) {
                 continue;
