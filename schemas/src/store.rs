@@ -315,50 +315,83 @@ pub async fn lock_entities(
     Ok(out)
 }
 
-/// Writes entity rows in multi-row statements; `body` `None` leaves a
-/// tombstone; each id at most once.
+/// One entity row to write: id, version, `updated` (µs), body (`None`: a
+/// tombstone).
+pub type EntityRow = (EntityId, u64, i64, Option<Vec<u8>>);
+
+/// Overwrites entity rows in multi-row statements; each id at most once.
+/// The rows were present when [`lock_entities`] ran, so they are this
+/// transaction's to overwrite.
+pub async fn update_entities(shard: usize, conn: &mut MySqlConnection, rows: &[EntityRow]) -> Result<()> {
+    for chunk in rows.chunks(500) {
+        let sql = entities_sql(chunk.len(), true);
+        bind_entities(sqlx::query(&sql), chunk).execute(&mut *conn).await.on(shard)?;
+    }
+    Ok(())
+}
+
+/// Inserts new entity rows in multi-row statements (each id at most once)
+/// and returns each one's `added_id`, in order (`None` only if a row the
+/// transaction just inserted could not be read back, which cannot happen).
 ///
-/// `locked` rows were present when [`lock_entities`] ran, so they are this
-/// transaction's to overwrite. The others are plain inserts: a locking read
-/// of an absent id (READ COMMITTED) locks nothing, so a concurrent writer
-/// may create the same id first; the insert then fails on the unique key
-/// (1062, a retryable conflict) instead of silently overwriting that write
-/// with the same version.
+/// They are plain inserts: a locking read of an absent id (READ COMMITTED)
+/// locks nothing, so a concurrent writer may create the same id first; the
+/// insert then fails on the unique key (1062, a retryable conflict) instead
+/// of silently overwriting that write with the same version.
 ///
-/// Returns, for inserted rows, each one's new `added_id` where it is known
-/// without another statement: the server reports the first of a statement
-/// (`LAST_INSERT_ID`), which is the only one of a one-row statement; the
-/// others follow it one by one when `consecutive` (see
-/// [`autoinc_is_consecutive`]). `None` for updated rows and unknown ones.
-pub async fn write_entities(
+/// The server reports the first `added_id` of a statement
+/// (`LAST_INSERT_ID`), the only one of a one-row statement; the others
+/// follow it one by one when `consecutive` (see [`autoinc_is_consecutive`]),
+/// and are read back otherwise (one more statement).
+pub async fn insert_entities(
     shard: usize,
     conn: &mut MySqlConnection,
-    rows: &[(EntityId, u64, i64, Option<Vec<u8>>)],
-    locked: bool,
+    rows: &[EntityRow],
     consecutive: bool,
 ) -> Result<Vec<Option<u64>>> {
-    let tuple = "(?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)";
-    let tail = if locked {
-        " ON DUPLICATE KEY UPDATE version = VALUES(version), updated = VALUES(updated), body = VALUES(body)"
-    } else {
-        ""
-    };
     let mut added = Vec::with_capacity(rows.len());
     for chunk in rows.chunks(500) {
-        let sql = format!(
-            "INSERT INTO entities (id, version, updated, body) VALUES {}{tail}",
-            vec![tuple; chunk.len()].join(", ")
-        );
-        let mut q = sqlx::query(&sql);
-        for (id, version, updated_us, body) in chunk {
-            q = q.bind(&id.0[..]).bind(*version).bind(*updated_us).bind(body.as_deref());
-        }
-        let done = q.execute(&mut *conn).await.on(shard)?;
+        let sql = entities_sql(chunk.len(), false);
+        let done = bind_entities(sqlx::query(&sql), chunk).execute(&mut *conn).await.on(shard)?;
         let first = done.last_insert_id();
-        let known = !locked && first > 0 && (chunk.len() == 1 || consecutive);
-        added.extend((0..chunk.len() as u64).map(|i| known.then_some(first + i)));
+        if chunk.len() == 1 || consecutive {
+            added.extend((0..chunk.len() as u64).map(|i| Some(first + i)));
+            continue;
+        }
+        let sql =
+            format!("SELECT id, added_id FROM entities WHERE id IN ({})", vec!["?"; chunk.len()].join(", "));
+        let mut q = sqlx::query(&sql);
+        for (id, ..) in chunk {
+            q = q.bind(&id.0[..]);
+        }
+        let mut at = std::collections::HashMap::with_capacity(chunk.len());
+        for r in q.fetch_all(&mut *conn).await.on(shard)? {
+            at.insert(id_column(shard, &r, "id")?, r.try_get::<u64, _>("added_id").on(shard)?);
+        }
+        added.extend(chunk.iter().map(|(id, ..)| at.get(id).copied()));
     }
     Ok(added)
+}
+
+/// `INSERT INTO entities` of `n` rows; `overwrite` makes it an upsert.
+fn entities_sql(n: usize, overwrite: bool) -> String {
+    let tuple = "(?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)";
+    let tail = match overwrite {
+        true => " ON DUPLICATE KEY UPDATE version = VALUES(version), updated = VALUES(updated), body = VALUES(body)",
+        false => "",
+    };
+    format!("INSERT INTO entities (id, version, updated, body) VALUES {}{tail}", vec![tuple; n].join(", "))
+}
+
+/// Binds `rows` to an [`entities_sql`] statement.
+fn bind_entities<'q>(
+    mut q: Query<'q, MySql, MySqlArguments>,
+    rows: &'q [EntityRow],
+) -> Query<'q, MySql, MySqlArguments> {
+    for (id, version, updated_us, body) in rows {
+        q = q.bind(&id.0[..]).bind(*version).bind(*updated_us).bind(body.as_deref());
+    }
+    q
 }
 
 /// Whether a multi-row `INSERT` on this server numbers its rows one after

@@ -323,6 +323,38 @@ async fn index_rows_say_where_their_entities_are_and_a_wrong_location_costs_no_a
     dev.terminate().await;
 }
 
+/// New rows' locations come from `LAST_INSERT_ID()` (numbered on, where
+/// the server numbers a multi-row insert consecutively) or are read back;
+/// either way each is that row's own `added_id`.
+#[tokio::test]
+async fn inserted_entities_report_their_own_locations_both_ways() {
+    let env = TestEnv::new("insertlocations", "").await;
+    env.migrate().await;
+    let pool = env.pool(0).await;
+    let mut conn = pool.acquire().await.unwrap();
+    // MariaDB's default (innodb_autoinc_lock_mode = 1) numbers them on.
+    assert!(schemas::store::autoinc_is_consecutive(0, &mut conn).await.unwrap());
+    for (round, consecutive) in [(1u8, true), (2, false), (3, true)] {
+        // Ids out of order, so the read-back must match rows by id.
+        let rows: Vec<schemas::store::EntityRow> = [5u8, 1, 4, 2, 3]
+            .iter()
+            .map(|i| (EntityId([round * 16 + i; 16]), 1, 1_700_000_000_000_000, Some(vec![*i])))
+            .collect();
+        let added = schemas::store::insert_entities(0, &mut conn, &rows, consecutive).await.unwrap();
+        assert_eq!(added.len(), rows.len());
+        for ((id, ..), at) in rows.iter().zip(added) {
+            let (real,): (u64,) = sqlx::query_as("SELECT added_id FROM entities WHERE id = ?")
+                .bind(&id.0[..])
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+            assert_eq!(at, Some(real), "round {round}, consecutive {consecutive}, entity {id}");
+        }
+    }
+    drop(conn);
+    pool.close().await;
+}
+
 /// Kills every connection to this test's databases (but the killer's own);
 /// returns how many.
 async fn kill_every_connection(env: &TestEnv) -> usize {

@@ -145,7 +145,10 @@ impl Writer {
     /// its first write), one multi-row write of the rows that existed and one
     /// insert of the new ones (a concurrent creator of the same id makes it
     /// fail, and the whole transaction is retried), one multi-row outbox
-    /// insert, commit. An item whose precondition fails is skipped
+    /// insert, commit (up to 500 rows per statement). Events carry where
+    /// each entity's row is (see `store::insert_entities`: on a server that
+    /// does not number a multi-row insert consecutively, one more statement
+    /// reads the new rows' keys back). An item whose precondition fails is skipped
     /// (its error is its result); a database error rolls back everything and
     /// is returned as the outer error.
     async fn transaction(
@@ -193,18 +196,18 @@ impl Writer {
                 })
                 .partition(|(id, ..)| locked.contains(id));
             if !present.is_empty() {
-                store::write_entities(shard, &mut tx, &present, true, false).await?;
+                store::update_entities(shard, &mut tx, &present).await?;
             }
             if !absent.is_empty() {
                 let consecutive = match absent.len() {
-                    1 => false, // one row per statement: nothing to number
+                    1 => true, // one row: LAST_INSERT_ID() is its own
                     _ => {
                         *self.inner.consecutive[shard]
                             .get_or_try_init(|| store::autoinc_is_consecutive(shard, &mut tx))
                             .await?
                     }
                 };
-                let added = store::write_entities(shard, &mut tx, &absent, false, consecutive).await?;
+                let added = store::insert_entities(shard, &mut tx, &absent, consecutive).await?;
                 for ((id, ..), at) in absent.iter().zip(added) {
                     if let Some(at) = at {
                         located.insert(*id, at);
