@@ -79,14 +79,7 @@ pub fn consumer_config(k: &KafkaSettings, group: &str) -> ClientConfig {
         .set("auto.offset.reset", "earliest")
         .set("session.timeout.ms", k.session_timeout_ms.to_string())
         .set("heartbeat.interval.ms", (k.session_timeout_ms / 4).max(100).to_string())
-        // Eager rebalancing: every member gives up its partitions and gets
-        // a fresh set. With cooperative-sticky, a member whose session timed
-        // out on its own side (a broker outage) could keep reporting and
-        // fetching partitions already given to a newcomer, so two indexers
-        // applied the same events for minutes (seen in the chaos suite; see
-        // librdkafka issue 3450). Applying is idempotent and batches are
-        // small, so the stop-the-world pause of an eager rebalance is short.
-        .set("partition.assignment.strategy", "range")
+        .set("partition.assignment.strategy", "cooperative-sticky")
         // Index lag is the product: an idle fetch that a broker holds for
         // its full wait (librdkafka's mock cluster does, whatever arrives
         // meanwhile) delays the next event by up to that long. 20 ms keeps
