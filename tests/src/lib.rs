@@ -161,7 +161,7 @@ pub enum Kafka {
     /// librdkafka's mock cluster, in this process; faults: broker down/up.
     Mock(MockCluster<'static, DefaultProducerContext>),
     /// A standalone `tansu` broker process; faults: `kill -9` and restart.
-    Tansu(tansu::Tansu),
+    Tansu(Box<tansu::Tansu>),
 }
 
 impl std::fmt::Debug for Kafka {
@@ -243,12 +243,12 @@ impl TestEnv {
     }
 
     /// Like [`TestEnv::new`], with a standalone `tansu` broker process
-    /// (sqlite storage in this test's directory) instead of the mock
+    /// (PostgreSQL storage on a private cluster) instead of the mock
     /// cluster. `migrate` creates the topics through the admin API.
     pub async fn with_tansu(name: &str, indexes_toml: &str) -> TestEnv {
         let mut env = TestEnv::new(name, indexes_toml).await;
         let tansu = tansu::Tansu::start(&env.dir.path().join("tansu")).await.expect("tansu starts");
-        env.kafka = Kafka::Tansu(tansu);
+        env.kafka = Kafka::Tansu(Box::new(tansu));
         env
     }
 

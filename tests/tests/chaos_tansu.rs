@@ -1,5 +1,5 @@
 //! The chaos suite against a standalone broker process that is killed with
-//! `kill -9` and restarted on its data (tansu 0.6.0, sqlite storage), with
+//! `kill -9` and restarted on its data (tansu 0.6.0, PostgreSQL storage), with
 //! indexer and writer crashes and killed MySQL connections in between. See
 //! `bagstore_tests::chaos`.
 
@@ -11,4 +11,30 @@ async fn invariants_hold_when_the_broker_process_is_killed_and_restarted() {
     let env = TestEnv::with_tansu("chaostansu", STANDARD_INDEXES).await;
     let faults = [Fault::BrokerKill, Fault::IndexerKill, Fault::WriterKill, Fault::MysqlKill];
     chaos::run(&env, ChaosConfig::from_env(&faults, 3)).await;
+}
+
+/// The chaos suite's crash detector: a broker process that dies without
+/// the harness killing it is noticed, recorded (the suite fails on any
+/// record) and started again on its data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_dies_on_its_own_is_recorded_as_a_crash() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tansu = bagstore_tests::tansu::Tansu::start(dir.path()).await.expect("tansu starts");
+    assert_eq!(tansu.crash(), None, "a fresh broker is healthy");
+    assert_eq!(tansu.check().await.expect("check"), None);
+    let pid = tansu.pid().expect("running");
+    // Not through the harness: as if the broker crashed.
+    let status = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status().expect("kill");
+    assert!(status.success());
+    let why =
+        bagstore_tests::eventually("the crash to be noticed", std::time::Duration::from_secs(10), || async {
+            tansu.crash()
+        })
+        .await;
+    assert!(why.contains("exited"), "{why}");
+    let recorded = tansu.check().await.expect("restart after a crash");
+    assert!(recorded.is_some());
+    assert_eq!(tansu.crashes().len(), 1, "{:?}", tansu.crashes());
+    assert_eq!(tansu.crash(), None, "restarted and healthy again");
+    assert_ne!(tansu.pid(), Some(pid));
 }
