@@ -832,6 +832,7 @@ pub async fn run(env: &TestEnv, cfg: ChaosConfig) {
     for breach in model::check_topic_order(&events, &stored) {
         shared.fail(format!("Invariant W: {breach}"));
     }
+    let stale = model::stale_redeliveries(&events);
 
     // The report.
     let c = &shared.counters;
@@ -859,6 +860,13 @@ pub async fn run(env: &TestEnv, cfg: ChaosConfig) {
     }
     writeln!(report, "  max index lag observed: {} events, {} ms", n(&c.max_lag_events), n(&c.max_lag_ms))
         .ok();
+    writeln!(
+        report,
+        "  stale redeliveries on the topic (an event after a newer version of its entity): {} events of {} entities",
+        stale.values().map(Vec::len).sum::<usize>(),
+        stale.len()
+    )
+    .ok();
     writeln!(
         report,
         "  indexer restarts after which two indexers kept claiming the same partitions (known defect): {}",
@@ -896,7 +904,7 @@ pub async fn run(env: &TestEnv, cfg: ChaosConfig) {
 
     let failures = shared.failures.lock().unwrap().clone();
     if !failures.is_empty() {
-        print_history(&shared, &timeline, &failures, cfg.keys);
+        print_history(&shared, &timeline, &failures, cfg.keys, &events);
         panic!("chaos seed {}: {} checks failed; first: {}", cfg.seed, failures.len(), failures[0]);
     }
     assert!(n(&c.acked) > 100, "too few writes were acknowledged for the run to mean anything");
@@ -932,7 +940,13 @@ async fn final_entities(shared: &Shared, keys: usize) -> HashMap<String, Value> 
 }
 
 /// The seed, the faults, and every operation on the entities the failures name.
-fn print_history(shared: &Shared, timeline: &[FaultRecord], failures: &[String], keys: usize) {
+fn print_history(
+    shared: &Shared,
+    timeline: &[FaultRecord],
+    failures: &[String],
+    keys: usize,
+    events: &[model::TopicEvent],
+) {
     let mut ours: BTreeSet<String> = (0..keys).map(entity_id).collect();
     ours.extend(shared.created.lock().unwrap().iter().cloned());
     eprintln!("---- {} failed checks ----", failures.len());
@@ -955,5 +969,9 @@ fn print_history(shared: &Shared, timeline: &[FaultRecord], failures: &[String],
     eprintln!("---- history of the {} entities involved ----", involved.len());
     for op in shared.ops.lock().unwrap().iter().filter(|o| involved.contains(&o.id)) {
         eprintln!("  {:>7} ms client {} {}: {} -> {}", op.at_ms, op.client, op.id, op.what, op.outcome);
+    }
+    eprintln!("---- their events in topic order (version@partition:offset) ----");
+    for id in &involved {
+        eprintln!("  {id}: {}", model::topic_history(events, id).join(" "));
     }
 }

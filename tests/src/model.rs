@@ -271,6 +271,34 @@ pub fn read_topic(brokers: &str, topic: &str, partitions: i32) -> Vec<TopicEvent
 /// the same event: one version is one write), and must cover
 /// every version the store committed (`final_versions`: entity id → its
 /// version in `entities`, tombstones included). Returns one line per breach.
+/// Events that arrive after a newer version of their entity was already on
+/// the topic (a redelivery overtaken by a later write), per entity. Not a
+/// breach of Invariant W by itself (the first occurrences are what it
+/// orders), but an indexer that applies such a stale event may bring back an
+/// index row a newer event removed; the chaos report counts them.
+pub fn stale_redeliveries(events: &[TopicEvent]) -> HashMap<String, Vec<(u64, u64)>> {
+    let mut newest: HashMap<String, u64> = HashMap::new();
+    let mut out: HashMap<String, Vec<(u64, u64)>> = HashMap::new();
+    for e in events {
+        let id = e.event.id.to_hex();
+        let top = newest.entry(id.clone()).or_default();
+        if e.event.version < *top {
+            out.entry(id).or_default().push((e.event.version, *top));
+        }
+        *top = (*top).max(e.event.version);
+    }
+    out
+}
+
+/// The versions of entity `id` in topic order, with where each sits.
+pub fn topic_history(events: &[TopicEvent], id: &str) -> Vec<String> {
+    events
+        .iter()
+        .filter(|e| e.event.id.to_hex() == id)
+        .map(|e| format!("v{}@{}:{}", e.event.version, e.partition, e.offset))
+        .collect()
+}
+
 pub fn check_topic_order(events: &[TopicEvent], final_versions: &HashMap<String, u64>) -> Vec<String> {
     let mut firsts: HashMap<String, Vec<u64>> = HashMap::new();
     let mut seen: HashMap<(String, u64), &ChangeEvent> = HashMap::new();

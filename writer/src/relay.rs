@@ -157,15 +157,25 @@ impl Writer {
                     // Kafka refuses now; the rows stay for the next leader.
                     return Ok(());
                 }
-                if let Some(reason) = producer.client().fatal_error() {
-                    // The idempotent producer cannot go on (e.g. after a long
-                    // outage); a new one starts a new producer id. The rows
-                    // are still in the outbox, so nothing is lost.
-                    tracing::warn!(shard, ?reason, "producer hit a fatal error; creating a new one");
-                    match schemas::kafka::create(&schemas::kafka::producer_config(&self.settings().kafka)) {
-                        Ok(p) => *producer = p,
-                        Err(e) => tracing::error!(shard, error = %e, "cannot create a producer"),
+                // A round Kafka did not fully acknowledge ends this producer
+                // session; the next round starts a new one (a new producer
+                // id). The rows are still in the outbox, so nothing is lost.
+                // Why not keep the producer: after its messages timed out,
+                // librdkafka bumps the idempotent producer's epoch by itself
+                // (KIP-360), and brokers without that protocol (Kafka before
+                // 2.5, tansu 0.6) refuse every later batch of the bumped
+                // epoch, so the relay would stall for good; and after a fatal
+                // idempotence error the producer cannot go on at all.
+                let reason = producer.client().fatal_error().map(|(_, why)| why);
+                tracing::warn!(shard, ?reason, "round not acknowledged; starting a new producer");
+                match schemas::kafka::create(&schemas::kafka::producer_config(&self.settings().kafka)) {
+                    Ok(p) => {
+                        let old = std::mem::replace(producer, p);
+                        // Dropping purges its queue and waits up to 500 ms:
+                        // not on a runtime thread.
+                        tokio::task::spawn_blocking(move || drop(old));
                     }
+                    Err(e) => tracing::error!(shard, error = %e, "cannot create a producer"),
                 }
                 sleep_or_stop(shutdown, backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
