@@ -5,7 +5,7 @@
 //! - `body_codec`: `codec::decode_body`, and encode → decode round trips.
 //! - `event_decoder`: `ChangeEvent::decode`, round trips, and the index keys
 //!   the indexer derives from a decoded event.
-//! - `query_parser`: JSON → `reader::query::parse` → `plan` → re-filter.
+//! - `query_parser`: JSON → `schemas::query::parse` → `plan` → `Plan::admits`.
 
 use schemas::codec::FORMAT_LZ4_BINCODE;
 use schemas::{Bag, IndexSpec, Settings};

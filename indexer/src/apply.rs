@@ -10,10 +10,10 @@
 //! indexers (and the cleaner) from deadlocking each other. Any failure
 //! fails the whole apply; re-running it is harmless.
 
-use schemas::store::Shards;
-use schemas::store::{self, StoreError};
-use schemas::{EntityId, IndexKey, IndexSpec};
+use schemas::IndexSpec;
 use std::collections::HashMap;
+use storage::index_rows::{self, IndexRow, IndexRowDelete};
+use storage::{Shards, StoreError};
 
 use crate::plan::{RowOp, RowOpKind};
 
@@ -55,35 +55,38 @@ pub fn collapse(ops: &[RowOp], shards: usize) -> Vec<Vec<&RowOp>> {
 }
 
 pub async fn apply(shards: &Shards, spec: &IndexSpec, ops: &[RowOp]) -> Result<(), StoreError> {
-    let jobs = collapse(ops, shards.count()).into_iter().enumerate().filter(|(_, ops)| !ops.is_empty()).map(
-        |(shard, ops)| async move {
+    let per_shard = collapse(ops, shards.count());
+    let done = shards
+        .each_with(&per_shard, |shard, pool, ops| async move {
             let of = |kind: RowOpKind| ops.iter().filter(move |o| o.kind == kind);
-            let deletes: Vec<(IndexKey, EntityId, u64)> =
-                of(RowOpKind::DeleteOlder).map(|o| (o.key.clone(), o.entity, o.version)).collect();
-            let upserts: Vec<store::UpsertRow> = of(RowOpKind::Upsert)
-                .map(|o| (o.key.clone(), o.entity, o.version, o.entity_added_id))
+            let deletes: Vec<IndexRowDelete> = of(RowOpKind::DeleteOlder)
+                .map(|o| IndexRowDelete { key: o.key.clone(), entity: o.entity, below_version: o.version })
                 .collect();
-            let mut tx =
-                shards.pool(shard).begin().await.map_err(|source| StoreError::Shard { shard, source })?;
+            let upserts: Vec<IndexRow> = of(RowOpKind::Upsert)
+                .map(|o| IndexRow {
+                    key: o.key.clone(),
+                    entity: o.entity,
+                    version: o.version,
+                    entity_added_id: o.entity_added_id,
+                })
+                .collect();
+            let mut tx = pool.begin().await.map_err(|source| StoreError::Shard { shard, source })?;
             if !deletes.is_empty() {
-                store::delete_index_rows_before(shard, &mut tx, spec, &deletes).await?;
+                index_rows::delete_index_rows_before(shard, &mut tx, spec, &deletes).await?;
             }
             if !upserts.is_empty() {
-                store::upsert_index_rows(shard, &mut tx, spec, &upserts).await?;
+                index_rows::upsert_index_rows(shard, &mut tx, spec, &upserts).await?;
             }
             tx.commit().await.map_err(|source| StoreError::Shard { shard, source })
-        },
-    );
-    for r in futures::future::join_all(jobs).await {
-        r?;
-    }
-    Ok(())
+        })
+        .await;
+    done.into_iter().try_for_each(|(_, r)| r)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use schemas::KeyValue;
+    use schemas::{EntityId, KeyValue};
 
     fn op(kind: RowOpKind, tag: &str, entity: u8, version: u64) -> RowOp {
         RowOp {

@@ -15,10 +15,11 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 use schemas::codec::CodecError;
 use schemas::event::ChangeEvent;
-use schemas::store::Shards;
 use schemas::{IndexSpec, Settings};
+use service::kafka;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
+use storage::{catalog, Shards};
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
@@ -78,10 +79,9 @@ impl IndexConsumer {
     /// stored offsets synchronously and leaves the group.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), rdkafka::error::KafkaError> {
         let k = &self.settings.kafka;
-        let consumer: StreamConsumer =
-            schemas::kafka::create(&schemas::kafka::consumer_config(k, &self.group()))?;
+        let consumer: StreamConsumer = kafka::create(&kafka::consumer_config(k, &self.group()))?;
         consumer.subscribe(&[&k.topic])?;
-        let dlq: FutureProducer = schemas::kafka::create(&schemas::kafka::producer_config(k))?;
+        let dlq: FutureProducer = kafka::create(&kafka::producer_config(k))?;
         let table = self.spec.table.clone();
         tracing::info!(index = %table, group = %self.group(), "index consumer started");
         let batch_max = self.settings.indexer.batch_max;
@@ -153,9 +153,9 @@ impl IndexConsumer {
     async fn is_dropped(&self, check: &mut DropCheck) -> bool {
         if check.checked.is_none_or(|t| t.elapsed() > Duration::from_secs(1)) {
             check.checked = Some(Instant::now());
-            if let Ok(metas) = schemas::store::list_index_meta(self.shards.pool(0)).await {
+            if let Ok(metas) = catalog::list_index_meta(&self.shards).await {
                 check.dropped = metas.iter().any(|m| {
-                    m.spec.table == self.spec.table && m.state == schemas::store::IndexState::Dropping
+                    m.spec.table == self.spec.table && m.state == schemas::index::IndexState::Dropping
                 });
             }
         }
@@ -227,7 +227,7 @@ impl IndexConsumer {
             }
         }
         self.metrics.applied.with_label_values(&[table]).inc_by(applied);
-        let now = schemas::web::now_micros();
+        let now = schemas::clock::now_micros();
         let lag = self.metrics.event_lag_seconds.with_label_values(&[table]);
         for c in commits {
             lag.observe((now - c).max(0) as f64 / 1e6);
@@ -261,7 +261,7 @@ impl IndexConsumer {
         };
         if let Some(us) = due {
             let table = &self.spec.table;
-            if let Err(e) = schemas::store::record_index_progress(self.shards.pool(0), table, us).await {
+            if let Err(e) = catalog::record_index_progress(&self.shards, table, us).await {
                 tracing::debug!(index = %table, error = %e, "cannot record index progress");
             }
         }

@@ -10,38 +10,28 @@
 //! per index and needs no Kafka access; it polls until the deadline, then
 //! answers 504 `index-behind`.
 //!
-//! Freshness: indexers record, per index, the commit time of the newest
-//! event they applied (`bagstore_index_progress`). `index_lag_ms` is the
-//! newest commit on any shard minus that, never negative: 0 when the index
-//! has applied everything committed.
+//! Freshness (`index_lag_ms`, `index_applied_through_us` in answers) is
+//! `service::freshness`, measured at most every `FRESHNESS_TTL` per index.
 
-use axum::http::StatusCode;
-use schemas::store::{self, StoreError};
-use schemas::web::Problem;
 use schemas::{EntityId, IndexSpec};
+use service::freshness::{self, Freshness};
 use std::time::{Duration, Instant};
+use storage::{entities, index_rows, StoreError};
 
-use crate::Reader;
-
-/// How current an index is.
-#[derive(Debug, Clone, Copy)]
-pub struct Freshness {
-    pub applied_through_us: Option<i64>,
-    pub lag_ms: Option<i64>,
-}
+use crate::{ReadError, Reader};
 
 impl Reader {
     /// Whether `spec` reflects version `version` of `id` (or something newer).
     pub async fn applied(&self, spec: &IndexSpec, id: &EntityId, version: u64) -> Result<bool, StoreError> {
         let shards = self.shards();
         let shard = shards.of_id(id);
-        let found = store::read_entities_any(shard, shards.pool(shard), std::slice::from_ref(id)).await?;
+        let found = entities::read_entities_any(shard, shards.pool(shard), std::slice::from_ref(id)).await?;
         let Some(e) = found.first() else { return Ok(true) };
         let Some(body) = e.body.as_deref() else { return Ok(true) };
         let Ok(bag) = schemas::codec::decode_body(body) else { return Ok(true) };
         for key in spec.keys(&bag) {
             let s = spec.shard_of_key(&key, shards.count());
-            match store::index_row_version(s, shards.pool(s), spec, &key, id).await? {
+            match index_rows::index_row_version(s, shards.pool(s), spec, &key, id).await? {
                 Some(v) if v >= version => {}
                 _ => return Ok(false),
             }
@@ -55,12 +45,12 @@ impl Reader {
         spec: &IndexSpec,
         tokens: &[(EntityId, u64)],
         deadline: tokio::time::Instant,
-    ) -> Result<(), Problem> {
+    ) -> Result<(), ReadError> {
         let mut pending: Vec<(EntityId, u64)> = tokens.to_vec();
         loop {
             let mut still = Vec::new();
             for (id, v) in pending {
-                if !self.applied(spec, &id, v).await.map_err(|e| Problem::internal(&e))? {
+                if !self.applied(spec, &id, v).await? {
                     still.push((id, v));
                 }
             }
@@ -69,14 +59,8 @@ impl Reader {
                 return Ok(());
             }
             if tokio::time::Instant::now() >= deadline {
-                let shown: Vec<String> = pending.iter().map(|(id, v)| format!("{id}.{v}")).collect();
-                return Err(Problem::new(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "index-behind",
-                    "Index behind",
-                    format!("index {:?} has not applied these writes yet; retry later", spec.table),
-                )
-                .with("pending", shown));
+                let pending = pending.iter().map(|(id, v)| format!("{id}.{v}")).collect();
+                return Err(ReadError::IndexBehind { table: spec.table.clone(), pending });
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -88,28 +72,8 @@ impl Reader {
                 return Ok(*f);
             }
         }
-        let f = self.measure_freshness(table).await?;
+        let f = freshness::measure(self.shards(), table).await?;
         self.inner.freshness.lock().expect("not poisoned").insert(table.to_string(), (Instant::now(), f));
         Ok(f)
-    }
-
-    async fn measure_freshness(&self, table: &str) -> Result<Freshness, StoreError> {
-        let shards = self.shards();
-        let newest_jobs = (0..shards.count()).map(|shard| store::newest_commit_us(shard, shards.pool(shard)));
-        let (applied, per_shard) = tokio::join!(
-            store::index_progress(shards.pool(0), table),
-            futures::future::join_all(newest_jobs)
-        );
-        let applied = applied?;
-        let mut newest = None;
-        for n in per_shard {
-            newest = newest.max(n?);
-        }
-        let lag_ms = match (newest, applied) {
-            (Some(n), Some(a)) => Some(((n - a) / 1000).max(0)),
-            (Some(n), None) => Some((schemas::web::now_micros() - n).max(0) / 1000),
-            (None, _) => Some(0),
-        };
-        Ok(Freshness { applied_through_us: applied, lag_ms })
     }
 }

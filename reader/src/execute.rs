@@ -20,14 +20,14 @@
 
 use schemas::codec;
 use schemas::index::{IndexKey, KeyValue};
-use schemas::store::{self, IndexScan, Local, ScannedRow, StoreError, StoredEntity};
-use schemas::web::Problem;
+use schemas::query::{cmp_keys, PageToken, Plan, Query};
 use schemas::{Bag, EntityId};
-use serde::{Deserialize, Serialize};
 use std::collections::{HashSet, VecDeque};
+use storage::entities::{self, EntityRecord};
+use storage::index_scan::{self, IndexScan, Local, ScannedRow};
+use storage::StoreError;
 
-use crate::query::{cmp_keys, Plan, Query};
-use crate::Reader;
+use crate::{ReadError, Reader};
 
 /// A live entity, decoded.
 #[derive(Debug, Clone)]
@@ -48,22 +48,9 @@ pub struct Outcome {
     pub dropped: u64,
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum ReadError {
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    #[error("entity {id} on shard {shard} has a corrupt body")]
-    Corrupt {
-        id: EntityId,
-        shard: usize,
-        #[source]
-        source: codec::CodecError,
-    },
-}
-
 /// Runs one read (`$conn` names the connection inside `$read`) on one of
 /// `$conns`' ping-free connections; once more, on a new connection, if the
-/// reused one turned out dead (see `schemas::conns`). A macro rather than a
+/// reused one turned out dead (see `storage::conns`). A macro rather than a
 /// function taking an async closure: such closures, borrowing as these do,
 /// cost the HTTP handlers' futures their `Send`.
 macro_rules! read_on {
@@ -81,49 +68,12 @@ macro_rules! read_on {
     }};
 }
 
-fn decode(shard: usize, s: StoredEntity) -> Result<Entity, ReadError> {
+/// A live entity's record, decoded (`None` for a tombstone).
+fn decode(shard: usize, s: EntityRecord) -> Result<Option<Entity>, ReadError> {
+    let Some(body) = s.body else { return Ok(None) };
     let properties =
-        codec::decode_body(&s.body).map_err(|source| ReadError::Corrupt { id: s.id, shard, source })?;
-    Ok(Entity { id: s.id, version: s.version, updated_us: s.updated_us, properties })
-}
-
-/// The opaque page token: where the last page stopped, bound to its query.
-#[derive(Debug, Serialize, Deserialize)]
-struct Token {
-    /// Fingerprint of index, conditions and order.
-    f: u64,
-    key: IndexKey,
-    id: EntityId,
-}
-
-fn fingerprint(plan: &Plan, q: &Query) -> u64 {
-    let text = format!("{}|{:?}|{}", plan.spec.table, q.conditions, plan.descending);
-    xxhash_rust::xxh3::xxh3_64(text.as_bytes())
-}
-
-fn encode_token(t: &Token) -> String {
-    schemas::id::hex(&serde_json::to_vec(t).expect("tokens serialize"))
-}
-
-fn decode_token(s: &str) -> Option<Token> {
-    if !s.len().is_multiple_of(2) || s.len() > 16_384 {
-        return None;
-    }
-    let bytes: Option<Vec<u8>> =
-        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok()).collect();
-    serde_json::from_slice(&bytes?).ok()
-}
-
-/// The page token for `q`, checked against the plan; a 400 if it belongs
-/// to another query or is not ours.
-pub fn page_start(plan: &Plan, q: &Query) -> Result<Option<(IndexKey, EntityId)>, Problem> {
-    let Some(raw) = &q.page_token else { return Ok(None) };
-    let bad = || Problem::bad_request("bad-page-token", "the page_token is not one this query returned");
-    let t = decode_token(raw).ok_or_else(bad)?;
-    if t.f != fingerprint(plan, q) || t.key.len() != plan.spec.properties.len() {
-        return Err(bad());
-    }
-    Ok(Some((t.key, t.id)))
+        codec::decode_body(&body).map_err(|source| ReadError::Corrupt { id: s.id, shard, source })?;
+    Ok(Some(Entity { id: s.id, version: s.version, updated_us: s.updated_us, properties }))
 }
 
 /// One shard's stream of rows for one prefix.
@@ -156,20 +106,14 @@ impl Reader {
         &self,
         ids: impl Iterator<Item = (EntityId, Option<u64>)>,
     ) -> Result<Vec<Entity>, ReadError> {
-        let n = self.shards().count();
-        let mut per_shard: Vec<Vec<(EntityId, Option<u64>)>> = vec![Vec::new(); n];
+        let mut per_shard: Vec<Vec<(EntityId, Option<u64>)>> = vec![Vec::new(); self.shards().count()];
         let mut asked = HashSet::new();
         for (id, at) in ids.filter(|(id, _)| asked.insert(*id)) {
             per_shard[self.shards().of_id(&id)].push((id, at));
         }
-        let jobs = per_shard
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| !v.is_empty())
-            .map(|(shard, v)| self.fetch_on(shard, v));
         let mut out = Vec::new();
-        for r in futures::future::join_all(jobs).await {
-            out.extend(r?);
+        for found in self.shards().each(|shard, _| self.fetch_on(shard, &per_shard[shard])).await {
+            out.extend(found?);
         }
         Ok(out)
     }
@@ -196,16 +140,16 @@ impl Reader {
         fetches.with_label_values(&["id"]).inc_by(by_id.len() as u64);
         if !at.is_empty() {
             let added: Vec<u64> = at.iter().map(|(_, a)| *a).collect();
-            let rows = read_on!(self.shards().conns(shard), c => store::get_entities_at(shard, c, &added));
+            let rows = read_on!(self.shards().conns(shard), c => entities::get_entities_at(shard, c, &added));
             // Keyed by the id each row really holds: a row that is not the
             // asked id's leaves that id unresolved.
-            let mut got: std::collections::HashMap<EntityId, Option<StoredEntity>> =
-                rows.into_iter().collect();
+            let mut got: std::collections::HashMap<EntityId, EntityRecord> =
+                rows.into_iter().map(|r| (r.id, r)).collect();
             let mut stale = 0;
             for (id, _) in &at {
                 match got.remove(id) {
-                    Some(Some(entity)) => out.push(decode(shard, entity)?),
-                    Some(None) => {} // a tombstone: deleted
+                    // A tombstone decodes to nothing: deleted.
+                    Some(record) => out.extend(decode(shard, record)?),
                     None => {
                         locations.forget(id);
                         by_id.push(*id);
@@ -217,41 +161,26 @@ impl Reader {
             fetches.with_label_values(&["stale"]).inc_by(stale as u64);
         }
         if !by_id.is_empty() {
-            let rows = read_on!(self.shards().conns(shard), c => store::get_entities(shard, c, &by_id));
+            let rows = read_on!(self.shards().conns(shard), c => entities::get_entities(shard, c, &by_id));
             locations.learn(rows.iter().map(|s| (s.id, s.added_id)));
             for s in rows {
-                out.push(decode(shard, s)?);
+                out.extend(decode(shard, s)?);
             }
         }
         Ok(out)
     }
 
-    /// Whether an entity really answers the query: every condition, typed
-    /// for the index's own properties, plus the index's `match_on`.
-    pub fn refilter(plan: &Plan, q: &Query, bag: &Bag) -> bool {
-        plan.spec.matches_partial(bag)
-            && q.conditions.iter().all(|(name, c)| match plan.spec.property(name) {
-                Some(prop) => c.matches_typed(prop, bag.get(name)),
-                None => c.matches(bag.get(name)),
-            })
-    }
-
-    /// The entity's first key in scan order among those the scan covers.
-    fn canonical_key(plan: &Plan, bag: &Bag) -> Option<IndexKey> {
-        let covered = plan.spec.keys(bag).into_iter().filter(|k| {
-            plan.prefixes.iter().any(|p| k[..plan.prefix_len] == p[..])
-                && plan.range.as_ref().is_none_or(|r| r.contains(&k[plan.prefix_len]))
-        });
-        if plan.descending {
-            covered.max_by(|a, b| cmp_keys(a, b))
-        } else {
-            covered.min_by(|a, b| cmp_keys(a, b))
-        }
-    }
-
-    pub async fn run(&self, plan: &Plan, q: &Query) -> Result<Outcome, Problem> {
-        let start = page_start(plan, q)?;
-        self.scan(plan, q, start).await.map_err(|e| Problem::internal(&e))
+    /// Runs `plan` for `q`: from its page token, if any, to a full page or
+    /// the end of the index range.
+    pub async fn run(&self, plan: &Plan, q: &Query) -> Result<Outcome, ReadError> {
+        let start = match &q.page_token {
+            Some(text) => {
+                let t = PageToken::decode(text, plan, q).map_err(schemas::query::QueryError::from)?;
+                Some((t.key, t.id))
+            }
+            None => None,
+        };
+        self.scan(plan, q, start).await
     }
 
     async fn scan(
@@ -312,7 +241,7 @@ impl Reader {
                         };
                         let rows = read_on!(
                             self.shards().conns(s.shard),
-                            c => store::scan_index(s.shard, c, &plan.spec, &scan)
+                            c => index_scan::scan_index(s.shard, c, &plan.spec, &scan)
                         );
                         s.done = rows.len() < want;
                         if let Some(last) = rows.last() {
@@ -372,7 +301,9 @@ impl Reader {
                         match row.local {
                             Local::Live(stored) if here => {
                                 self.inner.locations.learn([(row.entity, stored.added_id)]);
-                                found.insert(row.entity, decode(from, stored)?);
+                                if let Some(entity) = decode(from, stored)? {
+                                    found.insert(row.entity, entity);
+                                }
                             }
                             Local::Deleted if here => {}
                             _ => fetch.push((row.entity, row.entity_added_id)),
@@ -383,8 +314,8 @@ impl Reader {
                     for (key, id) in rows {
                         let keep = found.get(&id).is_some_and(|e| {
                             !seen.contains(&id)
-                                && Self::refilter(plan, q, &e.properties)
-                                && Self::canonical_key(plan, &e.properties).is_some_and(|c| c == key)
+                                && plan.admits(q, &e.properties)
+                                && plan.canonical_key(&e.properties).is_some_and(|c| c == key)
                         });
                         if !keep {
                             out.dropped += 1;
@@ -393,8 +324,7 @@ impl Reader {
                         seen.insert(id);
                         out.items.push(found.remove(&id).expect("kept entities were found"));
                         if out.items.len() == q.limit {
-                            out.next_page_token =
-                                Some(encode_token(&Token { f: fingerprint(plan, q), key, id }));
+                            out.next_page_token = Some(PageToken { key, id }.encode(plan, q));
                             out.shards_touched = touched.len();
                             self.count(table, &out);
                             return Ok(out);

@@ -1,39 +1,77 @@
-//! Reader routes and JSON shapes.
+//! Reader routes and JSON shapes, and the one mapping of [`ReadError`] to
+//! problem documents.
 //!
 //! - `GET /v1/entities/{id}` → `{"id","version","updated","properties"}`
 //! - `POST /v1/entities/get` `{"ids": [...]}` → `{"items": [...]}`
 //! - `POST /v1/query` → `{"items", "index", "next_page_token", "explain"}`
 //! - `GET /v1/indexes` → `{"indexes": [...]}`
+//! - `DELETE /v1/indexes/{table}` (admin) drops an index
+//! - `GET /v1/lag` → per index, events not yet applied and time lag
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::{Method, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Json, Router};
-use schemas::store::IndexState;
+use axum::Json;
+use schemas::index::IndexState;
+use schemas::query;
 use schemas::value::BagJson;
-use schemas::web::{parse_id, read_json, Problem};
 use serde::Serialize;
 use serde_json::{json, Value as JsonValue};
+use service::http::{parse_id, read_json, Problem, Role, Routes};
+use service::kafka;
 use std::time::Duration;
+use storage::{catalog, IndexMeta, StoreError};
 
-use crate::execute::{Entity, ReadError};
-use crate::query;
-use crate::Reader;
+use crate::execute::Entity;
+use crate::{ReadError, Reader};
 
 /// Query and id-list bodies are small; this bounds them.
 const MAX_REQUEST_BYTES: usize = 1 << 20;
 
-pub fn router(reader: Reader) -> Router {
-    Router::new()
-        .route("/v1/entities/{id}", get(get_one))
-        .route("/v1/entities/get", post(get_many))
-        .route("/v1/query", post(run_query))
-        .route("/v1/indexes", get(list_indexes))
-        .route("/v1/indexes/{table}", axum::routing::delete(drop_index))
-        .route("/v1/lag", get(lag))
+/// The reader's routes: reads need a read token, dropping an index an
+/// admin token.
+pub fn routes(reader: Reader) -> Routes {
+    Routes::new()
+        .route(Method::GET, "/v1/entities/{id}", Role::Read, get_one)
+        .route(Method::POST, "/v1/entities/get", Role::Read, get_many)
+        .route(Method::POST, "/v1/query", Role::Read, run_query)
+        .route(Method::GET, "/v1/indexes", Role::Read, list_indexes)
+        .route(Method::DELETE, "/v1/indexes/{table}", Role::Admin, drop_index)
+        .route(Method::GET, "/v1/lag", Role::Read, lag)
         .with_state(reader)
+}
+
+impl From<ReadError> for Problem {
+    fn from(e: ReadError) -> Problem {
+        match e {
+            ReadError::Query(q) => Problem::bad_request(q.kind(), q.to_string()),
+            ReadError::IndexNotReady { table, state } => Problem::new(
+                StatusCode::CONFLICT,
+                "index-not-ready",
+                "Index not ready",
+                format!(
+                    "index {table:?} is {state}; its results may be incomplete. Pass \"allow_partial\": true to accept that"
+                ),
+            )
+            .with("index", table)
+            .with("state", state),
+            ReadError::IndexBehind { table, pending } => Problem::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "index-behind",
+                "Index behind",
+                format!("index {table:?} has not applied these writes yet; retry later"),
+            )
+            .with("pending", pending),
+            ReadError::Timeout { .. } => {
+                Problem::new(StatusCode::GATEWAY_TIMEOUT, "query-timeout", "Query timed out", e.to_string())
+            }
+            ReadError::Store(StoreError::NoSuchIndex { table }) => {
+                Problem::not_found(format!("no index named {table:?}"))
+            }
+            ReadError::Store(_) | ReadError::Corrupt { .. } => Problem::internal(&e),
+        }
+    }
 }
 
 /// An entity as answered: `{"id","version","updated","properties"}`.
@@ -74,13 +112,9 @@ struct QueryAnswer<'a> {
     explain: JsonValue,
 }
 
-fn read_problem(e: ReadError) -> Problem {
-    Problem::internal(&e)
-}
-
 async fn get_one(State(r): State<Reader>, Path(id): Path<String>) -> Result<Response, Problem> {
     let id = parse_id(&id)?;
-    match r.get(&id).await.map_err(read_problem)? {
+    match r.get(&id).await? {
         Some(e) => Ok(Json(EntityJson::from(&e)).into_response()),
         None => Err(Problem::not_found(format!("no entity {id}"))),
     }
@@ -101,57 +135,38 @@ async fn get_many(State(r): State<Reader>, body: Body) -> Result<Response, Probl
             v.as_str().ok_or_else(|| Problem::bad_request("bad-id", "ids must be strings")).and_then(parse_id)
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let items = r.get_many(&ids).await.map_err(read_problem)?;
+    let items = r.get_many(&ids).await?;
     Ok(Json(Items { items: items.iter().map(EntityJson::from).collect() }).into_response())
 }
 
 async fn run_query(State(r): State<Reader>, body: Body) -> Result<Response, Problem> {
     let doc = read_json(body, MAX_REQUEST_BYTES, r.settings().http.request_timeout()).await?;
-    let q = query::parse(doc, &r.settings().reader)?;
-    let metas = r.index_metas().await.map_err(|e| Problem::internal(&e))?;
+    let q = query::parse(doc, &r.settings().reader).map_err(ReadError::from)?;
+    let metas = r.index_metas().await.map_err(ReadError::from)?;
     // Registered, not dropped, in a stable order (the planner breaks ties by it).
-    let mut live: Vec<&schemas::store::IndexMeta> =
-        metas.values().filter(|m| m.state != IndexState::Dropping).collect();
+    let mut live: Vec<&IndexMeta> = metas.values().filter(|m| m.state != IndexState::Dropping).collect();
     live.sort_by(|a, b| a.spec.table.cmp(&b.spec.table));
     let specs: Vec<schemas::IndexSpec> = live.iter().map(|m| m.spec.clone()).collect();
-    let plan = query::plan(&q, &specs, &r.settings().reader)?;
+    let plan = query::plan(&q, &specs, &r.settings().reader).map_err(ReadError::from)?;
     let state = metas.get(&plan.spec.table).map(|m| m.state);
     if state != Some(IndexState::Active) && !q.allow_partial {
         let shown = state.map_or("NOT REGISTERED (run bagstore migrate)", |s| s.as_str());
-        return Err(Problem::new(
-            StatusCode::CONFLICT,
-            "index-not-ready",
-            "Index not ready",
-            format!(
-                "index {:?} is {shown}; its results may be incomplete. Pass \"allow_partial\": true to accept that",
-                plan.spec.table
-            ),
-        )
-        .with("index", plan.spec.table.clone())
-        .with("state", shown));
+        return Err(ReadError::IndexNotReady { table: plan.spec.table.clone(), state: shown.into() }.into());
     }
     let timeout = Duration::from_millis(r.settings().reader.query_timeout_ms);
     let deadline = tokio::time::Instant::now() + timeout;
     if !q.consistent_with.is_empty() {
         r.wait_applied(&plan.spec, &q.consistent_with, deadline).await?;
     }
-    let out = tokio::time::timeout_at(deadline, r.run(&plan, &q)).await.map_err(|_| {
-        Problem::new(
-            StatusCode::GATEWAY_TIMEOUT,
-            "query-timeout",
-            "Query timed out",
-            format!(
-                "the query did not finish within {} ms; narrow it or lower its limit",
-                timeout.as_millis()
-            ),
-        )
-    })??;
-    let freshness = r.freshness(&plan.spec.table).await.map_err(|e| Problem::internal(&e))?;
+    let out = tokio::time::timeout_at(deadline, r.run(&plan, &q))
+        .await
+        .map_err(|_| ReadError::Timeout { ms: timeout.as_millis() })??;
+    let freshness = r.freshness(&plan.spec.table).await.map_err(ReadError::from)?;
     Ok(Json(QueryAnswer {
         items: out.items.iter().map(EntityJson::from).collect(),
         index: &plan.spec.table,
         next_page_token: out.next_page_token.as_deref(),
-        index_lag_ms: freshness.lag_ms,
+        index_lag_ms: Some(freshness.lag_ms()),
         index_applied_through_us: freshness.applied_through_us,
         explain: json!({
             "prefixes": plan.prefixes.len(),
@@ -166,8 +181,7 @@ async fn run_query(State(r): State<Reader>, body: Body) -> Result<Response, Prob
 }
 
 async fn list_indexes(State(r): State<Reader>) -> Result<Json<JsonValue>, Problem> {
-    let metas =
-        schemas::store::list_index_meta(r.shards().pool(0)).await.map_err(|e| Problem::internal(&e))?;
+    let metas = catalog::list_index_meta(r.shards()).await.map_err(ReadError::from)?;
     let indexes: Vec<JsonValue> = metas
         .iter()
         .map(|m| {
@@ -191,36 +205,29 @@ async fn list_indexes(State(r): State<Reader>) -> Result<Json<JsonValue>, Proble
 
 /// Stops maintaining an index and drops its table on every shard.
 async fn drop_index(State(r): State<Reader>, Path(table): Path<String>) -> Result<Json<JsonValue>, Problem> {
-    let shards = r.shards();
-    let metas = schemas::store::list_index_meta(shards.pool(0)).await.map_err(|e| Problem::internal(&e))?;
-    if !metas.iter().any(|m| m.spec.table == table && m.state != IndexState::Dropping) {
-        return Err(Problem::not_found(format!("no index named {table:?}")));
+    // Over HTTP, an index already being dropped is not found (as before).
+    let metas = catalog::list_index_meta(r.shards()).await.map_err(ReadError::from)?;
+    let is_live = metas.iter().any(|m| m.spec.table == table && m.state != IndexState::Dropping);
+    if !is_live {
+        return Err(ReadError::Store(StoreError::NoSuchIndex { table }).into());
     }
-    schemas::store::set_index_state(shards.pool(0), &table, IndexState::Dropping)
-        .await
-        .map_err(|e| Problem::internal(&e))?;
-    for shard in 0..shards.count() {
-        schemas::store::drop_index_table(shard, shards.pool(shard), &table)
-            .await
-            .map_err(|e| Problem::internal(&e))?;
-    }
-    Ok(Json(json!({"table": table, "state": "DROPPING", "shards": shards.count()})))
+    catalog::drop_index(r.shards(), &table).await.map_err(ReadError::from)?;
+    Ok(Json(json!({"table": table, "state": "DROPPING", "shards": r.shards().count()})))
 }
 
 /// Per index: events not yet applied (from Kafka, when the reader knows the
 /// brokers) and time lag (from MySQL).
 async fn lag(State(r): State<Reader>) -> Result<Json<JsonValue>, Problem> {
-    let metas =
-        schemas::store::list_index_meta(r.shards().pool(0)).await.map_err(|e| Problem::internal(&e))?;
+    let metas = catalog::list_index_meta(r.shards()).await.map_err(ReadError::from)?;
     let k = &r.settings().kafka;
     let mut out = Vec::new();
     for m in metas.iter().filter(|m| m.state != IndexState::Dropping) {
         let table = &m.spec.table;
-        let fresh = r.freshness(table).await.map_err(|e| Problem::internal(&e))?;
+        let fresh = r.freshness(table).await.map_err(ReadError::from)?;
         let events = if k.brokers.is_empty() {
             None
         } else {
-            schemas::kafka::group_lag(k, &k.group_for(table)).await.ok().map(|parts| {
+            kafka::group_lag(k, &k.group_for(table)).await.ok().map(|parts| {
                 let per: Vec<JsonValue> =
                     parts.iter().map(|p| json!({"partition": p.partition, "lag": p.lag()})).collect();
                 (parts.iter().map(|p| p.lag()).sum::<i64>(), per)
@@ -231,9 +238,70 @@ async fn lag(State(r): State<Reader>) -> Result<Json<JsonValue>, Problem> {
             "state": m.state.as_str(),
             "lag_events": events.as_ref().map(|e| e.0),
             "partitions": events.map(|e| e.1),
-            "lag_ms": fresh.lag_ms,
+            "lag_ms": fresh.lag_ms(),
             "applied_through_us": fresh.applied_through_us,
         }));
     }
     Ok(Json(json!({ "indexes": out })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use schemas::query::Plan;
+    use serde_json::Value as Json;
+
+    fn settings() -> schemas::Settings {
+        schemas::Settings::from_toml_and_env(
+            r#"
+            [[indexes]]
+            table = "index_user_id"
+            properties = [{ name = "user_id", type = "uuid" }]
+            [[indexes]]
+            table = "index_user_published"
+            properties = [{ name = "user_id", type = "uuid" }, { name = "published", type = "int" }]
+            shard_on = "user_id"
+            [[indexes]]
+            table = "index_user_name"
+            properties = [{ name = "first_name", type = "string" }, { name = "last_name", type = "string" }]
+            [[indexes]]
+            table = "index_first"
+            properties = [{ name = "first_name", type = "string" }]
+            "#,
+            Vec::new(),
+        )
+        .unwrap()
+    }
+
+    /// A query through the parser and the planner, refusals as the HTTP
+    /// edge answers them.
+    fn plan_of(q: Json) -> Result<Plan, Problem> {
+        let s = settings();
+        let parsed = query::parse(q, &s.reader).map_err(ReadError::from)?;
+        Ok(query::plan(&parsed, &s.indexes, &s.reader).map_err(ReadError::from)?)
+    }
+
+    #[test]
+    fn bad_queries_get_a_reason() {
+        for (q, kind) in [
+            (json!({"where": {"title": "x"}}), "no-usable-index"),
+            (json!({"index": "nope", "where": {"title": "x"}}), "unknown-index"),
+            (json!({"where": {"user_id": "not-a-uuid"}}), "bad-query"),
+            (json!({"where": {"user_id": {"between": 1}}}), "bad-query"),
+            (json!({"where": {"user_id": {"in": []}}}), "bad-query"),
+            (json!({"where": {"user_id": {"eq": 1, "gt": 0}}}), "bad-query"),
+            (json!({"where": {"first_name": {"gt": 1}}}), "bad-query"),
+            (json!({"where": {"first_name": "a"}, "limit": 0}), "bad-query"),
+            (json!({"where": {"first_name": "a"}, "limit": 100000}), "bad-query"),
+            (json!({"where": {"first_name": "a"}, "order": "up"}), "bad-query"),
+            (json!({"where": {"first_name": "a"}, "consistent_with": ["x"]}), "bad-write-token"),
+            (json!({"where": {"first_name": "a"}, "colour": 1}), "bad-query"),
+            (json!({"where": "first_name"}), "bad-query"),
+            (json!([1]), "bad-query"),
+        ] {
+            let e = plan_of(q.clone()).unwrap_err();
+            assert_eq!(e.kind, kind, "{q}: {}", e.detail);
+            assert_eq!(e.status.as_u16(), 400);
+        }
+    }
 }

@@ -5,11 +5,13 @@
 //! `GET /v1/indexes`. Out: entities as JSON.
 //!
 //! Layout:
-//! - [`http`]: routes and the JSON shapes.
-//! - [`query`]: parsing a query, choosing the index, expanding keys.
+//! - [`http`]: routes, the JSON shapes, and [`ReadError`] → problem+json
+//!   (the one place that maps).
 //! - [`execute`]: scanning the index in order, merging shards, fetching
-//!   entities, re-filtering, page tokens.
+//!   entities, re-filtering (`schemas::query` parses and plans queries, and
+//!   holds the re-filter and the page tokens).
 //! - [`consistency`]: read-your-writes (`consistent_with`) and freshness.
+//! - [`locations`]: where entities live, remembered for point reads.
 //! - [`metrics`]: the series this crate exports.
 //!
 //! Invariant R: index rows are only ever candidates. Every returned entity
@@ -22,14 +24,15 @@ pub mod execute;
 pub mod http;
 pub mod locations;
 pub mod metrics;
-pub mod query;
 
 use prometheus::Registry;
-use schemas::store::{self, IndexMeta, Shards};
-use schemas::Settings;
+use schemas::query::QueryError;
+use schemas::{EntityId, Settings};
+use service::freshness::Freshness;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use storage::{catalog, IndexMeta, Shards, StoreError};
 
 /// How long index states read from shard 0 are trusted.
 const STATE_TTL: Duration = Duration::from_millis(500);
@@ -41,6 +44,30 @@ const FRESHNESS_TTL: Duration = Duration::from_millis(200);
 /// Every registered index by table name, shared by the queries that read it.
 pub type Metas = Arc<HashMap<String, IndexMeta>>;
 
+/// Why a read failed, in the reader's terms; `http` turns each kind into
+/// its problem document.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// The query is malformed or names what does not exist (the caller's).
+    #[error(transparent)]
+    Query(#[from] QueryError),
+    #[error("index {table:?} is {state}; its results may be incomplete")]
+    IndexNotReady { table: String, state: String },
+    #[error("index {table:?} has not applied these writes yet; retry later")]
+    IndexBehind { table: String, pending: Vec<String> },
+    #[error("the query did not finish within {ms} ms; narrow it or lower its limit")]
+    Timeout { ms: u128 },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("entity {id} on shard {shard} has a corrupt body")]
+    Corrupt {
+        id: EntityId,
+        shard: usize,
+        #[source]
+        source: schemas::codec::CodecError,
+    },
+}
+
 #[derive(Debug, Clone)]
 pub struct Reader {
     inner: Arc<Inner>,
@@ -51,14 +78,14 @@ struct Inner {
     settings: Settings,
     shards: Shards,
     metrics: metrics::Metrics,
-    /// Index definitions and states from `bagstore_indexes` (the source of
-    /// truth, so a new index needs no reader restart), refreshed at most
-    /// every STATE_TTL.
+    /// Index definitions and states from the catalog (the source of truth,
+    /// so a new index needs no reader restart), refreshed at most every
+    /// STATE_TTL.
     states: Mutex<Option<(Instant, Metas)>>,
     /// Per index: the freshness reported with query answers, reused for
     /// FRESHNESS_TTL so a busy reader does not pay three extra statements
     /// per query for it.
-    freshness: Mutex<HashMap<String, (Instant, consistency::Freshness)>>,
+    freshness: Mutex<HashMap<String, (Instant, Freshness)>>,
     /// Where entities read before live (`reader.location_cache`).
     locations: locations::Locations,
 }
@@ -89,13 +116,13 @@ impl Reader {
 
     /// Every registered index with its state (cached briefly; shared, so a
     /// query does not copy every definition).
-    pub async fn index_metas(&self) -> Result<Metas, store::StoreError> {
+    pub async fn index_metas(&self) -> Result<Metas, StoreError> {
         if let Some((at, states)) = self.inner.states.lock().expect("not poisoned").as_ref() {
             if at.elapsed() < STATE_TTL {
                 return Ok(states.clone());
             }
         }
-        let metas = store::list_index_meta(self.shards().pool(0)).await?;
+        let metas = catalog::list_index_meta(self.shards()).await?;
         let states: Metas = Arc::new(metas.into_iter().map(|m| (m.spec.table.clone(), m)).collect());
         *self.inner.states.lock().expect("not poisoned") = Some((Instant::now(), states.clone()));
         Ok(states)

@@ -130,7 +130,7 @@ mod tests {
     }
 
     fn unhex(s: &str) -> Vec<u8> {
-        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+        crate::id::unhex(s).expect("hex")
     }
 
     /// The bincode of [`sample`], as the derived `Deserialize` era wrote it

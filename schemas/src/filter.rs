@@ -7,7 +7,7 @@
 use std::cmp::Ordering;
 
 use crate::index::{IndexProperty, KeyValue};
-use crate::value::{Bag, Value};
+use crate::value::{generic_cmp, value_eq, Value};
 
 /// A condition on one property.
 #[derive(Debug, Clone, PartialEq)]
@@ -113,56 +113,10 @@ fn scalars(actual: Option<&Value>) -> Box<dyn Iterator<Item = &Value> + '_> {
     }
 }
 
-/// Order between two scalars of comparable kinds, else `None`.
-pub fn generic_cmp(a: &Value, b: &Value) -> Option<Ordering> {
-    match (a, b) {
-        (Value::Int(x), Value::Int(y)) => Some(x.cmp(y)),
-        (Value::Int(_) | Value::Float(_), Value::Int(_) | Value::Float(_)) => {
-            a.as_f64()?.partial_cmp(&b.as_f64()?)
-        }
-        (Value::String(x), Value::String(y)) => Some(x.as_bytes().cmp(y.as_bytes())),
-        (Value::Bool(x), Value::Bool(y)) => Some(x.cmp(y)),
-        _ => None,
-    }
-}
-
-/// Equality with the documented semantics: numbers compare by value (`1 ==
-/// 1.0`); an array property equals a scalar when one element does; `null`
-/// matches a missing property; objects and arrays compare deeply.
-pub fn value_eq(actual: Option<&Value>, want: &Value) -> bool {
-    match actual {
-        None => matches!(want, Value::Null),
-        Some(a) => {
-            deep_eq(a, want)
-                || matches!((a, want), (Value::Array(items), w) if !matches!(w, Value::Array(_))
-                    && items.iter().any(|i| deep_eq(i, w)))
-        }
-    }
-}
-
-fn deep_eq(a: &Value, b: &Value) -> bool {
-    match (a, b) {
-        (Value::Int(x), Value::Int(y)) => x == y,
-        (Value::Int(_) | Value::Float(_), Value::Int(_) | Value::Float(_)) => a.as_f64() == b.as_f64(),
-        (Value::Array(x), Value::Array(y)) => {
-            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| deep_eq(p, q))
-        }
-        (Value::Object(x), Value::Object(y)) => {
-            x.len() == y.len() && x.iter().zip(y).all(|((k1, v1), (k2, v2))| k1 == k2 && deep_eq(v1, v2))
-        }
-        _ => a == b,
-    }
-}
-
-/// Every condition holds on the bag.
-pub fn bag_matches<'a>(bag: &Bag, conditions: impl IntoIterator<Item = (&'a str, &'a Condition)>) -> bool {
-    conditions.into_iter().all(|(name, c)| c.matches(bag.get(name)))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::index::PropType;
+    use crate::index::{IndexProperty, PropType};
 
     #[test]
     fn equality_follows_the_documented_rules() {

@@ -63,6 +63,19 @@ pub fn hex(bytes: &[u8]) -> String {
     out
 }
 
+/// The bytes of a hex string (either case), or `None` if it is not one:
+/// the one hex decoder (page tokens, test and bench ids).
+pub fn unhex(s: &str) -> Option<Vec<u8>> {
+    fn digit(c: u8) -> Option<u8> {
+        (c as char).to_digit(16).map(|d| d as u8)
+    }
+    let b = s.as_bytes();
+    if !b.len().is_multiple_of(2) {
+        return None;
+    }
+    b.chunks(2).map(|p| Some(digit(p[0])? << 4 | digit(p[1])?)).collect()
+}
+
 impl fmt::Display for EntityId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.to_hex())
@@ -85,6 +98,16 @@ mod tests {
         let b = EntityId::parse("71F0C4D2-2918-44CC-A2DF-6F486E96E37C").unwrap();
         assert_eq!(a, b);
         assert_eq!(b.to_string(), "71f0c4d2291844cca2df6f486e96e37c");
+    }
+
+    #[test]
+    fn unhex_reads_what_hex_writes_and_nothing_else() {
+        let bytes: Vec<u8> = (0..=255).collect();
+        assert_eq!(unhex(&hex(&bytes)), Some(bytes));
+        assert_eq!(unhex("0aFf"), Some(vec![0x0a, 0xff]));
+        for bad in ["0", "0g", "zz", "+1"] {
+            assert_eq!(unhex(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -8,7 +8,6 @@
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-use crate::filter;
 use crate::id::EntityId;
 use crate::names::{is_valid_identifier, RESERVED_COLUMNS, RESERVED_TABLES};
 use crate::value::{Bag, Value};
@@ -221,7 +220,7 @@ impl IndexSpec {
     /// Whether a bag meets every `match_on` condition.
     pub fn matches_partial(&self, bag: &Bag) -> bool {
         self.match_on.iter().all(|(name, want)| match Value::from_json(want) {
-            Ok(want) => filter::value_eq(bag.get(name), &want),
+            Ok(want) => crate::value::value_eq(bag.get(name), &want),
             Err(_) => false,
         })
     }
@@ -258,6 +257,33 @@ impl IndexSpec {
     /// The shard (of `shards`) holding rows with this key.
     pub fn shard_of_key(&self, key: &IndexKey, shards: usize) -> usize {
         crate::shard::shard_of(&key[self.shard_on_position()].canonical_bytes(), shards)
+    }
+}
+
+/// Lifecycle of an index (DESIGN §2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum IndexState {
+    Creating,
+    Backfilling,
+    Active,
+    Dropping,
+}
+
+impl IndexState {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            IndexState::Creating => "CREATING",
+            IndexState::Backfilling => "BACKFILLING",
+            IndexState::Active => "ACTIVE",
+            IndexState::Dropping => "DROPPING",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<IndexState> {
+        [IndexState::Creating, IndexState::Backfilling, IndexState::Active, IndexState::Dropping]
+            .into_iter()
+            .find(|st| st.as_str() == s)
     }
 }
 

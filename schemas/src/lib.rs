@@ -1,40 +1,37 @@
-//! What every bagstore service agrees on.
+//! The model every bagstore component agrees on. It performs no I/O: no
+//! database, network, HTTP or async runtime (its dependency tree shows it),
+//! so it can be unit-tested, property-tested and fuzzed on its own.
 //!
-//! In: configuration files and environment, JSON property bags, stored
-//! blobs. Out: typed settings, encoded bodies and change events, index keys,
-//! shard numbers, and the SQL that reads and writes them.
+//! In: configuration text, JSON property bags, stored blobs, query
+//! documents. Out: typed settings, encoded bodies and change events, index
+//! keys, shard numbers, query plans and the re-filter's verdict.
 //!
 //! Layout:
-//! - [`id`]: 16-byte entity ids and their text forms.
-//! - [`value`]: property values and bags (JSON in, JSON out).
+//! - [`id`]: 16-byte entity ids and their text forms; the hex codec.
+//! - [`value`]: property values and bags (JSON in, JSON out), equality and order.
 //! - [`codec`]: format byte + lz4 + bincode for bodies and events.
 //! - [`event`]: the change event the outbox holds and Kafka carries.
-//! - [`index`]: index specs, typed keys, multi-valued and partial indexes.
-//! - [`filter`]: conditions and the re-filter that enforces Invariant R.
+//! - [`index`]: index specs, typed keys, multi-valued and partial indexes,
+//!   index states.
+//! - [`filter`]: conditions on property values.
+//! - [`query`]: query documents, planning, the re-filter that enforces
+//!   Invariant R, page tokens.
 //! - [`shard`]: `shard_of`, the one routing function.
-//! - [`names`]: the identifier rule that keeps SQL text safe.
+//! - [`names`]: the identifier rule that keeps SQL text safe; reserved names.
 //! - [`settings`]: typed `Settings` from TOML + `BAGSTORE_…` variables.
-//! - [`ddl`] and [`store`]: table definitions and every SQL statement.
-//! - [`conns`]: ping-free connections for the hot paths.
-//! - [`kafka`]: shared client configuration, topics, consumer-group lag.
-//! - [`web`]: problem+json, bounded bodies, `/metrics`, graceful serving.
-//!
-//! The model modules (`id` … `settings`) stay free of tokio, HTTP and SQL.
+//! - [`clock`]: the wall clock in microseconds.
 
+pub mod clock;
 pub mod codec;
-pub mod conns;
-pub mod ddl;
 pub mod event;
 pub mod filter;
 pub mod id;
 pub mod index;
-pub mod kafka;
 pub mod names;
+pub mod query;
 pub mod settings;
 pub mod shard;
-pub mod store;
 pub mod value;
-pub mod web;
 
 pub use event::{ChangeEvent, Op};
 pub use id::EntityId;

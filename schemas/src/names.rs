@@ -2,10 +2,26 @@
 //! bound parameters, so they come only from validated configuration: this
 //! check is what keeps SQL injection out of the DDL and the index statements.
 
-/// Tables bagstore owns on every shard; an index may not take these names.
-pub const RESERVED_TABLES: &[&str] = &["entities", "outbox", "bagstore_indexes"];
-/// Columns every index table has besides its property columns.
-pub const RESERVED_COLUMNS: &[&str] = &["entity_id", "version"];
+/// The names of the tables storage creates besides index tables (its
+/// `ddl` builds them from these, and a test there checks the list is
+/// complete).
+pub mod tables {
+    /// One row per entity id, on every shard.
+    pub const ENTITIES: &str = "entities";
+    /// Change events waiting for Kafka, on every shard.
+    pub const OUTBOX: &str = "outbox";
+    /// Index definitions and states, on the metadata shard.
+    pub const INDEX_CATALOG: &str = "bagstore_indexes";
+    /// Per index, the newest commit applied, on the metadata shard.
+    pub const INDEX_PROGRESS: &str = "bagstore_index_progress";
+}
+
+/// Tables bagstore owns; an index may not take these names.
+pub const RESERVED_TABLES: &[&str] =
+    &[tables::ENTITIES, tables::OUTBOX, tables::INDEX_CATALOG, tables::INDEX_PROGRESS];
+/// Columns every index table has besides its property columns; a property
+/// may not take these names.
+pub const RESERVED_COLUMNS: &[&str] = &["entity_id", "version", "entity_added_id"];
 
 /// `[a-z][a-z0-9_]{0,63}`: at most 64 characters, MySQL's identifier limit.
 pub fn is_valid_identifier(name: &str) -> bool {

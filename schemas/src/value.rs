@@ -17,6 +17,7 @@ use serde::de::{
     self, DeserializeSeed, Deserializer, EnumAccess, MapAccess, SeqAccess, VariantAccess, Visitor,
 };
 use serde::{Deserialize, Serialize};
+use std::cmp::Ordering;
 use std::collections::BTreeMap;
 use std::fmt;
 
@@ -353,6 +354,47 @@ impl<'de> Visitor<'de> for BagSeed {
             bag.insert(k, v);
         }
         Ok(bag)
+    }
+}
+
+/// Order between two scalars of comparable kinds, else `None`.
+pub fn generic_cmp(a: &Value, b: &Value) -> Option<Ordering> {
+    match (a, b) {
+        (Value::Int(x), Value::Int(y)) => Some(x.cmp(y)),
+        (Value::Int(_) | Value::Float(_), Value::Int(_) | Value::Float(_)) => {
+            a.as_f64()?.partial_cmp(&b.as_f64()?)
+        }
+        (Value::String(x), Value::String(y)) => Some(x.as_bytes().cmp(y.as_bytes())),
+        (Value::Bool(x), Value::Bool(y)) => Some(x.cmp(y)),
+        _ => None,
+    }
+}
+
+/// Equality with the documented semantics: numbers compare by value (`1 ==
+/// 1.0`); an array property equals a scalar when one element does; `null`
+/// matches a missing property; objects and arrays compare deeply.
+pub fn value_eq(actual: Option<&Value>, want: &Value) -> bool {
+    match actual {
+        None => matches!(want, Value::Null),
+        Some(a) => {
+            deep_eq(a, want)
+                || matches!((a, want), (Value::Array(items), w) if !matches!(w, Value::Array(_))
+                    && items.iter().any(|i| deep_eq(i, w)))
+        }
+    }
+}
+
+fn deep_eq(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Int(x), Value::Int(y)) => x == y,
+        (Value::Int(_) | Value::Float(_), Value::Int(_) | Value::Float(_)) => a.as_f64() == b.as_f64(),
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| deep_eq(p, q))
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|((k1, v1), (k2, v2))| k1 == k2 && deep_eq(v1, v2))
+        }
+        _ => a == b,
     }
 }
 

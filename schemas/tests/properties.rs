@@ -4,10 +4,11 @@
 //! with `Condition`; both must agree with the plain value semantics for
 //! every input, including negative numbers and unicode strings.
 
-use bagstore_schemas::filter::{generic_cmp, Condition};
-use bagstore_schemas::index::{IndexProperty, KeyValue, PropType};
-use bagstore_schemas::Value;
 use proptest::prelude::*;
+use schemas::filter::Condition;
+use schemas::index::{IndexProperty, KeyValue, PropType};
+use schemas::value::generic_cmp;
+use schemas::Value;
 
 fn prop(ty: PropType) -> IndexProperty {
     IndexProperty { name: "p".into(), ty, max_len: Some(64) }
@@ -57,7 +58,7 @@ proptest! {
     #[test]
     fn uuid_order_equals_the_order_of_their_hex_spelling(a in any::<[u8; 16]>(), b in any::<[u8; 16]>()) {
         let p = prop(PropType::Uuid);
-        let hex = |x: &[u8; 16]| bagstore_schemas::id::hex(x);
+        let hex = |x: &[u8; 16]| schemas::id::hex(x);
         let (ka, kb) = (p.typed(&Value::String(hex(&a))).unwrap(), p.typed(&Value::String(hex(&b))).unwrap());
         prop_assert_eq!(ka.partial_cmp(&kb), Some(hex(&a).cmp(&hex(&b))));
         prop_assert_eq!(ka, KeyValue::Uuid(a));

@@ -92,7 +92,7 @@ fn shard(bytes: &[u8], shards: usize) -> usize {
 }
 
 fn hex_bytes(s: &str) -> Vec<u8> {
-    (0..s.len() / 2).map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap()).collect()
+    schemas::id::unhex(s).expect("hex")
 }
 
 /// The rows of every standard index, derived from live entities' properties

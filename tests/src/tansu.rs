@@ -17,7 +17,7 @@
 //! `postgres` feature. Not a `tansu` on PATH: it may lack that feature.
 
 use anyhow::{bail, Context};
-use bagstore::local::postgres::Postgres;
+use devstack::postgres::Postgres;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::ClientConfig;
 use std::path::{Path, PathBuf};

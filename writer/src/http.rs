@@ -8,14 +8,13 @@
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, post, put};
-use axum::{Json, Router};
+use axum::Json;
 use schemas::value::{bag_from_json_map, Bag};
-use schemas::web::{parse_id, read_json, Problem};
 use schemas::EntityId;
 use serde_json::{json, Value as JsonValue};
+use service::http::{parse_id, read_json, Problem, Role, Routes};
 
 use crate::write::{Outcome, Precondition, WriteError};
 use crate::Writer;
@@ -25,12 +24,13 @@ pub const MAX_PROPERTY_NAME_BYTES: usize = 255;
 /// A batch body may be this many times the single-entity limit.
 pub const BATCH_BODY_FACTOR: usize = 16;
 
-pub fn router(writer: Writer) -> Router {
-    Router::new()
-        .route("/v1/entities", post(create))
-        .route("/v1/entities/batch", post(batch))
-        .route("/v1/entities/{id}", put(replace))
-        .route("/v1/entities/{id}", delete(remove))
+/// The writer's routes; every one needs a write token.
+pub fn routes(writer: Writer) -> Routes {
+    Routes::new()
+        .route(Method::POST, "/v1/entities", Role::Write, create)
+        .route(Method::POST, "/v1/entities/batch", Role::Write, batch)
+        .route(Method::PUT, "/v1/entities/{id}", Role::Write, replace)
+        .route(Method::DELETE, "/v1/entities/{id}", Role::Write, remove)
         .with_state(writer)
 }
 

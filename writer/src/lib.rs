@@ -24,9 +24,9 @@ pub mod relay;
 pub mod write;
 
 use prometheus::Registry;
-use schemas::store::Shards;
 use schemas::Settings;
 use std::sync::Arc;
+use storage::Shards;
 use tokio::sync::Notify;
 
 pub use write::{Outcome, Precondition, WriteError};
@@ -48,7 +48,7 @@ struct Inner {
     /// One per shard: single writes waiting for a commit slot.
     queues: Vec<group::Queue>,
     /// One per shard, asked once: whether a multi-row insert's new rows are
-    /// numbered consecutively (see `store::autoinc_is_consecutive`).
+    /// numbered consecutively (see `storage::entities::autoinc_is_consecutive`).
     consecutive: Vec<tokio::sync::OnceCell<bool>>,
 }
 

@@ -10,9 +10,11 @@
 //! re-sends always end with the latest version.
 
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
-use schemas::store::{self, OutboxRow, StoreError};
+use service::kafka;
 use sqlx::MySqlConnection;
 use std::time::{Duration, Instant};
+use storage::outbox::{self, OutboxRow};
+use storage::{locks, StoreError};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -32,8 +34,7 @@ impl Writer {
         for shard in 0..self.shards().count() {
             // One producer per shard: a fatal idempotence error then costs
             // only that shard a producer rebuild.
-            let producer: FutureProducer =
-                schemas::kafka::create(&schemas::kafka::producer_config(&self.settings().kafka))?;
+            let producer: FutureProducer = kafka::create(&kafka::producer_config(&self.settings().kafka))?;
             let writer = self.clone();
             let shutdown = shutdown.clone();
             tracker.spawn(async move { writer.relay(shard, producer, shutdown).await });
@@ -46,7 +47,7 @@ impl Writer {
         let label = shard.to_string();
         let leader_gauge = self.inner.metrics.relay_leader.with_label_values(&[&label]);
         while !shutdown.is_cancelled() {
-            let mut conn = match store::dedicated_connection(self.shards().dsn(shard)).await {
+            let mut conn = match storage::shards::dedicated_connection(self.shards().dsn(shard)).await {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::warn!(shard, error = %e, "relay cannot reach its shard");
@@ -54,7 +55,7 @@ impl Writer {
                     continue;
                 }
             };
-            match store::try_relay_lock(shard, &mut conn).await {
+            match locks::try_relay_lock(shard, &mut conn).await {
                 Ok(true) => {}
                 Ok(false) => {
                     // Someone else leads; keep the connection and ask again.
@@ -121,13 +122,13 @@ impl Writer {
             }
             // Checked every round: if our connection was killed, another
             // relay may already lead, and two publishers would interleave.
-            if !store::holds_relay_lock(shard, lock_conn).await? {
+            if !locks::holds_relay_lock(shard, lock_conn).await? {
                 return Err(StoreError::Shard {
                     shard,
                     source: sqlx::Error::Protocol("relay lock lost".into()),
                 });
             }
-            let rows = store::read_outbox(shard, lock_conn, self.settings().writer.relay_batch).await?;
+            let rows = outbox::read_outbox(shard, lock_conn, self.settings().writer.relay_batch).await?;
             if rows.is_empty() {
                 if report() {
                     self.report_backlog(shard).await;
@@ -146,7 +147,7 @@ impl Writer {
             let acked = self.publish(shard, producer, &rows).await;
             if acked > 0 {
                 let seqs: Vec<u64> = rows[..acked].iter().map(|r| r.seq).collect();
-                store::delete_outbox(shard, lock_conn, &seqs).await?;
+                outbox::delete_outbox(shard, lock_conn, &seqs).await?;
                 self.inner.metrics.published.with_label_values(&[&shard.to_string()]).inc_by(acked as u64);
             }
             if report() {
@@ -168,7 +169,7 @@ impl Writer {
                 // idempotence error the producer cannot go on at all.
                 let reason = producer.client().fatal_error().map(|(_, why)| why);
                 tracing::warn!(shard, ?reason, "round not acknowledged; starting a new producer");
-                match schemas::kafka::create(&schemas::kafka::producer_config(&self.settings().kafka)) {
+                match kafka::create(&kafka::producer_config(&self.settings().kafka)) {
                     Ok(p) => {
                         let old = std::mem::replace(producer, p);
                         // Dropping purges its queue and waits up to 500 ms:
@@ -218,10 +219,10 @@ impl Writer {
 
     async fn report_backlog(&self, shard: usize) {
         let label = shard.to_string();
-        match store::outbox_backlog(shard, self.shards().pool(shard)).await {
-            Ok((rows, oldest)) => {
-                self.inner.metrics.outbox_backlog.with_label_values(&[&label]).set(rows as i64);
-                let oldest = oldest.map_or(0.0, |us| us as f64 / 1e6);
+        match outbox::outbox_backlog(shard, self.shards().pool(shard)).await {
+            Ok(backlog) => {
+                self.inner.metrics.outbox_backlog.with_label_values(&[&label]).set(backlog.rows as i64);
+                let oldest = backlog.oldest_commit_us.map_or(0.0, |us| us as f64 / 1e6);
                 self.inner.metrics.outbox_oldest.with_label_values(&[&label]).set(oldest);
             }
             Err(e) => tracing::debug!(shard, error = %e, "backlog query failed"),

@@ -3,13 +3,15 @@
 //! event into the outbox, commit. Nothing reaches the database for a write
 //! that fails validation or its precondition.
 
+use schemas::clock::now_micros;
 use schemas::codec;
 use schemas::event::{ChangeEvent, Op};
-use schemas::store::{self, OnShard, StoreError};
-use schemas::web::now_micros;
 use schemas::{Bag, EntityId};
 use sqlx::Connection;
 use std::collections::HashMap;
+use storage::entities::{self, EntityRecord, EntityWrite};
+use storage::outbox::{self, OutboxInsert};
+use storage::{OnShard, StoreError};
 
 use crate::Writer;
 
@@ -82,14 +84,17 @@ impl Writer {
         for idx in &mut per_shard {
             idx.sort_by_key(|&i| items[i].0);
         }
-        let jobs = per_shard.iter().enumerate().filter(|(_, idx)| !idx.is_empty()).map(|(shard, idx)| {
-            let batch: Vec<(EntityId, Change, Precondition)> = idx
-                .iter()
-                .map(|&i| (items[i].0, Change::Put(items[i].1.clone()), Precondition::default()))
-                .collect();
-            async move { (shard, self.transaction_with_retries(shard, &batch).await) }
-        });
-        let done = futures::future::join_all(jobs).await;
+        let items = &items;
+        let done = self
+            .shards()
+            .each_with(&per_shard, |shard, _, idx| async move {
+                let batch: Vec<(EntityId, Change, Precondition)> = idx
+                    .iter()
+                    .map(|&i| (items[i].0, Change::Put(items[i].1.clone()), Precondition::default()))
+                    .collect();
+                self.transaction_with_retries(shard, &batch).await
+            })
+            .await;
         let mut out: Vec<Option<Result<Outcome, WriteError>>> = (0..items.len()).map(|_| None).collect();
         for (shard, result) in done {
             for (&i, r) in per_shard[shard].iter().zip(per_item(shard, result, per_shard[shard].len())) {
@@ -158,12 +163,12 @@ impl Writer {
         items: &[(EntityId, Change, Precondition)],
     ) -> Result<Vec<Result<Outcome, WriteError>>, StoreError> {
         let ids: Vec<EntityId> = items.iter().map(|(id, _, _)| *id).collect();
-        let current = store::lock_entities(shard, &mut tx, &ids).await?;
+        let current = entities::lock_entities(shard, &mut tx, &ids).await?;
         // Where each entity's row is (its clustered key): the existing ones
         // now, the new ones once inserted. Events carry it for the indexes.
         let mut located: HashMap<EntityId, u64> = current.iter().map(|(id, c)| (*id, c.added_id)).collect();
-        let mut rows: HashMap<EntityId, Row> =
-            current.into_iter().map(|(id, c)| (id, Row::stored(shard, &id, c))).collect();
+        let mut rows: HashMap<EntityId, Staged> =
+            current.into_iter().map(|(id, c)| (id, Staged::stored(shard, &id, c))).collect();
         let locked: std::collections::HashSet<EntityId> = rows.keys().copied().collect();
         let now = now_micros();
         let mut results = Vec::with_capacity(items.len());
@@ -192,25 +197,30 @@ impl Writer {
                 .iter()
                 .map(|id| {
                     let r = &rows[id];
-                    (*id, r.version, now, r.bag.as_ref().map(codec::encode_body))
+                    EntityWrite {
+                        id: *id,
+                        version: r.version,
+                        updated_us: now,
+                        body: r.bag.as_ref().map(codec::encode_body),
+                    }
                 })
-                .partition(|(id, ..)| locked.contains(id));
+                .partition(|w| locked.contains(&w.id));
             if !present.is_empty() {
-                store::update_entities(shard, &mut tx, &present).await?;
+                entities::update_entities(shard, &mut tx, &present).await?;
             }
             if !absent.is_empty() {
                 let consecutive = match absent.len() {
                     1 => true, // one row: LAST_INSERT_ID() is its own
                     _ => {
                         *self.inner.consecutive[shard]
-                            .get_or_try_init(|| store::autoinc_is_consecutive(shard, &mut tx))
+                            .get_or_try_init(|| entities::autoinc_is_consecutive(shard, &mut tx))
                             .await?
                     }
                 };
-                let added = store::insert_entities(shard, &mut tx, &absent, consecutive).await?;
-                for ((id, ..), at) in absent.iter().zip(added) {
+                let added = entities::insert_entities(shard, &mut tx, &absent, consecutive).await?;
+                for (w, at) in absent.iter().zip(added) {
                     if let Some(at) = at {
-                        located.insert(*id, at);
+                        located.insert(w.id, at);
                     }
                 }
             }
@@ -218,10 +228,10 @@ impl Writer {
                 .into_iter()
                 .map(|mut e| {
                     e.added_id = located.get(&e.id).copied();
-                    (e.id, e.version, now, e.encode())
+                    OutboxInsert { entity_id: e.id, version: e.version, committed_us: now, event: e.encode() }
                 })
                 .collect();
-            store::insert_outbox_rows(shard, &mut tx, &events).await?;
+            outbox::insert_outbox_rows(shard, &mut tx, &events).await?;
         }
         tx.commit().await.map_err(|source| StoreError::Shard { shard, source })?;
         let shard_label = shard.to_string();
@@ -249,18 +259,18 @@ pub(crate) fn per_item(
     }
 }
 
-/// An entity row as the transaction sees it: what is stored, then what
-/// earlier items of the same transaction made of it.
+/// An entity as the transaction sees it: what is stored (decoded), then
+/// what earlier items of the same transaction made of it.
 #[derive(Debug, Clone)]
-struct Row {
+struct Staged {
     version: u64,
     /// `None` for a tombstone (or a body that could not be decoded).
     bag: Option<Bag>,
     live: bool,
 }
 
-impl Row {
-    fn stored(shard: usize, id: &EntityId, c: store::Current) -> Row {
+impl Staged {
+    fn stored(shard: usize, id: &EntityId, c: EntityRecord) -> Staged {
         let live = c.body.is_some();
         let bag = c.body.as_deref().and_then(|blob| match codec::decode_body(blob) {
             Ok(bag) => Some(bag),
@@ -271,7 +281,7 @@ impl Row {
                 None
             }
         });
-        Row { version: c.version, bag, live }
+        Staged { version: c.version, bag, live }
     }
 }
 
@@ -280,11 +290,11 @@ impl Row {
 fn decide(
     shard: usize,
     id: &EntityId,
-    current: Option<&Row>,
+    current: Option<&Staged>,
     change: &Change,
     pre: Precondition,
     now: i64,
-) -> Result<(Row, ChangeEvent, Outcome), WriteError> {
+) -> Result<(Staged, ChangeEvent, Outcome), WriteError> {
     let live_version = current.filter(|c| c.live).map(|c| c.version);
     if let Some(expected) = pre.if_version {
         if live_version != Some(expected) {
@@ -306,7 +316,7 @@ fn decide(
         Change::Put(bag) => (Op::Put, Some(bag.clone())),
         Change::Delete => (Op::Delete, None),
     };
-    let row = Row { version, bag: after.clone(), live: after.is_some() };
+    let row = Staged { version, bag: after.clone(), live: after.is_some() };
     // The row's location is filled in once it is known (after the insert).
     let event = ChangeEvent {
         id: *id,

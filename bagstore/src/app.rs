@@ -1,0 +1,168 @@
+//! Assembling services in one process. `bagstore writer|indexer|reader|
+//! cleaner` each start one role; `bagstore dev` starts them all behind one
+//! listener.
+
+use axum::Router;
+use prometheus::Registry;
+use schemas::{IndexSpec, Settings};
+use service::http::{self, auth, request_id, HttpMetrics, Routes};
+use service::serve::Pipeline;
+use storage::Shards;
+
+/// Which services this process runs.
+#[derive(Debug, Clone, Default)]
+pub struct Roles {
+    pub writer: bool,
+    pub reader: bool,
+    /// One consumer group each.
+    pub indexes: Vec<IndexSpec>,
+    /// The continuous cleaner (drift repair, backfills, lag measurement).
+    pub cleaner: bool,
+}
+
+/// Services started in this process.
+#[derive(Debug)]
+pub struct Running {
+    pub router: Router,
+    pub shards: Shards,
+    /// Relays, index consumers and sweeps, and their stop signal.
+    pub pipeline: Pipeline,
+}
+
+/// Every route this process serves, each with its role: the services'
+/// for `roles`, and the ops routes every process has.
+pub fn routes(
+    settings: &Settings,
+    shards: &Shards,
+    roles: &Roles,
+    registry: &Registry,
+    pipeline: &Pipeline,
+) -> anyhow::Result<Routes> {
+    let mut routes = http::ops::routes(registry.clone());
+    if roles.writer {
+        let w = writer::Writer::new(settings.clone(), shards.clone(), registry)?;
+        w.spawn_relays(&pipeline.tracker, pipeline.stop.clone())?;
+        routes = routes.merge(writer::http::routes(w));
+    }
+    if roles.reader {
+        let r = reader::Reader::new(settings.clone(), shards.clone(), registry)?;
+        routes = routes.merge(reader::http::routes(r));
+    }
+    Ok(routes)
+}
+
+pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running> {
+    let shards = Shards::connect_lazy(&settings.mysql)?;
+    let registry = Registry::new();
+    let pipeline = Pipeline::new();
+    let http_metrics = HttpMetrics::register(&registry, "http")?;
+    let routes = routes(settings, &shards, &roles, &registry, &pipeline)?;
+    if !roles.indexes.is_empty() {
+        let metrics = indexer::Metrics::register(&registry)?;
+        for spec in roles.indexes {
+            let c = indexer::IndexConsumer::new(settings.clone(), spec, shards.clone(), metrics.clone());
+            let stop = pipeline.stop.clone();
+            pipeline.tracker.spawn(async move {
+                if let Err(e) = c.run(stop).await {
+                    tracing::error!(error = %e, "index consumer failed to start");
+                }
+            });
+        }
+    }
+    if roles.cleaner {
+        let c = cleaner::Cleaner::new(
+            settings.clone(),
+            shards.clone(),
+            cleaner::CleanerMetrics::register(&registry)?,
+        );
+        let (backfills, stop) = (pipeline.tracker.clone(), pipeline.stop.clone());
+        let (lag, lag_stop) = (c.clone(), stop.clone());
+        pipeline.tracker.spawn(async move { c.run(&backfills, stop).await });
+        pipeline.tracker.spawn(async move { lag.report_lag(lag_stop).await });
+    }
+    let policy = auth::Policy::new(settings.auth.clone(), routes.roles());
+    let (router, _) = routes.into_parts();
+    let router = router
+        .fallback(http::not_found)
+        .method_not_allowed_fallback(http::method_not_allowed)
+        // Route layers see the matched route template; the request id
+        // wraps everything, so even a refused request has one.
+        .route_layer(axum::middleware::from_fn_with_state(policy, auth::authorize))
+        .route_layer(axum::middleware::from_fn_with_state(http_metrics, http::metrics::track))
+        .layer(axum::middleware::from_fn(request_id::request_id));
+    Ok(Running { router, shards, pipeline })
+}
+
+/// Runs one role set as a standalone service: serve until a signal, then
+/// stop HTTP (bounded), then the pipeline.
+pub async fn serve(settings: Settings, roles: Roles, name: &str, http: Option<String>) -> anyhow::Result<()> {
+    settings.require_external()?;
+    let running = start(&settings, roles).await?;
+    let addr = http.unwrap_or_else(|| settings.http.addr.clone());
+    let (listener, url) = service::serve::bind(&addr).await?;
+    println!("bagstore {name} ready: http={url}");
+    service::serve::until_signal(&settings, listener, running.router.clone(), &running.pipeline, async {})
+        .await;
+    running.shards.close().await;
+    tracing::info!("{name} stopped");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::Method;
+    use service::http::Role;
+
+    /// Every route of every service, with the role it must declare. A route
+    /// added to any router is either listed here (a deliberate decision on
+    /// who may call it) or fails this test; one that skips `Routes`
+    /// altogether has no role and is refused at run time (see
+    /// `service::http::auth`).
+    const EXPECTED: &[(&str, &str, Role)] = &[
+        ("GET", "/health", Role::Open),
+        ("GET", "/v1/openapi.json", Role::Open),
+        ("GET", "/metrics", Role::Metrics),
+        ("POST", "/v1/entities", Role::Write),
+        ("POST", "/v1/entities/batch", Role::Write),
+        ("PUT", "/v1/entities/{id}", Role::Write),
+        ("DELETE", "/v1/entities/{id}", Role::Write),
+        ("GET", "/v1/entities/{id}", Role::Read),
+        ("POST", "/v1/entities/get", Role::Read),
+        ("POST", "/v1/query", Role::Read),
+        ("GET", "/v1/indexes", Role::Read),
+        ("DELETE", "/v1/indexes/{table}", Role::Admin),
+        ("GET", "/v1/lag", Role::Read),
+    ];
+
+    #[tokio::test]
+    async fn every_route_of_every_router_declares_the_expected_role() {
+        let mut settings = Settings::default();
+        settings.mysql.shards = vec![schemas::settings::Dsn("mysql://root@127.0.0.1:1/never".into())];
+        settings.kafka.brokers = "127.0.0.1:1".into();
+        let shards = Shards::connect_lazy(&settings.mysql).unwrap();
+        let roles = Roles { writer: true, reader: true, ..Default::default() };
+        let pipeline = Pipeline::new();
+        let routes = routes(&settings, &shards, &roles, &Registry::new(), &pipeline).unwrap();
+        pipeline.stop.cancel();
+        let mut declared: Vec<(String, &str, Role)> =
+            routes.roles().iter().map(|r| (r.method.to_string(), r.path, r.role)).collect();
+        let mut want: Vec<(String, &str, Role)> =
+            EXPECTED.iter().map(|(m, p, r)| (m.to_string(), *p, *r)).collect();
+        declared.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        want.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        assert_eq!(declared, want);
+        // The API's own description lists no route without a role.
+        let doc: serde_json::Value = serde_json::from_str(http::ops::OPENAPI).unwrap();
+        for (path, ops) in doc["paths"].as_object().unwrap() {
+            let methods = ["get", "put", "post", "delete", "patch", "head", "options"];
+            for method in ops.as_object().unwrap().keys().filter(|k| methods.contains(&k.as_str())) {
+                let m = Method::from_bytes(method.to_uppercase().as_bytes()).unwrap();
+                assert!(
+                    routes.roles().iter().any(|r| r.method == m && r.path == path),
+                    "{method} {path} is documented but has no declared role"
+                );
+            }
+        }
+    }
+}

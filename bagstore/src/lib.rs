@@ -1,0 +1,21 @@
+//! The `bagstore` command: every service, the one-process `dev` stack,
+//! `migrate`, operator commands and API client commands, behind one binary.
+//! It only assembles: the work is in the service crates (`writer`,
+//! `indexer`, `cleaner`, `reader`), which never depend on each other.
+//!
+//! Layout:
+//! - [`app`]: assembling services (pools, metrics, routes with their roles,
+//!   tasks) and serving them until a signal.
+//! - [`migrate`]: creating databases, tables, the index catalog and topics.
+//! - [`dev`]: private MariaDB shards + embedded Kafka + all services
+//!   (infrastructure from `devstack`).
+//! - [`admin`]: one-shot operator commands (backfill one index, drop one).
+//! - [`client_commands`]: `put`, `get`, `query`, `lag`, … over HTTP.
+//! - [`logging`]: tracing setup.
+
+pub mod admin;
+pub mod app;
+pub mod client_commands;
+pub mod dev;
+pub mod logging;
+pub mod migrate;

@@ -1,0 +1,1591 @@
+//! `bench`: bagstore side by side with what a user would do otherwise, in
+//! one run on the same two private `mariadbd` shards (same settings for
+//! every contender, durable commits: `innodb_flush_log_at_trx_commit=1`),
+//! with the same data and the same client concurrency.
+//!
+//! Contenders:
+//! - **raw**: `INSERT` of the same encoded bodies into an `entities` table
+//!   shaped like bagstore's (single-row transactions, and batches); no
+//!   outbox, no Kafka. The physical limit of the write path.
+//! - **json**: a table with a JSON column, virtual generated columns for the
+//!   indexed properties and a secondary index on them; the same writes and
+//!   the same queries. The native alternative.
+//! - **bagstore**: the real `bagstore` writer, indexer and reader processes
+//!   over HTTP, with librdkafka's mock Kafka in this process.
+//!
+//! Phases: load the same N entities into json and bagstore; queries
+//! ("latest 20 of one user", a compound range, point gets; results are
+//! compared between json and bagstore first); adding an index to the N
+//! entities (bagstore's online backfill against `ALTER TABLE … ADD INDEX` on
+//! a new generated column) while a steady writer measures its latency;
+//! write throughput (raw, json, bagstore; single and batch); index lag
+//! commit→applied at 50% and 90% of bagstore's maximum single-put rate.
+//!
+//! Prints one Markdown table (absolute figures and ratios) and writes the
+//! same to `target/bench.json`. `--quick` is the CI smoke run: small N,
+//! short phases; it checks results (equal query answers, a complete
+//! backfill) but asserts nothing about timings. `--help` lists the flags.
+
+use anyhow::{bail, ensure, Context};
+use bagstore_tests::{metric_sum, MariaDb, Proc};
+use rdkafka::mocking::MockCluster;
+use serde_json::{json, Value};
+use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
+use sqlx::Row;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use storage::conns::Conns;
+
+const USAGE: &str =
+    "usage: bench [--quick] [--entities N] [--phase-secs S] [--clients C] [--steady-rate R]\n\
+  --quick          CI smoke run: 3000 entities, 2 s phases, 4 clients\n\
+  --entities N     entities loaded before queries and the index build (default 1000000)\n\
+  --phase-secs S   length of each measured phase (default 20)\n\
+  --clients C      concurrent clients (connections, requests in flight) for every contender (default 16)\n\
+  --steady-rate R  the steady writer during index builds, writes per second (default 200)\n\
+  --backfill-rate R  cleaner --rate for bagstore's backfill, rows per second (default 0: unlimited)";
+
+const SHARDS: usize = 2;
+const USERS: usize = 1000;
+/// Entities per batch write, for every contender.
+const BATCH: usize = 100;
+/// Partitions of the change topic. librdkafka's mock broker finds a fetch
+/// offset by walking the partition's message sets from the oldest (its
+/// source: "FIXME: Maintain an index"), so its cost grows with the square of
+/// the partition count at a given write rate; with 8 partitions that walk
+/// took 11.6% of the machine in the single-put phase. A real broker looks
+/// offsets up in an index. The bench runs one indexer per index, so 2
+/// partitions (one per core) cost bagstore nothing else.
+const PARTITIONS: i32 = 2;
+const INDEX_MAIN: &str = "index_user_published";
+const INDEX_NEW: &str = "index_link";
+
+#[derive(Debug, Clone)]
+struct Options {
+    quick: bool,
+    entities: usize,
+    phase: Duration,
+    clients: usize,
+    steady_rate: u32,
+    /// `cleaner --rate` for the backfill (0: unlimited).
+    backfill_rate: u64,
+}
+
+fn parse_args(args: &[String]) -> Result<Options, String> {
+    fn value<T: std::str::FromStr>(flag: &str, v: Option<&String>) -> Result<T, String> {
+        let v = v.ok_or_else(|| format!("{flag} needs a value"))?;
+        v.parse().map_err(|_| format!("{flag}: cannot parse {v:?}"))
+    }
+    let mut quick = false;
+    let mut backfill_rate = 0;
+    let (mut entities, mut phase, mut clients, mut rate) = (None, None, None, None);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--quick" => quick = true,
+            "--entities" => entities = Some(value::<usize>(a, it.next())?),
+            "--phase-secs" => phase = Some(value::<f64>(a, it.next())?),
+            "--clients" => clients = Some(value::<usize>(a, it.next())?),
+            "--steady-rate" => rate = Some(value::<u32>(a, it.next())?),
+            "--backfill-rate" => backfill_rate = value::<u64>(a, it.next())?,
+            "-h" | "--help" => return Err(String::new()),
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    let o = Options {
+        quick,
+        entities: entities.unwrap_or(if quick { 3000 } else { 1_000_000 }),
+        phase: Duration::from_secs_f64(phase.unwrap_or(if quick { 2.0 } else { 20.0 })),
+        clients: clients.unwrap_or(if quick { 4 } else { 16 }),
+        steady_rate: rate.unwrap_or(if quick { 50 } else { 200 }),
+        backfill_rate,
+    };
+    if o.entities < 100 || o.clients == 0 || o.steady_rate == 0 || o.phase.is_zero() {
+        return Err(
+            "--entities must be at least 100; --clients, --steady-rate and --phase-secs positive".into()
+        );
+    }
+    Ok(o)
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let opts = match parse_args(&args) {
+        Ok(o) => o,
+        Err(msg) if msg.is_empty() => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(msg) => {
+            eprintln!("bench: {msg}\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    if std::env::var_os("BAGSTORE_BIN").is_none() {
+        // This binary lives in target/<profile>/, next to `bagstore`.
+        let bin = std::env::current_exe().map(|e| e.with_file_name("bagstore")).unwrap_or_default();
+        if !bin.exists() {
+            eprintln!("bench: {} is missing: build the workspace first", bin.display());
+            return ExitCode::FAILURE;
+        }
+        std::env::set_var("BAGSTORE_BIN", &bin);
+    }
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    match rt.block_on(run(opts)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("bench: failed: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+// ---------------------------------------------------------------- data
+
+/// A well-spread id for entity number `i` (the same in every contender).
+fn entity_id(i: u64) -> String {
+    let h = xxhash_rust::xxh3::xxh3_128(&i.to_le_bytes());
+    format!("{h:032x}")
+}
+
+fn user_id(u: usize) -> String {
+    format!("{:032x}", 0x5e5e_0000_0000u64 + u as u64)
+}
+
+/// Entity number `i`: a post of user `i % USERS`, published at `i` seconds
+/// after an epoch, with a unique link (the property indexed later).
+fn entity(i: u64) -> Value {
+    json!({
+        "user_id": user_id(i as usize % USERS),
+        "published": 1_700_000_000i64 + i as i64,
+        "title": format!("Post number {i} about bagstore, schemaless entities on sharded MySQL"),
+        "link": format!("https://example.com/posts/{i:012}"),
+        "n": i,
+    })
+}
+
+fn shard_of_hex(id: &str) -> usize {
+    schemas::shard_of(&hex16(id), SHARDS)
+}
+
+fn hex16(id: &str) -> [u8; 16] {
+    schemas::EntityId::parse(id).expect("a hex id").0
+}
+
+/// Ids handed out to write phases, above the loaded range.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1 << 40);
+
+fn fresh() -> u64 {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+// ---------------------------------------------------------------- figures
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Latency {
+    n: usize,
+    p50: f64,
+    p99: f64,
+    max: f64,
+}
+
+/// Milliseconds, from samples in seconds.
+fn latency(samples: &mut [f64]) -> Latency {
+    if samples.is_empty() {
+        return Latency::default();
+    }
+    samples.sort_by(|a, b| a.total_cmp(b));
+    let at = |q: f64| samples[((samples.len() as f64 * q).ceil() as usize).clamp(1, samples.len()) - 1] * 1e3;
+    Latency { n: samples.len(), p50: at(0.50), p99: at(0.99), max: samples[samples.len() - 1] * 1e3 }
+}
+
+/// What a measured phase produced.
+#[derive(Debug, Clone, Copy, Default)]
+struct Run {
+    /// Rows (entities) per second, or operations per second for reads.
+    rate: f64,
+    latency: Latency,
+    errors: u64,
+}
+
+/// One line of the report: a name, a figure, and the comparison.
+#[derive(Debug, Default)]
+struct Report {
+    rows: Vec<(String, String, String)>,
+    json: BTreeMap<String, Value>,
+}
+
+impl Report {
+    fn section(&mut self, title: &str) {
+        self.rows.push((format!("**{title}**"), String::new(), String::new()));
+    }
+
+    fn line(&mut self, key: &str, what: &str, figure: String, note: String) {
+        eprintln!("bench: {what}: {figure} {note}");
+        self.rows.push((what.to_string(), figure, note));
+        self.json.insert(key.to_string(), json!({"what": what}));
+    }
+
+    fn value(&mut self, key: &str, v: Value) {
+        self.json.insert(key.to_string(), v);
+    }
+
+    fn run(&mut self, key: &str, what: &str, r: &Run, unit: &str) {
+        self.line(
+            key,
+            what,
+            format!("{:.0} {unit}", r.rate),
+            format!(
+                "p50 {:.2} ms, p99 {:.2} ms, max {:.1} ms ({} errors)",
+                r.latency.p50, r.latency.p99, r.latency.max, r.errors
+            ),
+        );
+        self.value(key, run_json(what, r));
+    }
+
+    fn markdown(&self) -> String {
+        let mut s = String::from("| measure | figure | detail |\n| --- | ---: | --- |\n");
+        for (a, b, c) in &self.rows {
+            s.push_str(&format!("| {a} | {b} | {c} |\n"));
+        }
+        s
+    }
+}
+
+fn run_json(what: &str, r: &Run) -> Value {
+    json!({"what": what, "rate": r.rate, "p50_ms": r.latency.p50, "p99_ms": r.latency.p99,
+           "max_ms": r.latency.max, "samples": r.latency.n, "errors": r.errors})
+}
+
+fn ratio(a: f64, b: f64) -> String {
+    if b > 0.0 {
+        format!("{:.2}×", a / b)
+    } else {
+        "n/a".into()
+    }
+}
+
+// ---------------------------------------------------------------- load drivers
+
+/// What closed-loop workers did: every operation's latency (s) and the
+/// time they ran. Tallies of alternating rounds add up.
+#[derive(Debug, Default)]
+struct Tally {
+    secs: f64,
+    rows_per_op: usize,
+    samples: Vec<f64>,
+    errors: u64,
+}
+
+impl Tally {
+    fn add(&mut self, other: Tally) {
+        self.secs += other.secs;
+        self.rows_per_op = other.rows_per_op;
+        self.samples.extend(other.samples);
+        self.errors += other.errors;
+    }
+
+    fn run(mut self) -> Run {
+        Run {
+            rate: (self.samples.len() * self.rows_per_op) as f64 / self.secs.max(1e-9),
+            latency: latency(&mut self.samples),
+            errors: self.errors,
+        }
+    }
+}
+
+/// Runs `clients` closed-loop workers for `phase`; each call of `op` does
+/// one operation of `rows` rows and returns Ok or an error.
+async fn closed_loop<F, Fut>(clients: usize, phase: Duration, rows: usize, op: F) -> Run
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + Send,
+{
+    closed_loop_tally(clients, phase, rows, Arc::new(op)).await.run()
+}
+
+async fn closed_loop_tally<F, Fut>(clients: usize, phase: Duration, rows: usize, op: Arc<F>) -> Tally
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + Send,
+{
+    let until = Instant::now() + phase;
+    let start = Instant::now();
+    let errors = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let (op, errors) = (op.clone(), errors.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut samples = Vec::new();
+            while Instant::now() < until {
+                let t = Instant::now();
+                match op().await {
+                    Ok(()) => samples.push(t.elapsed().as_secs_f64()),
+                    Err(e) => {
+                        if errors.fetch_add(1, Ordering::Relaxed) == 0 {
+                            eprintln!("bench: first error of a phase: {e:#}");
+                        }
+                    }
+                }
+            }
+            samples
+        }));
+    }
+    let mut samples = Vec::new();
+    for t in tasks {
+        samples.extend(t.await.expect("worker"));
+    }
+    Tally {
+        secs: start.elapsed().as_secs_f64(),
+        rows_per_op: rows,
+        samples,
+        errors: errors.load(Ordering::Relaxed),
+    }
+}
+
+/// Rounds of a read comparison: `ROUNDS` short turns each, alternating, so a
+/// slow spell of this shared machine falls on both contenders, not on one.
+const ROUNDS: u32 = 4;
+
+/// Two read contenders side by side: `ROUNDS` alternating turns of
+/// `phase / ROUNDS` each, their latencies pooled. Returns each one's run and
+/// what the machine spent during its own turns.
+async fn side_by_side<FA, FutA, FB, FutB>(
+    world: &World,
+    clients: usize,
+    phase: Duration,
+    a: FA,
+    b: FB,
+) -> ((Run, Usage), (Run, Usage))
+where
+    FA: Fn() -> FutA + Send + Sync + 'static,
+    FutA: std::future::Future<Output = anyhow::Result<()>> + Send,
+    FB: Fn() -> FutB + Send + Sync + 'static,
+    FutB: std::future::Future<Output = anyhow::Result<()>> + Send,
+{
+    let (a, b) = (Arc::new(a), Arc::new(b));
+    let turn = phase / ROUNDS;
+    let (mut ta, mut tb) = (Tally::default(), Tally::default());
+    let (mut ua, mut ub) = (Usage::default(), Usage::default());
+    for _ in 0..ROUNDS {
+        let u0 = world.usage().await;
+        ta.add(closed_loop_tally(clients, turn, 1, a.clone()).await);
+        let u1 = world.usage().await;
+        tb.add(closed_loop_tally(clients, turn, 1, b.clone()).await);
+        let u2 = world.usage().await;
+        ua.add(&u1, &u0);
+        ub.add(&u2, &u1);
+    }
+    ((ta.run(), ua), (tb.run(), ub))
+}
+
+/// An open-loop writer: starts one `op` every `1/rate` s until `stop`,
+/// however slow the answers are, and times each.
+async fn open_loop<F, Fut>(rate: f64, stop: Arc<AtomicBool>, op: F) -> Run
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+{
+    let op = Arc::new(op);
+    let samples = Arc::new(Mutex::new(Vec::new()));
+    let errors = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut inflight = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        tick.tick().await;
+        let (op, samples, errors) = (op.clone(), samples.clone(), errors.clone());
+        inflight.push(tokio::spawn(async move {
+            let t = Instant::now();
+            match op().await {
+                Ok(()) => samples.lock().unwrap().push(t.elapsed().as_secs_f64()),
+                Err(_) => {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+        if inflight.len() > 4096 {
+            inflight.retain(|h| !h.is_finished());
+        }
+    }
+    for h in inflight {
+        let _ = h.await;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let mut s = samples.lock().unwrap().clone();
+    Run { rate: s.len() as f64 / secs, latency: latency(&mut s), errors: errors.load(Ordering::Relaxed) }
+}
+
+/// The steady writer alone for `d`: its run, what the machine spent
+/// meanwhile, and the seconds that took.
+async fn steady_alone<F, Fut>(
+    world: &World,
+    rate: f64,
+    d: Duration,
+    op: F,
+) -> anyhow::Result<(Run, Usage, f64)>
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+{
+    let before = world.usage().await;
+    let t = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let steady = tokio::spawn(open_loop(rate, stop.clone(), op));
+    tokio::time::sleep(d).await;
+    stop.store(true, Ordering::Relaxed);
+    let run = steady.await?;
+    let secs = t.elapsed().as_secs_f64();
+    let mut spent = Usage::default();
+    spent.add(&world.usage().await, &before);
+    Ok((run, spent, secs))
+}
+
+/// A control load that is not bagstore: threads (one per core needed) that
+/// each spin for a share of every 20 ms and sleep the rest, `cores` cores
+/// busy in all, until `stop`.
+fn burn(cores: f64, stop: Arc<AtomicBool>) -> Vec<std::thread::JoinHandle<()>> {
+    let threads = (cores.ceil() as usize).clamp(1, 2);
+    let duty = (cores / threads as f64).clamp(0.0, 1.0);
+    let period = Duration::from_millis(20);
+    (0..threads)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let t = Instant::now();
+                    while t.elapsed() < period.mul_f64(duty) {
+                        std::hint::spin_loop();
+                    }
+                    std::thread::sleep(period.saturating_sub(t.elapsed()));
+                }
+            })
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------- peak memory
+
+/// The processes of the run, labelled: their largest resident set (kB,
+/// sampled every 200 ms) and the CPU they used.
+#[derive(Debug, Default)]
+struct ProcSampler {
+    pids: Mutex<Vec<(String, u32)>>,
+    peak_kb: Mutex<BTreeMap<String, u64>>,
+    /// Per pid, the CPU ticks last read: a process that has exited (the
+    /// backfilling cleaner) keeps counting what it used.
+    last_ticks: Mutex<BTreeMap<u32, u64>>,
+}
+
+fn rss_kb(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+}
+
+/// CPU time (user + system) a process has used, in clock ticks (1/100 s).
+fn cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces) start at state.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+}
+
+impl ProcSampler {
+    fn watch(&self, label: &str, pid: u32) {
+        self.pids.lock().unwrap().push((label.to_string(), pid));
+    }
+
+    /// CPU ticks used so far, per label (processes that share a label add up).
+    fn cpu(&self) -> BTreeMap<String, u64> {
+        let mut out = BTreeMap::new();
+        for (label, pid) in self.pids.lock().unwrap().iter() {
+            if let Some(t) = self.ticks(*pid) {
+                *out.entry(short_label(label)).or_insert(0) += t;
+            }
+        }
+        out
+    }
+
+    /// `pid`'s CPU ticks now, or the last read if it has exited.
+    fn ticks(&self, pid: u32) -> Option<u64> {
+        let mut last = self.last_ticks.lock().unwrap();
+        match cpu_ticks(pid) {
+            Some(t) => {
+                last.insert(pid, t);
+                Some(t)
+            }
+            None => last.get(&pid).copied(),
+        }
+    }
+
+    fn sample(&self) {
+        let pids = self.pids.lock().unwrap().clone();
+        let mut peak = self.peak_kb.lock().unwrap();
+        for (label, pid) in pids {
+            self.ticks(pid);
+            if let Some(kb) = rss_kb(pid) {
+                let e = peak.entry(label).or_insert(0);
+                *e = (*e).max(kb);
+            }
+        }
+    }
+}
+
+/// "mariadbd shard 0" and "mariadbd shard 1" count together, and so on.
+fn short_label(label: &str) -> String {
+    match label {
+        l if l.starts_with("mariadbd") => "mariadbd".into(),
+        l if l.starts_with("bagstore indexer") => "indexer".into(),
+        l if l.starts_with("bagstore writer") => "writer".into(),
+        l if l.starts_with("bagstore reader") => "reader".into(),
+        l if l.starts_with("bench") => "client".into(),
+        l => l.trim_start_matches("bagstore ").to_string(),
+    }
+}
+
+/// CPU seconds per 1000 operations used by each process group between two snapshots.
+fn cpu_per_k(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>, rows: f64, unit: &str) -> String {
+    let mut parts = Vec::new();
+    for (label, t) in after {
+        let used = t.saturating_sub(before.get(label).copied().unwrap_or(0)) as f64 / 100.0;
+        if used > 0.0 && rows > 0.0 {
+            parts.push(format!("{label} {:.2}", used / rows * 1000.0));
+        }
+    }
+    format!("CPU s per 1000 {unit}: {}", parts.join(", "))
+}
+
+// ---------------------------------------------------------------- the world
+
+struct World {
+    dir: tempfile::TempDir,
+    servers: Vec<MariaDb>,
+    /// Per shard: bagstore's database.
+    bag_dsns: Vec<String>,
+    /// Per shard: the raw and json contenders' database.
+    native: Arc<Native>,
+    kafka: MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
+    topic: String,
+    http: reqwest::Client,
+    procs: Arc<ProcSampler>,
+}
+
+/// What the machine spent: CPU ticks per process group, and the statements
+/// the MariaDB servers ran, their fsyncs and redo-log writes (`Questions`,
+/// `Innodb_data_fsyncs`, `Innodb_log_writes`, summed over the servers).
+#[derive(Debug, Clone, Default)]
+struct Usage {
+    cpu: BTreeMap<String, u64>,
+    statements: u64,
+    fsyncs: u64,
+    log_writes: u64,
+}
+
+impl Usage {
+    /// Adds what was spent between `before` and `after`.
+    fn add(&mut self, after: &Usage, before: &Usage) {
+        for (label, t) in &after.cpu {
+            let used = t.saturating_sub(before.cpu.get(label).copied().unwrap_or(0));
+            *self.cpu.entry(label.clone()).or_insert(0) += used;
+        }
+        self.statements += after.statements.saturating_sub(before.statements);
+        self.fsyncs += after.fsyncs.saturating_sub(before.fsyncs);
+        self.log_writes += after.log_writes.saturating_sub(before.log_writes);
+    }
+
+    /// "cores busy: <group> 0.42, …; InnoDB fsyncs/s …, log writes/s …"
+    /// over `secs`.
+    fn busy(&self, secs: f64) -> String {
+        let groups: Vec<String> = self
+            .cpu
+            .iter()
+            .filter(|(_, t)| **t > 0)
+            .map(|(label, t)| format!("{label} {:.2}", *t as f64 / 100.0 / secs))
+            .collect();
+        format!(
+            "cores busy: {} (all {:.2}); InnoDB fsyncs/s {:.0}, log writes/s {:.0}",
+            groups.join(", "),
+            self.cores(secs),
+            self.fsyncs as f64 / secs,
+            self.log_writes as f64 / secs
+        )
+    }
+
+    /// Cores busy over `secs`, every watched process together.
+    fn cores(&self, secs: f64) -> f64 {
+        self.cpu.values().sum::<u64>() as f64 / 100.0 / secs
+    }
+
+    /// "CPU s per 1000 <unit>: …; MariaDB statements per <unit>: …" for
+    /// `ops` operations.
+    fn per_op(&self, ops: f64, unit: &str) -> String {
+        let per = self.statements as f64 / ops.max(1.0);
+        format!(
+            "{}; MariaDB statements per {}: {per:.2}",
+            cpu_per_k(&BTreeMap::new(), &self.cpu, ops, unit),
+            match unit {
+                "queries" => "query",
+                other => other.trim_end_matches('s'),
+            }
+        )
+    }
+}
+
+impl World {
+    async fn usage(&self) -> Usage {
+        let mut u = Usage { cpu: self.procs.cpu(), ..Usage::default() };
+        for pool in &self.native.pools {
+            let rows: Vec<(String, String)> = sqlx::query_as(
+                "SHOW GLOBAL STATUS WHERE Variable_name IN ('Questions', 'Innodb_data_fsyncs', 'Innodb_log_writes')",
+            )
+            .fetch_all(pool)
+            .await
+            .unwrap_or_default();
+            for (name, v) in rows {
+                let v = v.parse::<u64>().unwrap_or(0);
+                match name.as_str() {
+                    "Questions" => u.statements += v,
+                    "Innodb_data_fsyncs" => u.fsyncs += v,
+                    _ => u.log_writes += v,
+                }
+            }
+        }
+        u
+    }
+
+    /// What was spent since `last` for `ops` operations (see
+    /// `Usage::per_op`); moves `last` on.
+    async fn usage_step(&self, last: &mut Usage, ops: f64, unit: &str) -> String {
+        let now = self.usage().await;
+        let mut spent = Usage::default();
+        spent.add(&now, last);
+        *last = now;
+        spent.per_op(ops, unit)
+    }
+
+    fn config(&self, with_new_index: bool) -> PathBuf {
+        let shards: Vec<String> = self.bag_dsns.iter().map(|d| format!("{d:?}")).collect();
+        let mut toml = format!(
+            "[mysql]\nshards = [{}]\nmax_connections = 32\n\n[kafka]\nbrokers = {:?}\ntopic = {:?}\npartitions = {PARTITIONS}\n\n\
+             [http]\naddr = \"127.0.0.1:0\"\n\n\
+             [[indexes]]\ntable = \"{INDEX_MAIN}\"\nproperties = [{{ name = \"user_id\", type = \"uuid\" }}, {{ name = \"published\", type = \"int\" }}]\nshard_on = \"user_id\"\n",
+            shards.join(", "),
+            self.kafka.bootstrap_servers(),
+            self.topic,
+        );
+        if with_new_index {
+            toml.push_str(&format!(
+                "\n[[indexes]]\ntable = \"{INDEX_NEW}\"\nproperties = [{{ name = \"link\", type = \"string\", max_len = 200 }}]\n"
+            ));
+        }
+        let p = self.dir.path().join("bagstore.toml");
+        std::fs::write(&p, toml).expect("config");
+        p
+    }
+
+    async fn bagstore(&self, args: &[&str], new_index: bool) -> anyhow::Result<Proc> {
+        let mut all: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        all.push("--config".into());
+        all.push(self.config(new_index).display().to_string());
+        let p = Proc::start(&all, self.dir.path(), &[("RUST_LOG", "warn")]).await?;
+        self.procs.watch(&format!("bagstore {}", args.join(" ")), p.pid() as u32);
+        Ok(p)
+    }
+
+    async fn migrate(&self, new_index: bool) -> anyhow::Result<()> {
+        let out = tokio::process::Command::new(bagstore_tests::bagstore_bin())
+            .arg("migrate")
+            .arg("--config")
+            .arg(self.config(new_index))
+            .output()
+            .await?;
+        ensure!(out.status.success(), "migrate failed: {}", String::from_utf8_lossy(&out.stderr));
+        Ok(())
+    }
+
+    /// Waits until the outbox is empty and `index`'s group has applied everything.
+    async fn caught_up(&self, index: &str, deadline: Duration) -> anyhow::Result<Duration> {
+        let k = schemas::settings::KafkaSettings {
+            brokers: self.kafka.bootstrap_servers(),
+            topic: self.topic.clone(),
+            ..Default::default()
+        };
+        let start = Instant::now();
+        loop {
+            let mut outbox = 0i64;
+            for d in &self.bag_dsns {
+                let pool = MySqlPool::connect(d).await?;
+                outbox +=
+                    sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM outbox").fetch_one(&pool).await?;
+                pool.close().await;
+            }
+            if outbox == 0 {
+                let lag: i64 =
+                    service::kafka::group_lag(&k, &k.group_for(index)).await?.iter().map(|p| p.lag()).sum();
+                if lag == 0 {
+                    return Ok(start.elapsed());
+                }
+            }
+            ensure!(start.elapsed() < deadline, "{index} did not catch up within {deadline:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+async fn setup(opts: &Options) -> anyhow::Result<World> {
+    let dir = tempfile::Builder::new().prefix("bagstore-bench-").tempdir()?;
+    let pool_size = if opts.quick { "256M" } else { "2G" };
+    let mut servers = Vec::new();
+    for i in 0..SHARDS {
+        let o = devstack::mariadb::MariaDbOptions {
+            ephemeral: true,
+            innodb_buffer_pool_size: Some(pool_size.into()),
+            extra_args: vec!["--innodb-log-file-size=512M".into()],
+            ..Default::default()
+        };
+        servers.push(MariaDb::start_with(&dir.path().join(format!("shard-{i}")), o).await?);
+    }
+    let procs = Arc::new(ProcSampler::default());
+    for (i, s) in servers.iter().enumerate() {
+        procs.watch(&format!("mariadbd shard {i}"), s.pid());
+    }
+    procs.watch("bench (load generator, mock Kafka)", std::process::id());
+    let bag_dsns: Vec<String> = servers.iter().map(|s| s.dsn("bench_bag")).collect();
+    let mut pools = Vec::new();
+    let mut conns = Vec::new();
+    for (i, s) in servers.iter().enumerate() {
+        let root = MySqlPool::connect(&s.dsn("")).await?;
+        sqlx::query("CREATE DATABASE IF NOT EXISTS bench_native").execute(&root).await?;
+        root.close().await;
+        let pool = MySqlPoolOptions::new()
+            .max_connections(opts.clients as u32 + 4)
+            .connect(&s.dsn("bench_native"))
+            .await?;
+        sqlx::query(&storage::ddl::entities()).execute(&pool).await?;
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS docs (
+                added_id BIGINT UNSIGNED NOT NULL AUTO_INCREMENT,
+                id BINARY(16) NOT NULL,
+                doc JSON NOT NULL,
+                user_id VARCHAR(32) AS (JSON_VALUE(doc, '$.user_id')) VIRTUAL,
+                published BIGINT AS (JSON_VALUE(doc, '$.published')) VIRTUAL,
+                PRIMARY KEY (added_id),
+                UNIQUE KEY docs_id (id),
+                KEY docs_user_published (user_id, published)
+            ) ENGINE=InnoDB",
+        )
+        .execute(&pool)
+        .await?;
+        pools.push(pool);
+        let options = sqlx::mysql::MySqlConnectOptions::from_str(&s.dsn("bench_native"))?;
+        conns.push(Conns::new(i, options, opts.clients as u32 + 4));
+    }
+    let native = Arc::new(Native { pools, conns });
+    let kafka = MockCluster::new(1)?;
+    let topic = "bench.entity-changes".to_string();
+    kafka.create_topic(&topic, PARTITIONS, 1)?;
+    kafka.create_topic(&format!("{topic}.dlq"), 1, 1)?;
+    let http = reqwest::Client::builder().pool_max_idle_per_host(opts.clients * 2).build()?;
+    Ok(World { dir, servers, bag_dsns, native, kafka, topic, http, procs })
+}
+
+// ---------------------------------------------------------------- contenders
+
+/// The raw and JSON contenders' database on each server. Their statements
+/// run on reused connections without a ping, as bagstore's hot paths do
+/// (`storage::conns`): sqlx's pool would add two pings to every statement
+/// and make the contenders slower than they need to be. The pools serve the
+/// setup, the `ALTER`s and the status reads.
+struct Native {
+    pools: Vec<MySqlPool>,
+    conns: Vec<Conns>,
+}
+
+impl Native {
+    async fn execute(&self, shard: usize, q: MyQuery<'_>) -> anyhow::Result<()> {
+        let mut t = self.conns[shard].take().await?;
+        q.execute(&mut t.conn).await?;
+        self.conns[shard].give_back(t);
+        Ok(())
+    }
+
+    async fn fetch_all(&self, shard: usize, q: MyQuery<'_>) -> anyhow::Result<Vec<sqlx::mysql::MySqlRow>> {
+        let mut t = self.conns[shard].take().await?;
+        let rows = q.fetch_all(&mut t.conn).await?;
+        self.conns[shard].give_back(t);
+        Ok(rows)
+    }
+}
+
+type MyQuery<'q> = sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments>;
+
+/// One multi-row INSERT per shard, shards in parallel: `head`, then one
+/// `tuple` per row; the row's id is bound first, `bind` binds the rest.
+async fn insert_by_shard<T: Send + Sync + 'static>(
+    native: Arc<Native>,
+    items: Vec<(String, T)>,
+    head: &'static str,
+    tuple: &'static str,
+    bind: for<'q> fn(MyQuery<'q>, &'q T) -> MyQuery<'q>,
+) -> anyhow::Result<()> {
+    let mut per: Vec<Vec<(String, T)>> = (0..SHARDS).map(|_| Vec::new()).collect();
+    for (id, v) in items {
+        per[shard_of_hex(&id)].push((id, v));
+    }
+    let jobs = per.into_iter().enumerate().filter(|(_, v)| !v.is_empty()).map(|(s, rows)| {
+        let native = native.clone();
+        async move {
+            let sql = format!("{head} {}", vec![tuple; rows.len()].join(", "));
+            let mut q = sqlx::query(&sql);
+            for (id, v) in &rows {
+                q = bind(q.bind(hex16(id).to_vec()), v);
+            }
+            native.execute(s, q).await
+        }
+    });
+    for r in futures::future::join_all(jobs).await {
+        r?;
+    }
+    Ok(())
+}
+
+/// Raw rows shaped like bagstore's `entities`, bodies already encoded.
+async fn raw_insert(native: Arc<Native>, items: Vec<(String, Vec<u8>)>) -> anyhow::Result<()> {
+    let head = "INSERT INTO entities (id, version, updated, body) VALUES";
+    insert_by_shard(native, items, head, "(?, 1, NOW(6), ?)", |q, body| q.bind(&body[..])).await
+}
+
+/// JSON documents into the native table.
+async fn json_insert(native: Arc<Native>, items: Vec<(String, String)>) -> anyhow::Result<()> {
+    insert_by_shard(native, items, "INSERT INTO docs (id, doc) VALUES", "(?, ?)", |q, doc| {
+        q.bind(doc.as_str())
+    })
+    .await
+}
+
+fn body_of(i: u64) -> Vec<u8> {
+    let bag = schemas::value::bag_from_json(&entity(i)).expect("a bag");
+    schemas::codec::encode_body(&bag)
+}
+
+async fn bag_put(http: reqwest::Client, base: Arc<String>, i: u64) -> anyhow::Result<()> {
+    let r = http.put(format!("{base}/v1/entities/{}", entity_id(i))).json(&entity(i)).send().await?;
+    ensure!(r.status().is_success(), "put answered {}", r.status());
+    Ok(())
+}
+
+async fn bag_batch(http: reqwest::Client, base: Arc<String>, ids: Vec<u64>) -> anyhow::Result<()> {
+    let items: Vec<Value> = ids
+        .iter()
+        .map(|i| {
+            let mut e = entity(*i);
+            e["id"] = json!(entity_id(*i));
+            e
+        })
+        .collect();
+    let r = http.post(format!("{base}/v1/entities/batch")).json(&json!({"entities": items})).send().await?;
+    ensure!(r.status().is_success(), "batch answered {}", r.status());
+    let doc: Value = r.json().await?;
+    let bad = doc["results"].as_array().map_or(0, |a| a.iter().filter(|x| x["version"].is_null()).count());
+    ensure!(bad == 0, "{bad} batch items failed: {doc}");
+    Ok(())
+}
+
+/// "Latest 20 of one user" (and a range on `published`), natively: both
+/// shards (the table is sharded by entity id), merged by `published` desc.
+async fn json_latest(native: &Native, user: &str, range: Option<(i64, i64)>) -> anyhow::Result<Vec<String>> {
+    let sql = match range {
+        None => "SELECT LOWER(HEX(id)) AS id, doc, published FROM docs WHERE user_id = ? ORDER BY published DESC LIMIT 20",
+        Some(_) => "SELECT LOWER(HEX(id)) AS id, doc, published FROM docs WHERE user_id = ? AND published >= ? AND published < ? ORDER BY published DESC LIMIT 20",
+    };
+    let jobs = (0..SHARDS).map(|s| {
+        let mut q = sqlx::query(sql).bind(user);
+        if let Some((a, b)) = range {
+            q = q.bind(a).bind(b);
+        }
+        native.fetch_all(s, q)
+    });
+    let mut rows: Vec<(i64, String)> = Vec::new();
+    for r in futures::future::join_all(jobs).await {
+        for row in r? {
+            // A client of the native table parses the documents it reads,
+            // as bagstore's client parses the answer.
+            let doc: Vec<u8> = row.try_get("doc")?;
+            let _: Value = serde_json::from_slice(&doc)?;
+            rows.push((row.try_get("published")?, row.try_get("id")?));
+        }
+    }
+    rows.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| b.1.cmp(&a.1)));
+    rows.truncate(20);
+    Ok(rows.into_iter().map(|(_, id)| id).collect())
+}
+
+async fn bag_latest(
+    http: &reqwest::Client,
+    base: &str,
+    user: &str,
+    range: Option<(i64, i64)>,
+) -> anyhow::Result<Vec<String>> {
+    let mut w = json!({"user_id": user});
+    if let Some((a, b)) = range {
+        w["published"] = json!({"gte": a, "lt": b});
+    }
+    let q = json!({"index": INDEX_MAIN, "where": w, "order": "desc", "limit": 20});
+    let r = http.post(format!("{base}/v1/query")).json(&q).send().await?;
+    ensure!(r.status().is_success(), "query answered {}", r.status());
+    let doc: Value = r.json().await?;
+    Ok(doc["items"]
+        .as_array()
+        .context("items")?
+        .iter()
+        .map(|e| e["id"].as_str().unwrap_or("").to_string())
+        .collect())
+}
+
+// ---------------------------------------------------------------- histogram
+
+/// (upper bound, cumulative count) of `name`'s buckets for `index`.
+fn buckets(text: &str, name: &str, index: &str) -> Vec<(f64, f64)> {
+    let prefix = format!("{name}_bucket{{");
+    let mut out: Vec<(f64, f64)> = text
+        .lines()
+        .filter(|l| l.starts_with(&prefix) && l.contains(&format!("index=\"{index}\"")))
+        .filter_map(|l| {
+            let le = l.split("le=\"").nth(1)?.split('"').next()?;
+            let le = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
+            Some((le, l.rsplit(' ').next()?.parse().ok()?))
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.total_cmp(&b.0));
+    out
+}
+
+/// Quantile of the observations between two scrapes, interpolated inside
+/// the bucket like Prometheus' histogram_quantile (ms).
+fn quantile(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> f64 {
+    let diff: Vec<(f64, f64)> = after
+        .iter()
+        .map(|(le, c)| (*le, c - before.iter().find(|(l, _)| l == le).map_or(0.0, |x| x.1)))
+        .collect();
+    let total = diff.last().map_or(0.0, |x| x.1);
+    if total == 0.0 {
+        return 0.0;
+    }
+    let rank = q * total;
+    let mut prev = (0.0, 0.0);
+    for (le, c) in &diff {
+        if *c >= rank {
+            if le.is_infinite() {
+                return prev.0 * 1e3;
+            }
+            let within = if c - prev.1 > 0.0 { (rank - prev.1) / (c - prev.1) } else { 1.0 };
+            return (prev.0 + (le - prev.0) * within) * 1e3;
+        }
+        prev = (*le, *c);
+    }
+    prev.0 * 1e3
+}
+
+/// The upper bound of the highest non-empty bucket between two scrapes (ms).
+fn max_bucket(before: &[(f64, f64)], after: &[(f64, f64)]) -> f64 {
+    let mut last = 0.0;
+    let mut prev_count = 0.0;
+    for (le, c) in after {
+        let b = before.iter().find(|(l, _)| l == le).map_or(0.0, |x| x.1);
+        if c - b > prev_count {
+            last = *le;
+        }
+        prev_count = c - b;
+    }
+    last * 1e3
+}
+
+// ---------------------------------------------------------------- the run
+
+async fn run(opts: Options) -> anyhow::Result<()> {
+    let started = Instant::now();
+    eprintln!("bench: {opts:?}");
+    let world = setup(&opts).await?;
+    let sampler = world.procs.clone();
+    let sampling = Arc::new(AtomicBool::new(true));
+    let s2 = sampling.clone();
+    let rss_task = tokio::spawn(async move {
+        while s2.load(Ordering::Relaxed) {
+            sampler.sample();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    let mut report = Report::default();
+    let result = phases(&opts, &world, &mut report).await;
+    sampling.store(false, Ordering::Relaxed);
+    let _ = rss_task.await;
+    world.procs.sample();
+    result?;
+
+    report.section("Peak resident memory during the run");
+    let peaks = world.procs.peak_kb.lock().unwrap().clone();
+    for (label, kb) in &peaks {
+        report.line(&format!("rss {label}"), label, format!("{:.0} MiB", *kb as f64 / 1024.0), String::new());
+    }
+    report.value("peak_rss_kb", json!(peaks));
+    let (cores, mem) = machine();
+    report.value(
+        "machine",
+        json!({"cores": cores, "memory": mem, "quick": opts.quick, "entities": opts.entities,
+               "clients": opts.clients, "phase_secs": opts.phase.as_secs_f64(), "total_secs": started.elapsed().as_secs_f64()}),
+    );
+    println!("\n{}", report.markdown());
+    println!("machine: {cores} cores, {mem}; total {:.0} s", started.elapsed().as_secs_f64());
+    let path = json_path(opts.quick);
+    std::fs::write(&path, serde_json::to_string_pretty(&report.json)?)?;
+    println!("figures written to {}", path.display());
+    for s in world.servers {
+        let _ = s.stop().await;
+    }
+    drop(world.dir);
+    Ok(())
+}
+
+fn json_path(quick: bool) -> PathBuf {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let name = if quick { "bench-quick.json" } else { "bench.json" };
+    match exe.parent().and_then(Path::parent) {
+        Some(target) => target.join(name),
+        None => PathBuf::from(name),
+    }
+}
+
+fn machine() -> (usize, String) {
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| m.lines().next().map(|l| l.split_whitespace().nth(1).unwrap_or("0").to_string()))
+        .and_then(|kb| kb.parse::<f64>().ok())
+        .map_or("?".to_string(), |kb| format!("{:.0} GiB", kb / 1024.0 / 1024.0));
+    (cores, mem)
+}
+
+async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::Result<()> {
+    let n = opts.entities as u64;
+    let c = opts.clients;
+    let d = opts.phase;
+    world.migrate(false).await?;
+    let writer = world.bagstore(&["writer"], false).await?;
+    let indexer = world.bagstore(&["indexer", "--index", INDEX_MAIN], false).await?;
+    let reader = world.bagstore(&["reader"], false).await?;
+    let wbase = Arc::new(writer.url.clone());
+    let rbase = reader.url.clone();
+    let native = world.native.clone();
+    let http = world.http.clone();
+
+    // ---- Load the same N entities into json and bagstore.
+    report.section(&format!("Loading {n} entities (batches of {BATCH}, {c} clients)"));
+    let next = Arc::new(AtomicU64::new(0));
+    let t = Instant::now();
+    let load_json = {
+        let (next, native) = (next.clone(), native.clone());
+        closed_loop_until(c, move || {
+            let (next, native) = (next.clone(), native.clone());
+            async move {
+                let from = next.fetch_add(BATCH as u64, Ordering::Relaxed);
+                if from >= n {
+                    return Ok(false);
+                }
+                let items = (from..(from + BATCH as u64).min(n))
+                    .map(|i| (entity_id(i), entity(i).to_string()))
+                    .collect();
+                json_insert(native, items).await.map(|_| true)
+            }
+        })
+        .await?
+    };
+    let json_secs = t.elapsed().as_secs_f64();
+    report.line(
+        "load_json",
+        "json: load",
+        format!("{:.0} entities/s", n as f64 / json_secs),
+        format!("{load_json} batches, {json_secs:.1} s"),
+    );
+    let next = Arc::new(AtomicU64::new(0));
+    let t = Instant::now();
+    {
+        let (next, http, wbase) = (next.clone(), http.clone(), wbase.clone());
+        closed_loop_until(c, move || {
+            let (next, http, wbase) = (next.clone(), http.clone(), wbase.clone());
+            async move {
+                let from = next.fetch_add(BATCH as u64, Ordering::Relaxed);
+                if from >= n {
+                    return Ok(false);
+                }
+                bag_batch(http, wbase, (from..(from + BATCH as u64).min(n)).collect()).await.map(|_| true)
+            }
+        })
+        .await?;
+    }
+    let bag_secs = t.elapsed().as_secs_f64();
+    let idx_secs = world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?.as_secs_f64();
+    report.line(
+        "load_bagstore",
+        "bagstore: load (batch API)",
+        format!("{:.0} entities/s", n as f64 / bag_secs),
+        format!("{bag_secs:.1} s; index caught up {idx_secs:.1} s later ({})", ratio(json_secs, bag_secs)),
+    );
+
+    // ---- Queries: same answers first, then latency.
+    let users: Vec<String> = (0..USERS).map(user_id).collect();
+    let span = n as i64 / 4;
+    let range_of = move |u: usize| -> (i64, i64) {
+        let lo = 1_700_000_000i64 + (u as i64 * 7919) % (n as i64 - span).max(1);
+        (lo, lo + span)
+    };
+    for u in (0..USERS).step_by(USERS / 20) {
+        let a = json_latest(&world.native, &users[u], None).await?;
+        let b = bag_latest(&http, &rbase, &users[u], None).await?;
+        ensure!(a == b, "latest-20 answers differ for user {u}: json {a:?} bagstore {b:?}");
+        let r = Some(range_of(u));
+        let a = json_latest(&world.native, &users[u], r).await?;
+        let b = bag_latest(&http, &rbase, &users[u], r).await?;
+        ensure!(a == b, "range answers differ for user {u}: json {a:?} bagstore {b:?}");
+    }
+    report.section(&format!(
+        "Queries ({c} clients, {:.0} s each in {ROUNDS} alternating turns; answers checked equal first)",
+        d.as_secs_f64()
+    ));
+    let pick = Arc::new(AtomicU64::new(0));
+    let mut q_runs = Vec::new();
+    let mut q_cpu: Vec<(String, String)> = Vec::new();
+    for (key, what, range) in [
+        ("latest20", "latest 20 of one user", false),
+        ("range", "compound range (user, published window)", true),
+    ] {
+        let users_j = Arc::new(users.clone());
+        let (p, nat) = (pick.clone(), native.clone());
+        let json_op = move || {
+            let u = p.fetch_add(1, Ordering::Relaxed) as usize % USERS;
+            let (users, nat) = (users_j.clone(), nat.clone());
+            async move { json_latest(&nat, &users[u], range.then(|| range_of(u))).await.map(|_| ()) }
+        };
+        let users_b = Arc::new(users.clone());
+        let (p, h, rb) = (pick.clone(), http.clone(), Arc::new(rbase.clone()));
+        let bag_op = move || {
+            let u = p.fetch_add(1, Ordering::Relaxed) as usize % USERS;
+            let (users, h, rb) = (users_b.clone(), h.clone(), rb.clone());
+            async move { bag_latest(&h, &rb, &users[u], range.then(|| range_of(u))).await.map(|_| ()) }
+        };
+        let ((rj, uj), (rbag, ub)) = side_by_side(world, c, d, json_op, bag_op).await;
+        q_cpu.push((format!("json: {what}"), uj.per_op(rj.latency.n as f64, "queries")));
+        q_cpu.push((format!("bagstore: {what}"), ub.per_op(rbag.latency.n as f64, "queries")));
+        report.run(&format!("{key}_json"), &format!("json: {what}"), &rj, "queries/s");
+        report.run(&format!("{key}_bagstore"), &format!("bagstore: {what}"), &rbag, "queries/s");
+        report.line(
+            &format!("{key}_ratio"),
+            &format!("{what}: p99 bagstore / json"),
+            ratio(rbag.latency.p99, rj.latency.p99),
+            format!("p50 {}", ratio(rbag.latency.p50, rj.latency.p50)),
+        );
+        q_runs.push((rj, rbag));
+    }
+    let (p, nat) = (pick.clone(), native.clone());
+    let json_get = move || {
+        let i = p.fetch_add(7, Ordering::Relaxed) % n;
+        let nat = nat.clone();
+        async move {
+            let id = entity_id(i);
+            let q = sqlx::query("SELECT doc FROM docs WHERE id = ?").bind(hex16(&id).to_vec());
+            let row = nat.fetch_all(shard_of_hex(&id), q).await?.pop();
+            let doc: Vec<u8> = row.with_context(|| format!("json: {id} missing"))?.try_get("doc")?;
+            let _: Value = serde_json::from_slice(&doc)?;
+            Ok(())
+        }
+    };
+    let (p, h, rb) = (pick.clone(), http.clone(), Arc::new(rbase.clone()));
+    let bag_get = move || {
+        let i = p.fetch_add(7, Ordering::Relaxed) % n;
+        let (h, rb) = (h.clone(), rb.clone());
+        async move {
+            let r = h.get(format!("{rb}/v1/entities/{}", entity_id(i))).send().await?;
+            ensure!(r.status().is_success(), "get answered {}", r.status());
+            let _: Value = r.json().await?;
+            Ok(())
+        }
+    };
+    let ((gj, _), (gb, _)) = side_by_side(world, c, d, json_get, bag_get).await;
+    report.run("get_json", "json: point get by id", &gj, "gets/s");
+    report.run("get_bagstore", "bagstore: point get by id", &gb, "gets/s");
+    report.line(
+        "get_ratio",
+        "point get: p99 bagstore / json",
+        ratio(gb.latency.p99, gj.latency.p99),
+        format!("p50 {}", ratio(gb.latency.p50, gj.latency.p50)),
+    );
+
+    for (i, (what, line)) in q_cpu.iter().enumerate() {
+        report.line(&format!("qcpu_{i}"), &format!("CPU, {what}"), String::new(), line.clone());
+    }
+
+    // ---- Adding an index to the N entities while a steady writer writes.
+    report.section(&format!(
+        "Adding an index on `link` to {n} entities, steady writer at {}/s",
+        opts.steady_rate
+    ));
+    let rate = opts.steady_rate as f64;
+    let (h, wb) = (http.clone(), wbase.clone());
+    let bag_steady = move || bag_put(h.clone(), wb.clone(), fresh());
+    let (bag_base, bag_during, backfill_secs, bag_use) = {
+        let (base, base_use, base_secs) = steady_alone(world, rate, d, bag_steady.clone()).await?;
+        world.migrate(true).await?;
+        let link_indexer = world.bagstore(&["indexer", "--index", INDEX_NEW], true).await?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let before = world.usage().await;
+        let steady = tokio::spawn(open_loop(rate, stop.clone(), bag_steady.clone()));
+        let t = Instant::now();
+        let mut args: Vec<String> = vec![
+            "cleaner".into(),
+            "--index".into(),
+            INDEX_NEW.into(),
+            "--rate".into(),
+            opts.backfill_rate.to_string(),
+        ];
+        args.push("--config".into());
+        args.push(world.config(true).display().to_string());
+        let mut child = tokio::process::Command::new(bagstore_tests::bagstore_bin())
+            .args(&args)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()?;
+        if let Some(pid) = child.id() {
+            world.procs.watch("bagstore cleaner --index (backfill)", pid);
+        }
+        let status = child.wait().await?;
+        let secs = t.elapsed().as_secs_f64();
+        stop.store(true, Ordering::Relaxed);
+        let during = steady.await?;
+        let mut during_use = Usage::default();
+        during_use.add(&world.usage().await, &before);
+        ensure!(status.success(), "the backfill failed: {status}");
+        world.caught_up(INDEX_NEW, Duration::from_secs(3600)).await?;
+        let mut rows = 0i64;
+        let mut live = 0i64;
+        for dsn in &world.bag_dsns {
+            let pool = MySqlPool::connect(dsn).await?;
+            rows += sqlx::query_scalar::<_, i64>(&format!("SELECT COUNT(*) FROM {INDEX_NEW}"))
+                .fetch_one(&pool)
+                .await?;
+            live += sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM entities WHERE body IS NOT NULL")
+                .fetch_one(&pool)
+                .await?;
+            pool.close().await;
+        }
+        ensure!(rows == live, "{INDEX_NEW} holds {rows} rows for {live} entities");
+        link_indexer.terminate().await;
+        // The control: the same steady writer beside a load that is not
+        // bagstore's, as many cores busy as the backfill added.
+        let extra = (during_use.cores(secs) - base_use.cores(base_secs)).max(0.0);
+        let stop = Arc::new(AtomicBool::new(false));
+        let burners = burn(extra, stop.clone());
+        let burned = steady_alone(world, rate, d, bag_steady.clone()).await;
+        stop.store(true, Ordering::Relaxed);
+        for b in burners {
+            b.join().expect("burner");
+        }
+        let (burned, burned_use, burned_secs) = burned?;
+        let uses = [(base_use, base_secs), (during_use, secs), (burned_use, burned_secs)];
+        (base, (during, burned, extra), secs, uses)
+    };
+    let nat = native.clone();
+    let json_steady = move || {
+        let nat = nat.clone();
+        let i = fresh();
+        async move { json_insert(nat, vec![(entity_id(i), entity(i).to_string())]).await }
+    };
+    let (json_base, json_during, alter_secs, json_use) = {
+        let (base, base_use, base_secs) = steady_alone(world, rate, d, json_steady.clone()).await?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let before = world.usage().await;
+        let steady = tokio::spawn(open_loop(rate, stop.clone(), json_steady.clone()));
+        let t = Instant::now();
+        // MariaDB cannot add a virtual column and its index in one online
+        // ALTER: the column first (instant), then the index without locking.
+        let alters = world.native.pools.iter().map(|p| async move {
+            sqlx::query(
+                "ALTER TABLE docs ADD COLUMN link VARCHAR(200) AS (JSON_VALUE(doc, '$.link')) VIRTUAL",
+            )
+            .execute(p)
+            .await?;
+            sqlx::query("ALTER TABLE docs ADD INDEX docs_link (link), ALGORITHM=INPLACE, LOCK=NONE")
+                .execute(p)
+                .await
+        });
+        for r in futures::future::join_all(alters).await {
+            r.context("ALTER TABLE docs ADD INDEX")?;
+        }
+        let secs = t.elapsed().as_secs_f64();
+        stop.store(true, Ordering::Relaxed);
+        let during = steady.await?;
+        let mut during_use = Usage::default();
+        during_use.add(&world.usage().await, &before);
+        (base, during, secs, [(base_use, base_secs), (during_use, secs)])
+    };
+    let (bag_during, bag_burned, extra_cores) = bag_during;
+    report.line(
+        "backfill_bagstore",
+        &format!("bagstore: online backfill (cleaner --index, --rate {})", opts.backfill_rate),
+        format!("{:.1} s", backfill_secs),
+        format!("{:.0} rows/s", n as f64 / backfill_secs),
+    );
+    report.line(
+        "alter_json",
+        "json: ALTER TABLE … ADD INDEX (both shards at once)",
+        format!("{alter_secs:.1} s"),
+        format!(
+            "{:.0} rows/s; bagstore is {} as fast",
+            n as f64 / alter_secs,
+            ratio(alter_secs, backfill_secs)
+        ),
+    );
+    report.run("steady_bagstore_base", "bagstore steady writer, before", &bag_base, "writes/s");
+    report.run(
+        "steady_bagstore_during",
+        "bagstore steady writer, during the backfill",
+        &bag_during,
+        "writes/s",
+    );
+    report.line(
+        "steady_bagstore_ratio",
+        "bagstore writer p99, during / before",
+        ratio(bag_during.latency.p99, bag_base.latency.p99),
+        String::new(),
+    );
+    report.run("steady_json_base", "json steady writer, before", &json_base, "writes/s");
+    report.run("steady_json_during", "json steady writer, during the ALTER", &json_during, "writes/s");
+    report.line(
+        "steady_json_ratio",
+        "json writer p99, during / before",
+        ratio(json_during.latency.p99, json_base.latency.p99),
+        String::new(),
+    );
+    report.run(
+        "steady_bagstore_burner",
+        &format!(
+            "bagstore steady writer beside a CPU burner of {extra_cores:.2} cores (the backfill's extra)"
+        ),
+        &bag_burned,
+        "writes/s",
+    );
+    report.line(
+        "steady_bagstore_burner_ratio",
+        "bagstore writer p99, beside the burner / before",
+        ratio(bag_burned.latency.p99, bag_base.latency.p99),
+        String::new(),
+    );
+    let phases = [
+        ("bagstore steady writer, before", &bag_use[0]),
+        ("during the backfill", &bag_use[1]),
+        ("beside the CPU burner", &bag_use[2]),
+        ("json steady writer, before", &json_use[0]),
+        ("during the ALTER", &json_use[1]),
+    ];
+    for (i, (what, (u, secs))) in phases.into_iter().enumerate() {
+        report.line(&format!("build_cpu_{i}"), &format!("CPU, {what}"), String::new(), u.busy(*secs));
+    }
+
+    // ---- Write throughput, same client concurrency.
+    report.section(&format!("Writes ({c} clients, {:.0} s each, new ids)", d.as_secs_f64()));
+    let mut cpu_lines = Vec::new();
+    let mut cpu0 = world.usage().await;
+    let secs = d.as_secs_f64();
+    let one_raw = {
+        let nat = native.clone();
+        closed_loop(c, d, 1, move || {
+            let nat = nat.clone();
+            let i = fresh();
+            async move { raw_insert(nat, vec![(entity_id(i), body_of(i))]).await }
+        })
+        .await
+    };
+    cpu_lines
+        .push(("raw single".to_string(), world.usage_step(&mut cpu0, one_raw.rate * secs, "rows").await));
+    let batch_raw = {
+        let nat = native.clone();
+        closed_loop(c, d, BATCH, move || {
+            let nat = nat.clone();
+            let items: Vec<(String, Vec<u8>)> =
+                (0..BATCH).map(|_| fresh()).map(|i| (entity_id(i), body_of(i))).collect();
+            async move { raw_insert(nat, items).await }
+        })
+        .await
+    };
+    cpu_lines
+        .push(("raw batch".to_string(), world.usage_step(&mut cpu0, batch_raw.rate * secs, "rows").await));
+    let one_json = {
+        let nat = native.clone();
+        closed_loop(c, d, 1, move || {
+            let nat = nat.clone();
+            let i = fresh();
+            async move { json_insert(nat, vec![(entity_id(i), entity(i).to_string())]).await }
+        })
+        .await
+    };
+    cpu_lines
+        .push(("json single".to_string(), world.usage_step(&mut cpu0, one_json.rate * secs, "rows").await));
+    let batch_json = {
+        let nat = native.clone();
+        closed_loop(c, d, BATCH, move || {
+            let nat = nat.clone();
+            let items: Vec<(String, String)> =
+                (0..BATCH).map(|_| fresh()).map(|i| (entity_id(i), entity(i).to_string())).collect();
+            async move { json_insert(nat, items).await }
+        })
+        .await
+    };
+    cpu_lines
+        .push(("json batch".to_string(), world.usage_step(&mut cpu0, batch_json.rate * secs, "rows").await));
+    let one_bag = {
+        let (h, wb) = (http.clone(), wbase.clone());
+        closed_loop(c, d, 1, move || bag_put(h.clone(), wb.clone(), fresh())).await
+    };
+    cpu_lines.push((
+        "bagstore single".to_string(),
+        world.usage_step(&mut cpu0, one_bag.rate * secs, "rows").await,
+    ));
+    let batch_bag = {
+        let (h, wb) = (http.clone(), wbase.clone());
+        closed_loop(c, d, BATCH, move || {
+            bag_batch(h.clone(), wb.clone(), (0..BATCH).map(|_| fresh()).collect())
+        })
+        .await
+    };
+    cpu_lines.push((
+        "bagstore batch".to_string(),
+        world.usage_step(&mut cpu0, batch_bag.rate * secs, "rows").await,
+    ));
+    let t_idx = Instant::now();
+    let mut cpu_before_catchup = world.usage().await;
+    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
+    cpu_lines.push((
+        format!("index catch-up after the write phases ({:.1} s)", t_idx.elapsed().as_secs_f64()),
+        world.usage_step(&mut cpu_before_catchup, one_bag.rate * secs + batch_bag.rate * secs, "rows").await,
+    ));
+    report.run("put_raw", "raw: single-row INSERT (autocommit)", &one_raw, "rows/s");
+    report.run("put_json", "json: single-row INSERT", &one_json, "rows/s");
+    report.run("put_bagstore", "bagstore: PUT /v1/entities/{id}", &one_bag, "rows/s");
+    report.line(
+        "put_ratio",
+        "single: bagstore / raw (target ≥ 0.6)",
+        ratio(one_bag.rate, one_raw.rate),
+        format!("bagstore / json {}", ratio(one_bag.rate, one_json.rate)),
+    );
+    report.run(
+        "batch_raw",
+        &format!("raw: INSERT of {BATCH} rows (one statement per shard)"),
+        &batch_raw,
+        "rows/s",
+    );
+    report.run(
+        "batch_json",
+        &format!("json: INSERT of {BATCH} rows (one statement per shard)"),
+        &batch_json,
+        "rows/s",
+    );
+    report.run(
+        "batch_bagstore",
+        &format!("bagstore: POST /v1/entities/batch of {BATCH}"),
+        &batch_bag,
+        "rows/s",
+    );
+    report.line(
+        "batch_ratio",
+        "batch: bagstore / raw (target ≥ 0.8)",
+        ratio(batch_bag.rate, batch_raw.rate),
+        format!("bagstore / json {}", ratio(batch_bag.rate, batch_json.rate)),
+    );
+
+    report.section("Where the CPU went during the write phases (processes grouped; both cores = 2 s per s)");
+    for (i, (what, line)) in cpu_lines.iter().enumerate() {
+        report.line(&format!("cpu_{i}"), what, String::new(), line.clone());
+    }
+
+    // ---- Index lag at 50% and 90% of the maximum single-put rate.
+    let max_rate = one_bag.rate;
+    report.section(&format!(
+        "Index lag, commit → applied (`{INDEX_MAIN}`; max single-put rate {max_rate:.0}/s)"
+    ));
+    for share in [0.5, 0.9] {
+        let scrape = || async { http.get(format!("{}/metrics", indexer.url)).send().await?.text().await };
+        let before = buckets(&scrape().await?, "bagstore_indexer_event_lag_seconds", INDEX_MAIN);
+        let stop = Arc::new(AtomicBool::new(false));
+        let (h, wb) = (http.clone(), wbase.clone());
+        let steady = tokio::spawn(open_loop(max_rate * share, stop.clone(), move || {
+            bag_put(h.clone(), wb.clone(), fresh())
+        }));
+        tokio::time::sleep(d).await;
+        stop.store(true, Ordering::Relaxed);
+        let w = steady.await?;
+        world.caught_up(INDEX_MAIN, Duration::from_secs(600)).await?;
+        let after = buckets(&scrape().await?, "bagstore_indexer_event_lag_seconds", INDEX_MAIN);
+        let events = after.last().map_or(0.0, |x| x.1) - before.last().map_or(0.0, |x| x.1);
+        let (p50, p99, max) =
+            (quantile(&before, &after, 0.5), quantile(&before, &after, 0.99), max_bucket(&before, &after));
+        let pct = (share * 100.0) as u32;
+        report.line(
+            &format!("lag_{pct}"),
+            &format!("lag at {pct}% ({:.0} writes/s achieved)", w.rate),
+            format!("p99 {p99:.1} ms"),
+            format!(
+                "p50 {p50:.1} ms, max ≤ {max:.0} ms, {events:.0} events; write p99 {:.1} ms",
+                w.latency.p99
+            ),
+        );
+        report.value(&format!("lag_{pct}"), json!({"share": share, "rate": w.rate, "p50_ms": p50, "p99_ms": p99, "max_bucket_ms": max, "events": events}));
+    }
+    let m = http.get(format!("{}/metrics", indexer.url)).send().await?.text().await?;
+    ensure!(
+        metric_sum(&m, "bagstore_indexer_events_applied_total", &[]) > 0.0,
+        "the indexer applied nothing"
+    );
+    writer.terminate().await;
+    indexer.terminate().await;
+    reader.terminate().await;
+    Ok(())
+}
+
+/// Like [`closed_loop`], until `op` says there is nothing left (Ok(false)).
+async fn closed_loop_until<F, Fut>(clients: usize, op: F) -> anyhow::Result<u64>
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<bool>> + Send,
+{
+    let op = Arc::new(op);
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let op = op.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut done = 0u64;
+            while op().await? {
+                done += 1;
+            }
+            Ok::<_, anyhow::Error>(done)
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await??;
+    }
+    if total == 0 {
+        bail!("nothing was loaded");
+    }
+    Ok(total)
+}

@@ -1,0 +1,258 @@
+//! Online backfill of a new index.
+//!
+//! Walks every shard's entities newest insert first (`added_id`
+//! descending, below the highest id present when the backfill started:
+//! later writes reach the index through its consumer group, which starts
+//! with the index), writes their rows with multi-row upserts, and persists
+//! a cursor, in one statement with the row count, at most every
+//! `SAVE_EVERY` and at the end. A backfill killed at any point resumes from
+//! its last saved cursor: it redoes at most that long of work (the upserts
+//! are idempotent), and rows counted as done are never scanned again.
+//! Saving after every batch cost a durable commit per batch on shard 0,
+//! as many as the index rows' own. A named lock keeps one backfiller per
+//! index; a rate limit and a shard concurrency keep live traffic healthy.
+
+use schemas::codec;
+use schemas::index::IndexState;
+use schemas::IndexSpec;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use storage::index_rows::{self, IndexRow};
+use storage::{catalog, entities, locks, migrate, EntityRecord, StoreError, META_SHARD};
+use tokio::sync::{Mutex, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use crate::{Cleaner, CleanerError};
+
+/// How often the cursor is persisted while the backfill runs.
+const SAVE_EVERY: Duration = Duration::from_secs(1);
+
+/// Persisted in `bagstore_indexes.backfill_cursor` as JSON.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Cursor {
+    /// Per shard: scan entities with `added_id` below this.
+    below: Vec<u64>,
+    done: Vec<bool>,
+}
+
+/// Progress as shown to the operator.
+#[derive(Debug, Clone, Copy)]
+pub struct Progress {
+    pub rows_done: u64,
+    pub rows_total: u64,
+    /// Rows this process scanned.
+    pub scanned_this_run: u64,
+    pub elapsed: Duration,
+}
+
+impl Progress {
+    pub fn ratio(&self) -> f64 {
+        if self.rows_total == 0 {
+            1.0
+        } else {
+            (self.rows_done as f64 / self.rows_total as f64).min(1.0)
+        }
+    }
+
+    pub fn rate(&self) -> f64 {
+        self.scanned_this_run as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
+
+struct Shared {
+    cursor: Cursor,
+    rows_done: u64,
+    scanned_this_run: u64,
+    saved_at: Instant,
+}
+
+impl Cleaner {
+    /// Backfills `spec` to ACTIVE. `report` is called after every batch.
+    pub async fn backfill(
+        &self,
+        spec: &IndexSpec,
+        report: &(dyn Fn(Progress) + Sync),
+        shutdown: &CancellationToken,
+    ) -> Result<Progress, CleanerError> {
+        let table = spec.table.clone();
+        let shards = self.shards();
+        let n = shards.count();
+        let meta = self
+            .index_metas()
+            .await?
+            .into_iter()
+            .find(|m| m.spec.table == table && m.state != IndexState::Dropping)
+            .ok_or_else(|| CleanerError::UnknownIndex(table.clone()))?;
+        let start = Instant::now();
+        if meta.state == IndexState::Active {
+            return Ok(Progress {
+                rows_done: meta.rows_done,
+                rows_total: meta.rows_total,
+                scanned_this_run: 0,
+                elapsed: start.elapsed(),
+            });
+        }
+        // Held for the whole backfill: closing this connection frees it.
+        let mut lock = storage::shards::dedicated_connection(shards.dsn(META_SHARD))
+            .await
+            .map_err(|source| StoreError::Shard { shard: META_SHARD, source })?;
+        if !locks::try_backfill_lock(&mut lock, &table).await? {
+            return Err(CleanerError::Busy(table));
+        }
+        shards.try_each(|shard, pool| migrate::create_index_table(shard, pool, &meta.spec)).await?;
+        if meta.state == IndexState::Creating {
+            catalog::set_index_state(shards, &table, IndexState::Backfilling).await?;
+        }
+        let (cursor, rows_done, rows_total) = match catalog::backfill_cursor(shards, &table).await? {
+            Some(text) => {
+                let c: Cursor = serde_json::from_str(&text)
+                    .map_err(|source| CleanerError::BadCursor { table: table.clone(), source })?;
+                (c, meta.rows_done, meta.rows_total)
+            }
+            None => {
+                let bounds = shards.try_each(entities::entity_bounds).await?;
+                let below = bounds.iter().map(|b| b.max_added_id + 1).collect();
+                let total = bounds.iter().map(|b| b.count).sum();
+                let c = Cursor { below, done: vec![false; n] };
+                let text = serde_json::to_string(&c).expect("cursor serializes");
+                catalog::set_backfill_progress(shards, &table, Some(&text), 0, total).await?;
+                (c, 0, total)
+            }
+        };
+        tracing::info!(index = %table, rows_done, rows_total, "backfill running");
+        let shared =
+            Arc::new(Mutex::new(Shared { cursor, rows_done, scanned_this_run: 0, saved_at: Instant::now() }));
+        let gate = Semaphore::new(self.settings().cleaner.backfill_concurrency);
+        // The cursor covers only batches whose rows are committed.
+        let save = |s: &Shared| {
+            let text = serde_json::to_string(&s.cursor).expect("cursor serializes");
+            let (rows_done, table) = (s.rows_done, &table);
+            async move { catalog::set_backfill_progress(shards, table, Some(&text), rows_done, rows_total).await }
+        };
+        let progress_now = |s: &Shared| Progress {
+            rows_done: s.rows_done,
+            rows_total,
+            scanned_this_run: s.scanned_this_run,
+            elapsed: start.elapsed(),
+        };
+        let jobs = (0..n).map(|shard| {
+            let shared = shared.clone();
+            let gate = &gate;
+            let spec = &meta.spec;
+            let table = &table;
+            async move {
+                let _permit = gate.acquire().await.expect("semaphore open");
+                loop {
+                    let below = {
+                        let s = shared.lock().await;
+                        if s.cursor.done[shard] {
+                            return Ok(());
+                        }
+                        s.cursor.below[shard]
+                    };
+                    if shutdown.is_cancelled() {
+                        return Err(CleanerError::Interrupted(table.to_string()));
+                    }
+                    let batch = entities::scan_entities_by_added_id(
+                        shard,
+                        shards.pool(shard),
+                        Some(below),
+                        self.settings().cleaner.backfill_batch,
+                    )
+                    .await?;
+                    // Live indexer writes can deadlock with ours; InnoDB rolled
+                    // the statement back, so run it again (upserts are idempotent).
+                    let mut attempt = 0u32;
+                    loop {
+                        match self.write_rows(spec, &batch).await {
+                            Ok(()) => break,
+                            Err(e) if e.is_retryable_conflict() && attempt < 20 => {
+                                attempt += 1;
+                                tokio::time::sleep(Duration::from_millis(10 << attempt.min(6))).await;
+                            }
+                            Err(e) => return Err(e.into()),
+                        }
+                    }
+                    let mut s = shared.lock().await;
+                    match batch.last() {
+                        Some(last) => s.cursor.below[shard] = last.added_id,
+                        None => s.cursor.done[shard] = true,
+                    }
+                    s.rows_done += batch.len() as u64;
+                    s.scanned_this_run += batch.len() as u64;
+                    if s.saved_at.elapsed() >= SAVE_EVERY {
+                        save(&s).await?;
+                        s.saved_at = Instant::now();
+                    }
+                    let p = progress_now(&s);
+                    drop(s);
+                    self.metrics().backfill_rows.with_label_values(&[table]).inc_by(batch.len() as u64);
+                    self.metrics().backfill_progress.with_label_values(&[table]).set(p.ratio());
+                    report(p);
+                    self.throttle(p.scanned_this_run, start).await;
+                }
+            }
+        });
+        let results = futures::future::join_all(jobs).await;
+        if let Some(e) = results.into_iter().find_map(Result::err) {
+            // Keep what the other shards finished since the last save (best
+            // effort: the error may be shard 0's own).
+            if let Err(save_err) = save(&*shared.lock().await).await {
+                tracing::warn!(index = %table, error = %save_err, "could not save the backfill cursor");
+            }
+            return Err(e);
+        }
+        save(&*shared.lock().await).await?;
+        catalog::set_index_state(shards, &table, IndexState::Active).await?;
+        self.metrics().index_state.with_label_values(&[&table]).set(crate::state_code(IndexState::Active));
+        let s = shared.lock().await;
+        let p = progress_now(&s);
+        self.metrics().backfill_progress.with_label_values(&[&table]).set(1.0);
+        report(p);
+        Ok(p)
+    }
+
+    /// Keeps the whole backfill at or under `backfill_rate` rows/s.
+    async fn throttle(&self, scanned: u64, start: Instant) {
+        let rate = self.settings().cleaner.backfill_rate;
+        if rate == 0 {
+            return;
+        }
+        let due = Duration::from_secs_f64(scanned as f64 / rate as f64);
+        if let Some(wait) = due.checked_sub(start.elapsed()) {
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// Upserts the rows of a batch of entities, grouped by target shard.
+    async fn write_rows(&self, spec: &IndexSpec, batch: &[EntityRecord]) -> Result<(), StoreError> {
+        let n = self.shards().count();
+        let mut per_shard: Vec<Vec<IndexRow>> = vec![Vec::new(); n];
+        for e in batch {
+            let Some(body) = e.body.as_deref() else { continue };
+            match codec::decode_body(body) {
+                Ok(bag) => {
+                    for key in spec.keys(&bag) {
+                        let shard = spec.shard_of_key(&key, n);
+                        per_shard[shard].push(IndexRow {
+                            key,
+                            entity: e.id,
+                            version: e.version,
+                            entity_added_id: Some(e.added_id),
+                        });
+                    }
+                }
+                Err(err) => tracing::error!(id = %e.id, error = %err, "corrupt entity body; not indexed"),
+            }
+        }
+        let done = self
+            .shards()
+            .each_with(&per_shard, |shard, pool, rows| async move {
+                let mut conn = pool.acquire().await.map_err(|source| StoreError::Shard { shard, source })?;
+                index_rows::upsert_index_rows(shard, &mut conn, spec, rows).await
+            })
+            .await;
+        done.into_iter().try_for_each(|(_, r)| r)
+    }
+}

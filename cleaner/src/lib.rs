@@ -1,0 +1,307 @@
+//! The cleaner: finds and repairs index drift, and backfills new indexes.
+//!
+//! Drift is judged per entity by [`reconcile`]: the keys its stored
+//! properties produce (none for a tombstone or an absent id) against the
+//! rows the index holds for it on every shard. Missing rows are written
+//! with the entity's version; a row the entity no longer produces is
+//! deleted only after the entity is re-read, and only if no newer version
+//! rewrote it meanwhile, so a concurrent indexer write is never undone.
+//!
+//! The continuous sweep ([`Cleaner::run`]) does, every cycle: the entities
+//! updated within `recent_window_secs` (fresh drift is fixed within a
+//! cycle), one step of the deep pass through all entities newest `updated`
+//! first, and one step of the pass through each index table's entity ids
+//! (rows of entities that no longer exist). It also starts the backfill of
+//! every CREATING or BACKFILLING index ([`backfill`]).
+//!
+//! In: entities and index rows from the shards, consumer-group offsets
+//! from Kafka. Out: repaired index rows, index states, the index lag series.
+//!
+//! Layout:
+//! - this file: the [`Cleaner`] and its sweep cycle.
+//! - [`reconcile`]: per-entity drift judgment and repair.
+//! - [`backfill`]: a new index's online backfill, resumable, throttled.
+//! - [`lag`]: index lag and the settled time (before which drift is drift,
+//!   not lag), measured for every index, live consumer or not.
+//! - [`metrics`]: the series this crate exports.
+
+pub mod backfill;
+pub mod lag;
+pub mod metrics;
+pub mod reconcile;
+
+use schemas::index::IndexState;
+use schemas::{EntityId, IndexSpec, Settings};
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use storage::entities::{self, EntityRecord};
+use storage::index_rows;
+use storage::{catalog, IndexMeta, Shards, StoreError};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use metrics::CleanerMetrics;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CleanerError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("index {0:?} is not registered; run bagstore migrate with it in the config")]
+    UnknownIndex(String),
+    #[error("another process is backfilling index {0:?}")]
+    Busy(String),
+    #[error("stopped before the backfill of {0:?} finished; it resumes from its saved cursor")]
+    Interrupted(String),
+    #[error("the backfill cursor of {table:?} is unreadable")]
+    BadCursor {
+        table: String,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Cheap to clone; shared by the sweep and the backfill tasks.
+#[derive(Debug, Clone)]
+pub struct Cleaner {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    settings: Settings,
+    shards: Shards,
+    metrics: CleanerMetrics,
+    /// Indexes whose backfill runs in this process.
+    backfilling: Mutex<HashSet<String>>,
+    /// Per index: up to when every event is applied (see [`lag`]).
+    settled: Mutex<HashMap<String, lag::Settled>>,
+}
+
+/// Where each pass of the sweep stands.
+#[derive(Debug, Default)]
+struct SweepState {
+    started: Option<Instant>,
+    /// Per shard: the deep pass's `(updated, added_id)` cursor, `None` at the start.
+    deep: Vec<Option<(i64, u64)>>,
+    deep_done: Vec<bool>,
+    /// Per (index, shard): the index pass's entity-id cursor.
+    index_pass: HashMap<(String, usize), Option<EntityId>>,
+    index_done: HashSet<(String, usize)>,
+}
+
+pub fn state_code(s: IndexState) -> i64 {
+    match s {
+        IndexState::Creating => 0,
+        IndexState::Backfilling => 1,
+        IndexState::Active => 2,
+        IndexState::Dropping => 3,
+    }
+}
+
+impl Cleaner {
+    pub fn new(settings: Settings, shards: Shards, metrics: CleanerMetrics) -> Cleaner {
+        Cleaner {
+            inner: Arc::new(Inner {
+                settings,
+                shards,
+                metrics,
+                backfilling: Mutex::new(HashSet::new()),
+                settled: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.inner.settings
+    }
+
+    pub fn shards(&self) -> &Shards {
+        &self.inner.shards
+    }
+
+    pub fn metrics(&self) -> &CleanerMetrics {
+        &self.inner.metrics
+    }
+
+    /// Commit time before which every event of `table` has been applied;
+    /// `None` until the lag measurement has established one.
+    pub fn settled_us(&self, table: &str) -> Option<i64> {
+        self.inner.settled.lock().expect("not poisoned").get(table).and_then(|s| s.at_us)
+    }
+
+    pub(crate) fn settled_mut(&self, table: &str, f: impl FnOnce(&mut lag::Settled)) {
+        f(self.inner.settled.lock().expect("not poisoned").entry(table.to_string()).or_default())
+    }
+
+    pub async fn index_metas(&self) -> Result<Vec<IndexMeta>, StoreError> {
+        catalog::list_index_meta(self.shards()).await
+    }
+
+    /// Sweeps until `shutdown`; starts backfills of new indexes on `tracker`.
+    pub async fn run(&self, tracker: &TaskTracker, shutdown: CancellationToken) {
+        let interval = Duration::from_millis(self.settings().cleaner.interval_ms);
+        let mut state = SweepState::default();
+        while !shutdown.is_cancelled() {
+            if let Err(e) = self.cycle(&mut state, tracker, &shutdown).await {
+                tracing::warn!(error = %e, source = ?std::error::Error::source(&e).map(|s| s.to_string()),
+                    "cleaner cycle failed; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    _ = shutdown.cancelled() => break,
+                }
+                continue;
+            }
+            if interval.is_zero() {
+                tokio::task::yield_now().await;
+                continue;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {}
+                _ = shutdown.cancelled() => break,
+            }
+        }
+    }
+
+    async fn cycle(
+        &self,
+        st: &mut SweepState,
+        tracker: &TaskTracker,
+        shutdown: &CancellationToken,
+    ) -> Result<(), CleanerError> {
+        let metas = self.index_metas().await?;
+        for m in &metas {
+            self.inner.metrics.index_state.with_label_values(&[&m.spec.table]).set(state_code(m.state));
+            if matches!(m.state, IndexState::Creating | IndexState::Backfilling) {
+                self.start_backfill(m.spec.clone(), tracker, shutdown.clone());
+            }
+        }
+        let specs: Vec<IndexSpec> = metas
+            .into_iter()
+            .filter(|m| matches!(m.state, IndexState::Active | IndexState::Backfilling))
+            .map(|m| m.spec)
+            .collect();
+        // Per index: entities written after the settled time may have events
+        // in flight (lag, not drift) and are not judged this cycle.
+        let mut settled = HashMap::new();
+        for spec in &specs {
+            settled.insert(spec.table.clone(), self.settled_us(&spec.table).unwrap_or(i64::MIN));
+            for kind in ["missing", "dangling"] {
+                // Present from the start, so increase() sees the first drift.
+                self.inner.metrics.drift_found.with_label_values(&[&spec.table, kind]);
+                self.inner.metrics.drift_fixed.with_label_values(&[&spec.table, kind]);
+            }
+        }
+        let n = self.shards().count();
+        if st.deep.len() != n {
+            *st = SweepState { deep: vec![None; n], deep_done: vec![false; n], ..Default::default() };
+        }
+        let started = *st.started.get_or_insert_with(Instant::now);
+        if specs.is_empty() {
+            return Ok(());
+        }
+        let batch = self.settings().cleaner.batch;
+        let now_us = schemas::clock::now_micros();
+        let window_us = self.settings().cleaner.recent_window_secs as i64 * 1_000_000;
+        for shard in 0..n {
+            // Fresh drift first: everything updated within the window.
+            let recent = entities::scan_entities_by_updated(
+                shard,
+                self.shards().pool(shard),
+                now_us - window_us,
+                None,
+                batch,
+            )
+            .await?;
+            self.reconcile_scanned(&specs, &settled, recent).await?;
+            // One step of the deep pass.
+            if !st.deep_done[shard] {
+                let rows = entities::scan_entities_by_updated(
+                    shard,
+                    self.shards().pool(shard),
+                    0,
+                    st.deep[shard],
+                    batch,
+                )
+                .await?;
+                st.deep[shard] = rows.last().map(|e| (e.updated_us, e.added_id));
+                st.deep_done[shard] = rows.len() < batch;
+                self.reconcile_scanned(&specs, &settled, rows).await?;
+            }
+            // One step of each index table's pass.
+            for spec in &specs {
+                let k = (spec.table.clone(), shard);
+                if st.index_done.contains(&k) {
+                    continue;
+                }
+                let after = st.index_pass.get(&k).cloned().flatten();
+                let ids = index_rows::index_entity_ids(
+                    shard,
+                    self.shards().pool(shard),
+                    spec,
+                    after.as_ref(),
+                    batch,
+                )
+                .await?;
+                if ids.len() < batch {
+                    st.index_done.insert(k.clone());
+                }
+                st.index_pass.insert(k, ids.last().copied());
+                let found = self.read_any(&ids).await?;
+                self.inner.metrics.rows_scanned.with_label_values(&[&spec.table]).inc_by(ids.len() as u64);
+                reconcile::reconcile(self, spec, &ids, &found, settled[&spec.table]).await?;
+            }
+        }
+        let all_index_done =
+            specs.iter().all(|s| (0..n).all(|sh| st.index_done.contains(&(s.table.clone(), sh))));
+        if st.deep_done.iter().all(|d| *d) && all_index_done {
+            self.inner.metrics.sweeps.inc();
+            self.inner.metrics.sweep_seconds.set(started.elapsed().as_secs_f64());
+            *st = SweepState { deep: vec![None; n], deep_done: vec![false; n], ..Default::default() };
+        }
+        Ok(())
+    }
+
+    async fn reconcile_scanned(
+        &self,
+        specs: &[IndexSpec],
+        settled: &HashMap<String, i64>,
+        rows: Vec<EntityRecord>,
+    ) -> Result<(), CleanerError> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<EntityId> = rows.iter().map(|e| e.id).collect();
+        for spec in specs {
+            self.inner.metrics.rows_scanned.with_label_values(&[&spec.table]).inc_by(rows.len() as u64);
+            reconcile::reconcile(self, spec, &ids, &rows, settled[&spec.table]).await?;
+        }
+        Ok(())
+    }
+
+    /// Entities among `ids` on whatever shards they live, tombstones included.
+    pub async fn read_any(&self, ids: &[EntityId]) -> Result<Vec<EntityRecord>, StoreError> {
+        let per_shard = self.shards().by_shard(ids);
+        let found = self
+            .shards()
+            .try_each(|shard, pool| entities::read_entities_any(shard, pool, &per_shard[shard]))
+            .await?;
+        Ok(found.into_iter().flatten().collect())
+    }
+
+    fn start_backfill(&self, spec: IndexSpec, tracker: &TaskTracker, shutdown: CancellationToken) {
+        if !self.inner.backfilling.lock().expect("not poisoned").insert(spec.table.clone()) {
+            return;
+        }
+        let me = self.clone();
+        tracker.spawn(async move {
+            let table = spec.table.clone();
+            match me.backfill(&spec, &|_| {}, &shutdown).await {
+                Ok(o) => tracing::info!(index = %table, scanned = o.scanned_this_run, "backfill done; index ACTIVE"),
+                Err(CleanerError::Busy(_)) => tracing::debug!(index = %table, "another process backfills"),
+                Err(e) => tracing::warn!(index = %table, error = %e, "backfill stopped"),
+            }
+            me.inner.backfilling.lock().expect("not poisoned").remove(&table);
+        });
+    }
+}

@@ -1,0 +1,125 @@
+//! The series the cleaner exports: drift, sweeps, backfills, and the index
+//! lag and state series it measures for every index (so lag is reported
+//! even when an index has no live consumer).
+
+use prometheus::{GaugeVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+
+/// Cleaner series, `bagstore_cleaner_…` (and `bagstore_index_state`).
+#[derive(Debug, Clone)]
+pub struct CleanerMetrics {
+    /// Drift found, by index and kind (`missing`, `dangling`).
+    pub drift_found: IntCounterVec,
+    /// Drift repaired, by index and kind.
+    pub drift_fixed: IntCounterVec,
+    /// Entities (and index entity ids) examined, per index.
+    pub rows_scanned: IntCounterVec,
+    /// Completed full sweeps (every shard's entities and index tables).
+    pub sweeps: prometheus::IntCounter,
+    /// Duration of the last completed sweep.
+    pub sweep_seconds: prometheus::Gauge,
+    pub backfill_progress: GaugeVec,
+    pub backfill_rows: IntCounterVec,
+    /// 0 CREATING, 1 BACKFILLING, 2 ACTIVE, 3 DROPPING.
+    pub index_state: IntGaugeVec,
+    /// Events on the topic the index's group has not committed, per partition.
+    pub partition_lag: IntGaugeVec,
+    /// The same, summed over partitions.
+    pub lag_events: IntGaugeVec,
+    /// Newest commit on any shard minus the newest commit the index applied.
+    pub lag_seconds: GaugeVec,
+    /// Commit time of the newest event the index applied (from MySQL).
+    pub applied_through: GaugeVec,
+    /// Live members of the index's consumer group.
+    pub consumers: IntGaugeVec,
+}
+
+impl CleanerMetrics {
+    pub fn register(r: &Registry) -> prometheus::Result<CleanerMetrics> {
+        let m = CleanerMetrics {
+            drift_found: IntCounterVec::new(
+                Opts::new(
+                    "bagstore_cleaner_drift_found_total",
+                    "Index rows found missing, dangling, or not saying where their entity is (kind location)",
+                ),
+                &["index", "kind"],
+            )?,
+            drift_fixed: IntCounterVec::new(
+                Opts::new(
+                    "bagstore_cleaner_drift_fixed_total",
+                    "Missing rows written, dangling rows deleted, entity locations written into rows",
+                ),
+                &["index", "kind"],
+            )?,
+            rows_scanned: IntCounterVec::new(
+                Opts::new("bagstore_cleaner_rows_scanned_total", "Entities checked against the index"),
+                &["index"],
+            )?,
+            sweeps: prometheus::IntCounter::new("bagstore_cleaner_sweeps_total", "Completed full sweeps")?,
+            sweep_seconds: prometheus::Gauge::new(
+                "bagstore_cleaner_sweep_duration_seconds",
+                "Duration of the last completed full sweep",
+            )?,
+            backfill_progress: GaugeVec::new(
+                Opts::new(
+                    "bagstore_cleaner_backfill_progress_ratio",
+                    "Fraction of entities the backfill has scanned",
+                ),
+                &["index"],
+            )?,
+            backfill_rows: IntCounterVec::new(
+                Opts::new("bagstore_cleaner_backfill_rows_total", "Entities scanned by backfills"),
+                &["index"],
+            )?,
+            index_state: IntGaugeVec::new(
+                Opts::new(
+                    "bagstore_index_state",
+                    "Index lifecycle: 0 CREATING, 1 BACKFILLING, 2 ACTIVE, 3 DROPPING",
+                ),
+                &["index"],
+            )?,
+            partition_lag: IntGaugeVec::new(
+                Opts::new(
+                    "bagstore_index_partition_lag_events",
+                    "Change events not yet applied, per partition",
+                ),
+                &["index", "partition"],
+            )?,
+            lag_events: IntGaugeVec::new(
+                Opts::new("bagstore_index_lag_events", "Change events not yet applied, all partitions"),
+                &["index"],
+            )?,
+            lag_seconds: GaugeVec::new(
+                Opts::new(
+                    "bagstore_index_lag_seconds",
+                    "Newest commit minus the newest commit the index applied",
+                ),
+                &["index"],
+            )?,
+            applied_through: GaugeVec::new(
+                Opts::new(
+                    "bagstore_index_applied_through_timestamp_seconds",
+                    "Commit time of the newest change event the index applied",
+                ),
+                &["index"],
+            )?,
+            consumers: IntGaugeVec::new(
+                Opts::new("bagstore_index_consumers", "Live members of the index's consumer group"),
+                &["index"],
+            )?,
+        };
+        r.register(Box::new(m.drift_found.clone()))?;
+        r.register(Box::new(m.drift_fixed.clone()))?;
+        r.register(Box::new(m.rows_scanned.clone()))?;
+        r.register(Box::new(m.sweeps.clone()))?;
+        r.register(Box::new(m.sweep_seconds.clone()))?;
+        r.register(Box::new(m.backfill_progress.clone()))?;
+        r.register(Box::new(m.backfill_rows.clone()))?;
+        r.register(Box::new(m.index_state.clone()))?;
+        r.register(Box::new(m.partition_lag.clone()))?;
+        r.register(Box::new(m.lag_events.clone()))?;
+        r.register(Box::new(m.lag_seconds.clone()))?;
+        r.register(Box::new(m.applied_through.clone()))?;
+        r.register(Box::new(m.consumers.clone()))?;
+        Ok(m)
+    }
+}

@@ -1,5 +1,0 @@
-//! Local infrastructure for `bagstore dev` and the test harness.
-
-pub mod mariadb;
-pub mod postgres;
-mod supervise;

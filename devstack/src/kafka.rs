@@ -1,0 +1,21 @@
+//! The embedded Kafka: librdkafka's mock cluster, a Kafka-protocol broker
+//! inside this process, reachable over TCP by other processes. It keeps
+//! nothing across restarts (see `bagstore dev`'s drain).
+
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::DefaultProducerContext;
+use schemas::settings::KafkaSettings;
+
+/// A mock cluster of one broker. Not `Send`: it lives on the task that
+/// made it.
+pub type EmbeddedKafka = MockCluster<'static, DefaultProducerContext>;
+
+/// Starts a mock cluster with the change topic and its dead-letter topic
+/// (as `bagstore migrate` would create them), and points `k` at it.
+pub fn start(k: &mut KafkaSettings) -> anyhow::Result<EmbeddedKafka> {
+    let c = MockCluster::new(1)?;
+    k.brokers = c.bootstrap_servers();
+    c.create_topic(&k.topic, k.partitions, 1)?;
+    c.create_topic(&k.dlq_topic(), 1, 1)?;
+    Ok(c)
+}

@@ -1,0 +1,222 @@
+//! Typed configuration: a TOML file, then `BAGSTORE_<SECTION>__<KEY>`
+//! environment variables on top (`BAGSTORE_KAFKA__BROKERS=kafka:9092`).
+//! Deeper keys nest with more `__`. A value is read as TOML when it parses
+//! as one (`8`, `true`, `["a","b"]`) and as a plain string otherwise.
+//! Variables without `__` are not settings and are ignored.
+
+use serde::{Deserialize, Serialize};
+
+use crate::index::IndexSpec;
+
+mod secrets;
+mod sections;
+
+pub use secrets::{is_secret_kafka_option, Dsn, Secret};
+pub use sections::{
+    AuthSettings, CleanerSettings, HttpSettings, IndexerSettings, KafkaSettings, MysqlSettings,
+    ReaderSettings, WriterSettings,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    #[error("cannot read config file {path}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("config is not valid TOML or has an unknown or mistyped key: {0}")]
+    Parse(String),
+    #[error("environment variable {var}: {reason}")]
+    Env { var: String, reason: String },
+    #[error("invalid config: {0}")]
+    Invalid(String),
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    #[serde(default)]
+    pub mysql: MysqlSettings,
+    #[serde(default)]
+    pub kafka: KafkaSettings,
+    #[serde(default)]
+    pub http: HttpSettings,
+    #[serde(default)]
+    pub writer: WriterSettings,
+    #[serde(default)]
+    pub indexer: IndexerSettings,
+    #[serde(default)]
+    pub reader: ReaderSettings,
+    #[serde(default)]
+    pub cleaner: CleanerSettings,
+    #[serde(default)]
+    pub auth: AuthSettings,
+    #[serde(default)]
+    pub indexes: Vec<IndexSpec>,
+}
+
+impl Settings {
+    /// Parses a TOML document, applies the `BAGSTORE_…` variables of `env`
+    /// on top, validates. (Reading the file and the process environment is
+    /// the caller's: `service::config::load`.)
+    pub fn from_toml_and_env(
+        text: &str,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Settings, SettingsError> {
+        let mut doc: toml::Table = toml::from_str(text).map_err(|e| SettingsError::Parse(e.to_string()))?;
+        let mut vars: Vec<(String, String)> = env.into_iter().collect();
+        vars.sort();
+        for (var, raw) in vars {
+            let Some(path) = var.strip_prefix("BAGSTORE_") else { continue };
+            if !path.contains("__") {
+                continue;
+            }
+            let keys: Vec<String> = path.split("__").map(str::to_ascii_lowercase).collect();
+            if keys.iter().any(String::is_empty) {
+                return Err(SettingsError::Env { var, reason: "empty section or key".into() });
+            }
+            let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
+                .ok()
+                .and_then(|mut t| t.remove("v"))
+                .unwrap_or(toml::Value::String(raw));
+            let mut table = &mut doc;
+            for k in &keys[..keys.len() - 1] {
+                let entry = table.entry(k.clone()).or_insert_with(|| toml::Value::Table(Default::default()));
+                table = entry.as_table_mut().ok_or_else(|| SettingsError::Env {
+                    var: var.clone(),
+                    reason: format!("{k} is not a section"),
+                })?;
+            }
+            table.insert(keys[keys.len() - 1].clone(), value);
+        }
+        let settings: Settings = toml::Value::Table(doc)
+            .try_into()
+            .map_err(|e: toml::de::Error| SettingsError::Parse(e.to_string()))?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    pub fn validate(&self) -> Result<(), SettingsError> {
+        for (i, spec) in self.indexes.iter().enumerate() {
+            spec.validate().map_err(|e| SettingsError::Invalid(e.to_string()))?;
+            if self.indexes[..i].iter().any(|o| o.table == spec.table) {
+                return Err(SettingsError::Invalid(format!("index {:?} is defined twice", spec.table)));
+            }
+        }
+        if self.http.request_timeout_ms == 0 {
+            return Err(SettingsError::Invalid("http.request_timeout_ms must be positive".into()));
+        }
+        if self.kafka.partitions < 1 {
+            return Err(SettingsError::Invalid("kafka.partitions must be at least 1".into()));
+        }
+        if self.writer.max_body_bytes == 0
+            || self.writer.max_batch == 0
+            || self.writer.relay_batch == 0
+            || self.writer.commit_slots == 0
+        {
+            return Err(SettingsError::Invalid("writer limits must be positive".into()));
+        }
+        if self.cleaner.batch == 0
+            || self.cleaner.backfill_batch == 0
+            || self.cleaner.backfill_concurrency == 0
+        {
+            return Err(SettingsError::Invalid(
+                "cleaner batch sizes and concurrency must be positive".into(),
+            ));
+        }
+        if self.indexer.batch_max == 0 || self.reader.max_limit == 0 || self.reader.max_in == 0 {
+            return Err(SettingsError::Invalid("indexer and reader limits must be positive".into()));
+        }
+        Ok(())
+    }
+
+    /// What a service needs before it starts: real shards and brokers.
+    pub fn require_external(&self) -> Result<(), SettingsError> {
+        if self.mysql.shards.is_empty() {
+            return Err(SettingsError::Invalid(
+                "mysql.shards is empty: list one DSN per shard (or set BAGSTORE_MYSQL__SHARDS)".into(),
+            ));
+        }
+        if self.kafka.brokers.is_empty() {
+            return Err(SettingsError::Invalid(
+                "kafka.brokers is empty (or set BAGSTORE_KAFKA__BROKERS)".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn index(&self, table: &str) -> Option<&IndexSpec> {
+        self.indexes.iter().find(|s| s.table == table)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) const EXAMPLE: &str = r#"
+        [mysql]
+        shards = ["mysql://root@127.0.0.1:3307/bagstore", "mysql://root:hunter2@127.0.0.1:3308/bagstore"]
+        [kafka]
+        brokers = "127.0.0.1:9092"
+        topic = "bagstore.entity-changes"
+        [[indexes]]
+        table = "index_user_id"
+        properties = [{ name = "user_id", type = "uuid" }]
+        shard_on = "user_id"
+        [[indexes]]
+        table = "index_foo"
+        properties = [{ name = "bar", type = "int" }]
+        match_on = { m = "right" }
+    "#;
+
+    pub(crate) fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn the_readme_example_loads() {
+        let s = Settings::from_toml_and_env(EXAMPLE, env(&[])).unwrap();
+        assert_eq!(s.mysql.shards.len(), 2);
+        assert_eq!(s.indexes[1].match_on["m"], serde_json::json!("right"));
+        assert_eq!(s.kafka.dlq_topic(), "bagstore.entity-changes.dlq");
+    }
+
+    #[test]
+    fn environment_overrides_the_file() {
+        let s = Settings::from_toml_and_env(
+            EXAMPLE,
+            env(&[
+                ("BAGSTORE_KAFKA__BROKERS", "kafka:9092"),
+                ("BAGSTORE_KAFKA__PARTITIONS", "3"),
+                ("BAGSTORE_MYSQL__SHARDS", "mysql://a/x, mysql://b/x"),
+                ("BAGSTORE_HTTP__ADDR", "0.0.0.0:9000"),
+                ("BAGSTORE_SOAK", "ignored: no section"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(s.kafka.brokers, "kafka:9092");
+        assert_eq!(s.kafka.partitions, 3);
+        assert_eq!(s.mysql.shards, vec![Dsn("mysql://a/x".into()), Dsn("mysql://b/x".into())]);
+        assert_eq!(s.http.addr, "0.0.0.0:9000");
+    }
+
+    #[test]
+    fn the_request_timeout_defaults_to_30_s_and_must_be_positive() {
+        let s = Settings::from_toml_and_env("", env(&[])).unwrap();
+        assert_eq!(s.http.request_timeout(), std::time::Duration::from_secs(30));
+        let s =
+            Settings::from_toml_and_env("", env(&[("BAGSTORE_HTTP__REQUEST_TIMEOUT_MS", "500")])).unwrap();
+        assert_eq!(s.http.request_timeout_ms, 500);
+        assert!(Settings::from_toml_and_env("[http]\nrequest_timeout_ms = 0", env(&[])).is_err());
+    }
+
+    #[test]
+    fn mistakes_are_reported() {
+        assert!(Settings::from_toml_and_env("[kafka]\nbrokerz = 1", env(&[])).is_err());
+        assert!(Settings::from_toml_and_env("", env(&[("BAGSTORE_KAFKA__PARTITIONS", "0")])).is_err());
+        let dup = "[[indexes]]\ntable='t'\nproperties=[{name='a',type='int'}]\n".repeat(2);
+        assert!(Settings::from_toml_and_env(&dup, env(&[])).is_err());
+    }
+}

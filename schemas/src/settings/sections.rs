@@ -1,0 +1,248 @@
+//! The sections of the configuration file, with their defaults.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+use super::secrets::{is_secret_kafka_option, list_or_csv, secrets_list_or_csv, Dsn, Secret};
+
+/// Optional bearer tokens per role. A role with no tokens is open; admin
+/// tokens are accepted everywhere.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthSettings {
+    /// Writes: `POST/PUT/DELETE /v1/entities…`.
+    #[serde(deserialize_with = "secrets_list_or_csv")]
+    pub write_tokens: Vec<Secret>,
+    /// Reads: entity gets, queries, index list, lag.
+    #[serde(deserialize_with = "secrets_list_or_csv")]
+    pub read_tokens: Vec<Secret>,
+    /// Index administration (`DELETE /v1/indexes/{table}`), and everything else.
+    #[serde(deserialize_with = "secrets_list_or_csv")]
+    pub admin_tokens: Vec<Secret>,
+    /// Require a read token for `/metrics` too.
+    pub protect_metrics: bool,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MysqlSettings {
+    /// One DSN per shard, in shard order. Order is part of the data layout:
+    /// reordering it sends reads to the wrong shard. May be a TOML list or,
+    /// from the environment, a comma-separated string.
+    #[serde(deserialize_with = "list_or_csv")]
+    pub shards: Vec<Dsn>,
+    /// Pool size per shard and process; the hot-path connections
+    /// ([`crate::conns`]) have their own cap of the same size.
+    pub max_connections: u32,
+    pub connect_timeout_ms: u64,
+}
+
+impl Default for MysqlSettings {
+    fn default() -> Self {
+        MysqlSettings { shards: Vec::new(), max_connections: 16, connect_timeout_ms: 10_000 }
+    }
+}
+
+/// Debug output redacts secret `options` (see [`is_secret_kafka_option`]).
+#[derive(Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KafkaSettings {
+    /// bootstrap.servers
+    pub brokers: String,
+    /// The change-event topic; undecodable events go to `<topic>.dlq`.
+    pub topic: String,
+    /// Partitions `bagstore migrate` creates the topic with.
+    pub partitions: i32,
+    pub replication_factor: i32,
+    /// Consumer session timeout: how long a dead indexer holds its partitions.
+    pub session_timeout_ms: u64,
+    /// How long the relay lets librdkafka retry one event before it gives up
+    /// and the outbox row is tried again.
+    pub message_timeout_ms: u64,
+    /// Extra librdkafka properties for every client (e.g. `security.protocol`,
+    /// `ssl.ca.location`, `sasl.password`, `debug`), applied last. This is
+    /// how TLS and SASL reach every producer, consumer and admin client.
+    pub options: std::collections::BTreeMap<String, String>,
+}
+
+impl fmt::Debug for KafkaSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Destructured so a new field cannot be forgotten here.
+        let KafkaSettings {
+            brokers,
+            topic,
+            partitions,
+            replication_factor,
+            session_timeout_ms,
+            message_timeout_ms,
+            options,
+        } = self;
+        let options: std::collections::BTreeMap<&str, &str> = options
+            .iter()
+            .map(|(k, v)| (k.as_str(), if is_secret_kafka_option(k) { "***" } else { v.as_str() }))
+            .collect();
+        f.debug_struct("KafkaSettings")
+            .field("brokers", brokers)
+            .field("topic", topic)
+            .field("partitions", partitions)
+            .field("replication_factor", replication_factor)
+            .field("session_timeout_ms", session_timeout_ms)
+            .field("message_timeout_ms", message_timeout_ms)
+            .field("options", &options)
+            .finish()
+    }
+}
+
+impl KafkaSettings {
+    pub fn dlq_topic(&self) -> String {
+        format!("{}.dlq", self.topic)
+    }
+
+    pub fn group_for(&self, table: &str) -> String {
+        format!("bagstore-index-{table}")
+    }
+}
+
+impl Default for KafkaSettings {
+    fn default() -> Self {
+        KafkaSettings {
+            brokers: String::new(),
+            topic: "bagstore.entity-changes".into(),
+            partitions: 8,
+            replication_factor: 1,
+            session_timeout_ms: 10_000,
+            message_timeout_ms: 10_000,
+            options: Default::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpSettings {
+    pub addr: String,
+    /// How long a stopping server waits for requests in flight.
+    pub shutdown_grace_ms: u64,
+    /// How long a client may take to send a request body, counted from the
+    /// end of its headers. A slower (or stalled) client gets 408 and its
+    /// connection is closed, so it cannot hold a task and a socket forever.
+    pub request_timeout_ms: u64,
+}
+
+impl HttpSettings {
+    pub fn request_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.request_timeout_ms)
+    }
+}
+
+impl Default for HttpSettings {
+    fn default() -> Self {
+        HttpSettings { addr: "127.0.0.1:8080".into(), shutdown_grace_ms: 10_000, request_timeout_ms: 30_000 }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WriterSettings {
+    /// Largest accepted request body (and so entity), bytes.
+    pub max_body_bytes: usize,
+    /// Most entities in one batch request.
+    pub max_batch: usize,
+    /// Outbox rows the relay publishes per round.
+    pub relay_batch: usize,
+    /// How often a relay looks at its outbox without being woken, and how
+    /// often a follower tries to become leader.
+    pub relay_poll_ms: u64,
+    /// Transactions in flight per shard for single writes; a slot that comes
+    /// free commits every single write queued meanwhile in one transaction
+    /// (group commit).
+    pub commit_slots: usize,
+}
+
+impl Default for WriterSettings {
+    fn default() -> Self {
+        WriterSettings {
+            max_body_bytes: 1 << 20,
+            max_batch: 1000,
+            relay_batch: 500,
+            relay_poll_ms: 200,
+            commit_slots: 2,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IndexerSettings {
+    /// Most events applied in one round (one transaction per shard).
+    pub batch_max: usize,
+    /// How long to wait for more events once one has arrived.
+    pub batch_wait_ms: u64,
+    /// Ceiling of the retry backoff after a database error.
+    pub retry_max_ms: u64,
+}
+
+impl Default for IndexerSettings {
+    fn default() -> Self {
+        IndexerSettings { batch_max: 500, batch_wait_ms: 5, retry_max_ms: 5_000 }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReaderSettings {
+    pub default_limit: usize,
+    pub max_limit: usize,
+    /// Most values in one `in` list, and most index keys one query may expand to.
+    pub max_in: usize,
+    pub max_batch_get: usize,
+    /// Longest a query may take, including a `consistent_with` wait.
+    pub query_timeout_ms: u64,
+    /// Entity locations (id → the row's clustered key) remembered, so a
+    /// fetch by id takes one B-tree descent instead of two (0: off).
+    pub location_cache: usize,
+}
+
+impl Default for ReaderSettings {
+    fn default() -> Self {
+        ReaderSettings {
+            default_limit: 100,
+            max_limit: 1000,
+            max_in: 1000,
+            max_batch_get: 1000,
+            query_timeout_ms: 5000,
+            location_cache: 200_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CleanerSettings {
+    /// Pause between sweep cycles (0: sweep as fast as possible).
+    pub interval_ms: u64,
+    /// Every cycle re-checks the entities updated this recently, so fresh
+    /// drift is repaired within one cycle.
+    pub recent_window_secs: u64,
+    /// Entities (or index entity ids) per shard per step.
+    pub batch: usize,
+    /// Backfill speed limit in rows per second (0: unlimited).
+    pub backfill_rate: u64,
+    /// Shards a backfill scans at the same time.
+    pub backfill_concurrency: usize,
+    /// Entities per backfill batch.
+    pub backfill_batch: usize,
+}
+
+impl Default for CleanerSettings {
+    fn default() -> Self {
+        CleanerSettings {
+            interval_ms: 1000,
+            recent_window_secs: 60,
+            batch: 500,
+            backfill_rate: 0,
+            backfill_concurrency: 2,
+            backfill_batch: 1000,
+        }
+    }
+}

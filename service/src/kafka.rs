@@ -1,0 +1,292 @@
+//! Kafka client settings every service shares, topic creation, and the lag
+//! of an index's consumer group measured from the broker (so lag is known
+//! even when no indexer of that group is alive).
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::FromClientConfig;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::types::RDKafkaConfRes;
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use std::time::Duration;
+
+use schemas::settings::{is_secret_kafka_option, KafkaSettings};
+
+/// Settings every client shares. Reconnect backoff is capped at 1 s so a
+/// broker that comes back is used again quickly.
+pub fn base_config(k: &KafkaSettings) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &k.brokers).set("reconnect.backoff.max.ms", "1000");
+    for (key, value) in &k.options {
+        c.set(key, value);
+    }
+    c
+}
+
+/// Creates a client from `cfg`, like [`ClientConfig::create`], except that a
+/// rejected property's value is left out of the error when it may be a
+/// secret (rdkafka quotes the value, and these errors end up in logs).
+pub fn create<C: FromClientConfig>(cfg: &ClientConfig) -> Result<C, KafkaError> {
+    cfg.create().map_err(redact_config_error)
+}
+
+/// Hides the value in a `ClientConfig` error about a secret property, or
+/// about a property librdkafka does not know: that is a misspelt key, and
+/// nobody can tell which secret it was meant to be.
+fn redact_config_error(e: KafkaError) -> KafkaError {
+    match e {
+        KafkaError::ClientConfig(code, desc, key, value)
+            if code == RDKafkaConfRes::RD_KAFKA_CONF_UNKNOWN || is_secret_kafka_option(&key) =>
+        {
+            let desc = if value.is_empty() { desc } else { desc.replace(&value, "***") };
+            KafkaError::ClientConfig(code, desc, key, "***".into())
+        }
+        other => other,
+    }
+}
+
+/// The relay's producer: idempotent with `acks=all`, so retries inside
+/// librdkafka neither duplicate nor reorder events of one partition.
+/// Bodies are already lz4-compressed, so no second compression.
+pub fn producer_config(k: &KafkaSettings) -> ClientConfig {
+    let mut c = base_config(k);
+    c.set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "2")
+        .set("compression.type", "none")
+        .set("message.timeout.ms", k.message_timeout_ms.to_string());
+    with_options(c, k)
+}
+
+/// Operator-given librdkafka properties win over bagstore's defaults.
+fn with_options(mut c: ClientConfig, k: &KafkaSettings) -> ClientConfig {
+    for (key, value) in &k.options {
+        c.set(key, value);
+    }
+    c
+}
+
+/// An index consumer: offsets are *stored* by our code only after the
+/// index rows they stand for are committed in MySQL, and librdkafka's
+/// auto-commit then commits what was stored (at-least-once).
+pub fn consumer_config(k: &KafkaSettings, group: &str) -> ClientConfig {
+    let mut c = base_config(k);
+    c.set("group.id", group)
+        .set("enable.auto.commit", "true")
+        .set("auto.commit.interval.ms", "500")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", k.session_timeout_ms.to_string())
+        .set("heartbeat.interval.ms", (k.session_timeout_ms / 4).max(100).to_string())
+        .set("partition.assignment.strategy", "cooperative-sticky")
+        // Index lag is the product: an idle fetch that a broker holds for
+        // its full wait (librdkafka's mock cluster does, whatever arrives
+        // meanwhile) delays the next event by up to that long. 20 ms keeps
+        // commit→applied p99 well under 100 ms for ~50 idle fetches a second
+        // per consumer; `kafka.options` can raise it.
+        .set("fetch.wait.max.ms", "20");
+    with_options(c, k)
+}
+
+/// Whether `topic` exists with at least one partition (a metadata request;
+/// some brokers, such as librdkafka's mock cluster, do not implement the
+/// admin API, so existing topics are detected before trying to create them).
+async fn topic_exists(k: &KafkaSettings, topic: &str) -> Result<bool, KafkaError> {
+    let cfg = base_config(k);
+    let topic = topic.to_string();
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = create(&cfg)?;
+        let md = consumer.fetch_metadata(Some(&topic), Duration::from_secs(10))?;
+        Ok(md.topics().iter().any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty()))
+    })
+    .await
+    .map_err(|_| KafkaError::Canceled)?
+}
+
+/// Creates the change topic and its dead-letter topic if missing.
+pub async fn ensure_topics(k: &KafkaSettings) -> Result<(), KafkaError> {
+    if topic_exists(k, &k.topic).await? && topic_exists(k, &k.dlq_topic()).await? {
+        return Ok(());
+    }
+    let admin: AdminClient<DefaultClientContext> = create(&base_config(k))?;
+    let dlq = k.dlq_topic();
+    let topics = [
+        NewTopic::new(&k.topic, k.partitions, TopicReplication::Fixed(k.replication_factor)),
+        NewTopic::new(&dlq, 1, TopicReplication::Fixed(k.replication_factor)),
+    ];
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    for result in admin.create_topics(&topics, &opts).await? {
+        match result {
+            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((topic, code)) => {
+                return Err(KafkaError::AdminOp(code))
+                    .inspect_err(|_| tracing::error!(%topic, "cannot create topic"))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A consumer that speaks for `group` (reads and commits its offsets)
+/// without subscribing, so it never joins the group or triggers a rebalance.
+fn group_consumer(k: &KafkaSettings, group: &str) -> Result<BaseConsumer, KafkaError> {
+    let mut cfg = base_config(k);
+    cfg.set("group.id", group).set("enable.auto.commit", "false");
+    create(&cfg)
+}
+
+fn topic_partitions(consumer: &BaseConsumer, topic: &str, timeout: Duration) -> Result<Vec<i32>, KafkaError> {
+    let md = consumer.fetch_metadata(Some(topic), timeout)?;
+    Ok(md.topics().iter().flat_map(|t| t.partitions().iter().map(|p| p.id())).collect())
+}
+
+/// Lag of one partition for one consumer group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionLag {
+    pub partition: i32,
+    /// The next offset the broker will assign.
+    pub high_watermark: i64,
+    /// The group's committed offset (the next event it will read); `None`
+    /// when it has committed nothing for this partition yet.
+    pub committed: Option<i64>,
+}
+
+impl PartitionLag {
+    /// Events not yet applied by the group.
+    pub fn lag(&self) -> i64 {
+        let low = self.committed.unwrap_or(0);
+        (self.high_watermark - low).max(0)
+    }
+}
+
+/// Reads the group's committed offsets and the topic's high watermarks. The
+/// consumer used here never subscribes, so it does not join the group.
+pub async fn group_lag(k: &KafkaSettings, group: &str) -> Result<Vec<PartitionLag>, KafkaError> {
+    let k = k.clone();
+    let group = group.to_string();
+    tokio::task::spawn_blocking(move || {
+        let consumer = group_consumer(&k, &group)?;
+        let timeout = Duration::from_secs(5);
+        let partitions = topic_partitions(&consumer, &k.topic, timeout)?;
+        let mut tpl = TopicPartitionList::new();
+        for p in &partitions {
+            tpl.add_partition(&k.topic, *p);
+        }
+        let committed = consumer.committed_offsets(tpl, timeout)?;
+        let mut out = Vec::new();
+        for p in partitions {
+            let (_, high) = consumer.fetch_watermarks(&k.topic, p, timeout)?;
+            let committed = committed.find_partition(&k.topic, p).and_then(|e| match e.offset() {
+                Offset::Offset(o) => Some(o),
+                _ => None,
+            });
+            out.push(PartitionLag { partition: p, high_watermark: high, committed });
+        }
+        Ok(out)
+    })
+    .await
+    .map_err(|_| KafkaError::Canceled)?
+}
+
+/// Members of a consumer group (the indexer processes consuming for one
+/// index), as the group coordinator reports them.
+pub async fn group_members(k: &KafkaSettings, group: &str) -> Result<usize, KafkaError> {
+    let cfg = base_config(k);
+    let group = group.to_string();
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = create(&cfg)?;
+        let list = consumer.fetch_group_list(Some(&group), Duration::from_secs(5))?;
+        Ok(list.groups().iter().filter(|g| g.name() == group).map(|g| g.members().len()).sum())
+    })
+    .await
+    .map_err(|_| KafkaError::Canceled)?
+}
+
+/// Commits the group's offsets at the topic's current end, so a consumer
+/// group created for a new index does not replay the whole topic: the
+/// backfill that follows reads every entity as it is now, and later events
+/// are consumed normally. Fails (harmlessly) if the group has live members.
+pub async fn start_group_at_end(k: &KafkaSettings, group: &str) -> Result<(), KafkaError> {
+    let k = k.clone();
+    let group = group.to_string();
+    tokio::task::spawn_blocking(move || {
+        let consumer = group_consumer(&k, &group)?;
+        let timeout = Duration::from_secs(5);
+        let mut tpl = TopicPartitionList::new();
+        for p in topic_partitions(&consumer, &k.topic, timeout)? {
+            let (_, high) = consumer.fetch_watermarks(&k.topic, p, timeout)?;
+            tpl.add_partition_offset(&k.topic, p, Offset::Offset(high))?;
+        }
+        consumer.commit(&tpl, CommitMode::Sync)
+    })
+    .await
+    .map_err(|_| KafkaError::Canceled)?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The error creating a client from `cfg` (clients are not Debug, so no `expect_err`).
+    fn creation_error(result: Result<BaseConsumer, KafkaError>) -> KafkaError {
+        match result {
+            Ok(_) => panic!("the client was created"),
+            Err(e) => e,
+        }
+    }
+
+    fn settings_with(key: &str, value: &str) -> KafkaSettings {
+        let mut k = KafkaSettings { brokers: "127.0.0.1:9".into(), ..Default::default() };
+        k.options.insert(key.into(), value.into());
+        k
+    }
+
+    #[test]
+    fn a_rejected_secret_option_is_named_but_its_value_is_not_quoted() {
+        // A misspelt property: librdkafka rejects it, and rdkafka's error
+        // would quote the value. Even a name that does not look secret
+        // (`sasl.pw` for `sasl.password`) is kept out.
+        let k = settings_with("sasl.pw", "hunter2");
+        let raw = creation_error(base_config(&k).create());
+        assert!(raw.to_string().contains("hunter2"), "rdkafka quotes the value: {raw}");
+        let err = creation_error(create(&base_config(&k)));
+        let text = format!("{err} / {err:?}");
+        assert!(text.contains("sasl.pw"), "{text}");
+        assert!(!text.contains("hunter2"), "{text}");
+    }
+
+    #[test]
+    fn a_known_secret_property_rejected_by_librdkafka_is_redacted_everywhere() {
+        // E.g. an OAuth secret on a librdkafka built without libcurl.
+        let err = redact_config_error(KafkaError::ClientConfig(
+            RDKafkaConfRes::RD_KAFKA_CONF_INVALID,
+            "Invalid value \"hunter2\" for configuration property".into(),
+            "sasl.oauthbearer.client.secret".into(),
+            "hunter2".into(),
+        ));
+        let text = format!("{err} / {err:?}");
+        assert!(text.contains("sasl.oauthbearer.client.secret"), "{text}");
+        assert!(!text.contains("hunter2"), "{text}");
+    }
+
+    #[test]
+    fn a_rejected_ordinary_option_keeps_its_value_in_the_error() {
+        let k = settings_with("security.protocol", "tls");
+        let err = creation_error(create(&producer_config(&k)));
+        assert!(err.to_string().contains("tls"), "{err}");
+    }
+
+    #[test]
+    fn every_client_config_carries_the_operator_options() {
+        let mut k = settings_with("security.protocol", "ssl");
+        k.options.insert("ssl.ca.location".into(), "/etc/bagstore/ca.pem".into());
+        k.options.insert("acks".into(), "1".into());
+        for cfg in [base_config(&k), producer_config(&k), consumer_config(&k, "g")] {
+            assert_eq!(cfg.get("security.protocol"), Some("ssl"));
+            assert_eq!(cfg.get("ssl.ca.location"), Some("/etc/bagstore/ca.pem"));
+        }
+        // Applied last, so they override bagstore's own defaults.
+        assert_eq!(producer_config(&k).get("acks"), Some("1"));
+    }
+}

@@ -1,0 +1,22 @@
+//! Process plumbing the services share: HTTP, Kafka clients, the freshness
+//! rule, configuration loading, and the serve-then-stop sequence.
+//!
+//! In: settings and the storage layer. Out: routers, clients and helpers
+//! that `writer`, `indexer`, `cleaner`, `reader` and the `bagstore` binary
+//! build on. No domain logic lives here.
+//!
+//! Layout:
+//! - [`http`]: problem documents, bounded bodies, default-deny route roles,
+//!   request ids, request metrics, the ops routes.
+//! - [`kafka`]: client configuration, topics, consumer-group lag.
+//! - [`freshness`]: how far behind an index is (the one lag rule).
+//! - [`config`]: loading `Settings` from a file and the environment.
+//! - [`serve`]: bind, serve, signal, and the graceful, bounded stop.
+
+pub mod config;
+pub mod freshness;
+pub mod http;
+pub mod kafka;
+pub mod serve;
+
+pub use http::Problem;

@@ -1,0 +1,158 @@
+//! DDL for every table bagstore owns. Identifiers come only from validated
+//! [`IndexSpec`]s (see [`schemas::names`]), so building SQL text here is safe.
+
+use schemas::index::{IndexSpec, PropType};
+use schemas::names::tables;
+
+/// One row per entity id. `added_id` is the clustered key so inserts append
+/// (write locality, as in FriendFeed's design); lookups go through the
+/// unique `id`. A delete keeps the row as a tombstone (`body` NULL) so the
+/// version keeps rising across delete and re-create: that monotonic version
+/// is what makes replayed change events harmless in the index tables.
+pub fn entities() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    added_id BIGINT UNSIGNED NOT NULL AUTO_INCREMENT,
+    id BINARY(16) NOT NULL,
+    version BIGINT UNSIGNED NOT NULL,
+    updated TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    body MEDIUMBLOB NULL,
+    PRIMARY KEY (added_id),
+    UNIQUE KEY entities_id (id),
+    KEY entities_updated (updated)
+) ENGINE=InnoDB",
+        tables::ENTITIES
+    )
+}
+
+/// Change events committed with their write and not yet acknowledged by Kafka.
+pub fn outbox() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    seq BIGINT UNSIGNED NOT NULL AUTO_INCREMENT,
+    entity_id BINARY(16) NOT NULL,
+    version BIGINT UNSIGNED NOT NULL,
+    committed TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    event MEDIUMBLOB NOT NULL,
+    PRIMARY KEY (seq)
+) ENGINE=InnoDB",
+        tables::OUTBOX
+    )
+}
+
+/// The index catalog (definition, state, backfill progress), kept on the
+/// metadata shard only: the one well-known place.
+pub fn index_catalog() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    name VARCHAR(64) NOT NULL,
+    spec TEXT NOT NULL,
+    state VARCHAR(16) NOT NULL,
+    backfill_cursor TEXT NULL,
+    rows_done BIGINT UNSIGNED NOT NULL DEFAULT 0,
+    rows_total BIGINT UNSIGNED NOT NULL DEFAULT 0,
+    created TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    changed TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    PRIMARY KEY (name)
+) ENGINE=InnoDB",
+        tables::INDEX_CATALOG
+    )
+}
+
+/// Per index, the commit time of the newest event its indexers applied
+/// (metadata shard): the reader's index freshness.
+pub fn index_progress() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    name VARCHAR(64) NOT NULL,
+    last_applied_commit_us BIGINT NOT NULL,
+    changed TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    PRIMARY KEY (name)
+) ENGINE=InnoDB",
+        tables::INDEX_PROGRESS
+    )
+}
+
+pub fn column_type(ty: PropType, max_len: u32) -> String {
+    match ty {
+        PropType::Uuid => "BINARY(16)".into(),
+        // Bytes, not a collation: exact equality and byte order, like Rust strings.
+        PropType::String => format!("VARBINARY({})", 4 * max_len),
+        PropType::Int => "BIGINT".into(),
+        PropType::Float => "DOUBLE".into(),
+        PropType::Bool => "BOOLEAN".into(),
+    }
+}
+
+/// `(p1, p2, …, entity_id)` is the primary key, so equal keys are ordered by
+/// entity id and a lookup is one range scan; `entity_id` has its own key for
+/// the cleaner's "which rows does this entity have" question.
+/// `entity_added_id` is where the entity's row is on its shard (its
+/// clustered key), so a query reads it with one B-tree descent instead of
+/// two; NULL where unknown (rows written before the column existed).
+pub fn index_table(spec: &IndexSpec) -> String {
+    let mut cols = String::new();
+    for p in &spec.properties {
+        cols.push_str(&format!("    `{}` {} NOT NULL,\n", p.name, column_type(p.ty, p.string_len())));
+    }
+    let key: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{table}` (\n{cols}    entity_id BINARY(16) NOT NULL,\n    \
+         version BIGINT UNSIGNED NOT NULL,\n    {LOCATION_COLUMN},\n    PRIMARY KEY ({key}, entity_id),\n    \
+         KEY `{table}_entity` (entity_id)\n) ENGINE=InnoDB",
+        table = spec.table,
+        key = key.join(", "),
+    )
+}
+
+/// The column an index table gained after its first release; see
+/// [`crate::migrate::create_index_table`], which adds it to older tables.
+pub const LOCATION_COLUMN: &str = "entity_added_id BIGINT UNSIGNED NULL";
+
+/// Every table storage creates besides index tables.
+pub fn base_tables() -> [String; 4] {
+    [entities(), outbox(), index_catalog(), index_progress()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn index_ddl_names_typed_columns_and_the_keys() {
+        let spec: IndexSpec = toml::from_str(
+            r#"table = "index_user_name"
+               properties = [{ name = "first_name", type = "string", max_len = 10 }, { name = "age", type = "int" }]"#,
+        )
+        .unwrap();
+        let ddl = index_table(&spec);
+        assert!(ddl.contains("`first_name` VARBINARY(40) NOT NULL"), "{ddl}");
+        assert!(ddl.contains("`age` BIGINT NOT NULL"));
+        assert!(ddl.contains("PRIMARY KEY (`first_name`, `age`, entity_id)"));
+        assert!(ddl.contains("KEY `index_user_name_entity` (entity_id)"));
+        assert!(ddl.contains("entity_added_id BIGINT UNSIGNED NULL,"), "{ddl}");
+    }
+
+    /// An index may not take a table or column name storage uses: the
+    /// reserved lists that validation checks are what the DDL creates.
+    #[test]
+    fn reserved_names_are_exactly_what_storage_creates() {
+        let created: Vec<String> = base_tables()
+            .iter()
+            .map(|ddl| ddl.split('`').nth(1).expect("a quoted name").to_string())
+            .collect();
+        assert_eq!(created, schemas::names::RESERVED_TABLES);
+        let spec: IndexSpec = toml::from_str(
+            r#"table = "t"
+               properties = [{ name = "p", type = "int" }]"#,
+        )
+        .unwrap();
+        let fixed: Vec<String> = index_table(&spec)
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.starts_with(['`', ')']) && !l.starts_with("CREATE") && !l.contains("KEY"))
+            .filter_map(|l| l.split_whitespace().next().map(str::to_string))
+            .collect();
+        assert_eq!(fixed, schemas::names::RESERVED_COLUMNS);
+    }
+}

@@ -1,0 +1,324 @@
+//! The `entities` table: the writer's locking read and its writes, reads by
+//! id and by location, and the cleaner's sweeps.
+//!
+//! Every read returns [`EntityRecord`], the one record type of this table.
+//! A delete keeps its row as a tombstone (`body` NULL), so an id's version
+//! keeps rising across delete and re-create, and its `added_id` (the row's
+//! clustered key, its *location*) never changes.
+
+use schemas::EntityId;
+use sqlx::mysql::{MySqlArguments, MySqlPool, MySqlRow};
+use sqlx::query::Query;
+use sqlx::{MySql, MySqlConnection, Row};
+use std::collections::HashMap;
+
+use crate::error::{id_column, OnShard, Result};
+
+/// One row of `entities` as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EntityRecord {
+    pub id: EntityId,
+    /// The row's clustered key on its shard: fixed for the life of the id.
+    pub added_id: u64,
+    pub version: u64,
+    /// Commit time of the row's last write, µs since the Unix epoch.
+    pub updated_us: i64,
+    /// The encoded body (`schemas::codec`); `None` for a tombstone.
+    pub body: Option<Vec<u8>>,
+}
+
+/// One entity row to write (insert or overwrite).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EntityWrite {
+    pub id: EntityId,
+    pub version: u64,
+    /// Commit time, µs since the Unix epoch.
+    pub updated_us: i64,
+    /// `None` writes a tombstone.
+    pub body: Option<Vec<u8>>,
+}
+
+/// The highest `added_id` on a shard and how many rows are at or below it:
+/// a backfill's fixed upper bound (later inserts reach the index through
+/// the indexer) and its total.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EntityBounds {
+    pub max_added_id: u64,
+    pub count: u64,
+}
+
+/// The columns every read of [`EntityRecord`]s selects, in its order.
+const COLUMNS: &str =
+    "id, added_id, version, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated) AS updated_us, body";
+
+fn record(shard: usize, r: &MySqlRow) -> Result<EntityRecord> {
+    Ok(EntityRecord {
+        id: id_column(shard, r, "id")?,
+        added_id: r.try_get("added_id").on(shard)?,
+        version: r.try_get("version").on(shard)?,
+        updated_us: r.try_get("updated_us").on(shard)?,
+        body: r.try_get("body").on(shard)?,
+    })
+}
+
+/// `?, ?, …` for `n` parameters.
+pub(crate) fn marks(n: usize) -> String {
+    vec!["?"; n].join(", ")
+}
+
+/// `SELECT … FOR UPDATE` of many ids in one statement: the rows present are
+/// locked, and so are the gaps where absent ones would go, until the
+/// transaction ends, so writes to one id serialize. Ids are sent sorted, so
+/// two batches lock in the same order.
+#[tracing::instrument(level = "debug", skip_all, fields(shard))]
+pub async fn lock_entities(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    ids: &[EntityId],
+) -> Result<HashMap<EntityId, EntityRecord>> {
+    let mut out = HashMap::with_capacity(ids.len());
+    let mut sorted: Vec<&EntityId> = ids.iter().collect();
+    sorted.sort();
+    sorted.dedup();
+    for chunk in sorted.chunks(1000) {
+        let sql = format!("SELECT {COLUMNS} FROM entities WHERE id IN ({}) FOR UPDATE", marks(chunk.len()));
+        let mut q = sqlx::query(&sql);
+        for id in chunk {
+            q = q.bind(&id.0[..]);
+        }
+        for r in q.fetch_all(&mut *conn).await.on(shard)? {
+            let rec = record(shard, &r)?;
+            out.insert(rec.id, rec);
+        }
+    }
+    Ok(out)
+}
+
+/// Overwrites entity rows in multi-row statements; each id at most once.
+/// The rows were present when [`lock_entities`] ran, so they are this
+/// transaction's to overwrite.
+#[tracing::instrument(level = "debug", skip_all, fields(shard))]
+pub async fn update_entities(shard: usize, conn: &mut MySqlConnection, rows: &[EntityWrite]) -> Result<()> {
+    for chunk in rows.chunks(500) {
+        let sql = entities_sql(chunk.len(), true);
+        bind_entities(sqlx::query(&sql), chunk).execute(&mut *conn).await.on(shard)?;
+    }
+    Ok(())
+}
+
+/// Inserts new entity rows in multi-row statements (each id at most once)
+/// and returns each one's `added_id`, in order (`None` only if a row the
+/// transaction just inserted could not be read back, which cannot happen).
+///
+/// They are plain inserts: a locking read of an absent id (READ COMMITTED)
+/// locks nothing, so a concurrent writer may create the same id first; the
+/// insert then fails on the unique key (1062, a retryable conflict) instead
+/// of silently overwriting that write with the same version.
+///
+/// The server reports the first `added_id` of a statement
+/// (`LAST_INSERT_ID`), the only one of a one-row statement; the others
+/// follow it one by one when `consecutive` (see [`autoinc_is_consecutive`]),
+/// and are read back otherwise (one more statement).
+#[tracing::instrument(level = "debug", skip_all, fields(shard))]
+pub async fn insert_entities(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    rows: &[EntityWrite],
+    consecutive: bool,
+) -> Result<Vec<Option<u64>>> {
+    let mut added = Vec::with_capacity(rows.len());
+    for chunk in rows.chunks(500) {
+        let sql = entities_sql(chunk.len(), false);
+        let done = bind_entities(sqlx::query(&sql), chunk).execute(&mut *conn).await.on(shard)?;
+        let first = done.last_insert_id();
+        if chunk.len() == 1 || consecutive {
+            added.extend((0..chunk.len() as u64).map(|i| Some(first + i)));
+            continue;
+        }
+        let sql = format!("SELECT id, added_id FROM entities WHERE id IN ({})", marks(chunk.len()));
+        let mut q = sqlx::query(&sql);
+        for row in chunk {
+            q = q.bind(&row.id.0[..]);
+        }
+        let mut at = HashMap::with_capacity(chunk.len());
+        for r in q.fetch_all(&mut *conn).await.on(shard)? {
+            at.insert(id_column(shard, &r, "id")?, r.try_get::<u64, _>("added_id").on(shard)?);
+        }
+        added.extend(chunk.iter().map(|row| at.get(&row.id).copied()));
+    }
+    Ok(added)
+}
+
+/// `INSERT INTO entities` of `n` rows; `overwrite` makes it an upsert.
+fn entities_sql(n: usize, overwrite: bool) -> String {
+    let tuple = "(?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)";
+    let tail = match overwrite {
+        true => " ON DUPLICATE KEY UPDATE version = VALUES(version), updated = VALUES(updated), body = VALUES(body)",
+        false => "",
+    };
+    format!("INSERT INTO entities (id, version, updated, body) VALUES {}{tail}", vec![tuple; n].join(", "))
+}
+
+/// Binds `rows` to an [`entities_sql`] statement.
+fn bind_entities<'q>(
+    mut q: Query<'q, MySql, MySqlArguments>,
+    rows: &'q [EntityWrite],
+) -> Query<'q, MySql, MySqlArguments> {
+    for row in rows {
+        q = q.bind(&row.id.0[..]).bind(row.version).bind(row.updated_us).bind(row.body.as_deref());
+    }
+    q
+}
+
+/// Whether a multi-row `INSERT` on this server numbers its rows one after
+/// another from `LAST_INSERT_ID()`: InnoDB guarantees it for such "simple
+/// inserts" in auto-increment lock modes 0 and 1 (MariaDB's default), not
+/// in mode 2 (MySQL 8's default), and only with an increment of 1.
+pub async fn autoinc_is_consecutive(shard: usize, conn: &mut MySqlConnection) -> Result<bool> {
+    let (mode, step): (i64, i64) = sqlx::query_as(
+        "SELECT CAST(@@innodb_autoinc_lock_mode AS SIGNED), CAST(@@auto_increment_increment AS SIGNED)",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .on(shard)?;
+    Ok(mode <= 1 && step == 1)
+}
+
+/// Live entities among `ids` (all on this shard), in no particular order.
+#[tracing::instrument(level = "debug", skip_all, fields(shard))]
+pub async fn get_entities(
+    shard: usize,
+    conn: impl sqlx::MySqlExecutor<'_>,
+    ids: &[EntityId],
+) -> Result<Vec<EntityRecord>> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let sql =
+        format!("SELECT {COLUMNS} FROM entities WHERE id IN ({}) AND body IS NOT NULL", marks(ids.len()));
+    let mut q = sqlx::query(&sql);
+    for id in ids {
+        q = q.bind(&id.0[..]);
+    }
+    q.fetch_all(conn).await.on(shard)?.iter().map(|r| record(shard, r)).collect()
+}
+
+/// The rows at `added_ids` (clustered-key lookups: one B-tree descent each,
+/// where a lookup by id descends the unique `id` key first), tombstones
+/// included; the caller checks each row's id. Rows absent are left out.
+#[tracing::instrument(level = "debug", skip_all, fields(shard))]
+pub async fn get_entities_at(
+    shard: usize,
+    conn: impl sqlx::MySqlExecutor<'_>,
+    added_ids: &[u64],
+) -> Result<Vec<EntityRecord>> {
+    if added_ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let sql = format!("SELECT {COLUMNS} FROM entities WHERE added_id IN ({})", marks(added_ids.len()));
+    let mut q = sqlx::query(&sql);
+    for a in added_ids {
+        q = q.bind(*a);
+    }
+    q.fetch_all(conn).await.on(shard)?.iter().map(|r| record(shard, r)).collect()
+}
+
+/// Entities among `ids` (all on this shard), tombstones included.
+#[tracing::instrument(level = "debug", skip_all, fields(shard))]
+pub async fn read_entities_any(
+    shard: usize,
+    pool: &MySqlPool,
+    ids: &[EntityId],
+) -> Result<Vec<EntityRecord>> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let sql = format!("SELECT {COLUMNS} FROM entities WHERE id IN ({})", marks(ids.len()));
+    let mut q = sqlx::query(&sql);
+    for id in ids {
+        q = q.bind(&id.0[..]);
+    }
+    q.fetch_all(pool).await.on(shard)?.iter().map(|r| record(shard, r)).collect()
+}
+
+/// Entities (tombstones included) in `(updated, added_id)` descending order,
+/// strictly before `before`, updated at or after `since_us`.
+#[tracing::instrument(level = "debug", skip_all, fields(shard))]
+pub async fn scan_entities_by_updated(
+    shard: usize,
+    pool: &MySqlPool,
+    since_us: i64,
+    before: Option<(i64, u64)>,
+    limit: usize,
+) -> Result<Vec<EntityRecord>> {
+    let (b_us, b_added) = before.unwrap_or((i64::MAX / 2, u64::MAX));
+    let sql = format!(
+        "SELECT {COLUMNS} FROM entities \
+         WHERE updated >= TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00') \
+           AND (updated < TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00') \
+                OR (updated = TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00') AND added_id < ?)) \
+         ORDER BY updated DESC, added_id DESC LIMIT ?"
+    );
+    let b_us = b_us.min(253_402_300_799_000_000); // TIMESTAMPADD's ceiling: year 9999
+    let rows = sqlx::query(&sql)
+        .bind(since_us.max(0))
+        .bind(b_us)
+        .bind(b_us)
+        .bind(b_added)
+        .bind(limit as u64)
+        .fetch_all(pool)
+        .await
+        .on(shard)?;
+    rows.iter().map(|r| record(shard, r)).collect()
+}
+
+/// Entities (tombstones included) in `added_id` descending order (newest
+/// insert first), strictly below `below`. Order is stable under updates, so
+/// a backfill visits every entity that existed when it started exactly once.
+#[tracing::instrument(level = "debug", skip_all, fields(shard))]
+pub async fn scan_entities_by_added_id(
+    shard: usize,
+    pool: &MySqlPool,
+    below: Option<u64>,
+    limit: usize,
+) -> Result<Vec<EntityRecord>> {
+    let sql = format!("SELECT {COLUMNS} FROM entities WHERE added_id < ? ORDER BY added_id DESC LIMIT ?");
+    let rows = sqlx::query(&sql)
+        .bind(below.unwrap_or(u64::MAX))
+        .bind(limit as u64)
+        .fetch_all(pool)
+        .await
+        .on(shard)?;
+    rows.iter().map(|r| record(shard, r)).collect()
+}
+
+/// See [`EntityBounds`].
+pub async fn entity_bounds(shard: usize, pool: &MySqlPool) -> Result<EntityBounds> {
+    let row =
+        sqlx::query("SELECT CAST(COALESCE(MAX(added_id), 0) AS UNSIGNED) AS hi, COUNT(*) AS n FROM entities")
+            .fetch_one(pool)
+            .await
+            .on(shard)?;
+    Ok(EntityBounds {
+        max_added_id: row.try_get::<u64, _>("hi").on(shard)?,
+        count: row.try_get::<i64, _>("n").on(shard)? as u64,
+    })
+}
+
+/// Commit time (µs) of the newest live or deleted entity on the shard.
+pub async fn newest_commit_us(shard: usize, pool: &MySqlPool) -> Result<Option<i64>> {
+    let row = sqlx::query(
+        "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MAX(updated)) AS newest FROM entities",
+    )
+    .fetch_one(pool)
+    .await
+    .on(shard)?;
+    row.try_get("newest").on(shard)
+}
+
+/// Whether the shard holds any entity row (a new index on an empty store
+/// needs no backfill).
+pub async fn has_entities(shard: usize, pool: &MySqlPool) -> Result<bool> {
+    let row = sqlx::query("SELECT EXISTS(SELECT 1 FROM entities) AS e").fetch_one(pool).await.on(shard)?;
+    Ok(row.try_get::<i64, _>("e").on(shard)? != 0)
+}

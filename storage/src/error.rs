@@ -1,0 +1,83 @@
+//! [`StoreError`]: what went wrong, on which shard, and whether it is worth
+//! running again.
+
+use schemas::EntityId;
+use sqlx::Row;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("shard {shard} is unavailable or failed a statement")]
+    Shard {
+        shard: usize,
+        #[source]
+        source: sqlx::Error,
+    },
+    #[error("{dsn} is not a valid MySQL URL")]
+    BadDsn {
+        dsn: String,
+        #[source]
+        source: sqlx::Error,
+    },
+    #[error("index {table:?} already exists with another definition; drop it or pick a new table name")]
+    SpecChanged { table: String },
+    #[error("no index named {table:?}")]
+    NoSuchIndex { table: String },
+    #[error("stored index metadata for {table:?} is unreadable")]
+    BadMeta {
+        table: String,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+impl StoreError {
+    /// The MySQL error number, when the server answered with an error.
+    pub fn mysql_number(&self) -> Option<u16> {
+        match self {
+            StoreError::Shard { source: sqlx::Error::Database(db), .. } => {
+                db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().map(|e| e.number())
+            }
+            _ => None,
+        }
+    }
+
+    /// Deadlocks, lock wait timeouts and a lost race to insert the same new
+    /// id: the transaction was rolled back and may simply be run again.
+    pub fn is_retryable_conflict(&self) -> bool {
+        matches!(self.mysql_number(), Some(1213 | 1205 | 1062))
+    }
+
+    /// The connection is gone, not the statement refused: I/O and protocol
+    /// errors, and the server's "connection was killed" (1927), "server
+    /// shutdown in progress" (1053) and lost-connection (2006, 2013).
+    pub fn is_dead_connection(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Shard {
+                source: sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::Tls(_),
+                ..
+            }
+        ) || matches!(self.mysql_number(), Some(1927 | 1053 | 2006 | 2013))
+    }
+}
+
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// Attaches the shard number to a sqlx error.
+pub trait OnShard<T> {
+    fn on(self, shard: usize) -> Result<T>;
+}
+
+impl<T> OnShard<T> for std::result::Result<T, sqlx::Error> {
+    fn on(self, shard: usize) -> Result<T> {
+        self.map_err(|source| StoreError::Shard { shard, source })
+    }
+}
+
+/// Reads a `BINARY(16)` id column. Every id column is `BINARY(16) NOT
+/// NULL`, so a wrong length cannot come from our own writes; it reads as
+/// the all-zero id rather than failing a whole scan.
+pub(crate) fn id_column(shard: usize, r: &sqlx::mysql::MySqlRow, col: &str) -> Result<EntityId> {
+    let bytes: Vec<u8> = r.try_get(col).on(shard)?;
+    Ok(EntityId::from_slice(&bytes).unwrap_or(EntityId([0; 16])))
+}

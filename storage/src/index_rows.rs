@@ -1,0 +1,255 @@
+//! Index rows: the indexer's upserts and version-guarded deletes, the
+//! cleaner's reads and repairs. A row is keyed by `(properties…, entity_id)`
+//! and carries the version of the event that wrote it and, where known, its
+//! entity's location (see [`crate::ddl::index_table`]).
+
+use schemas::index::{IndexKey, IndexSpec, KeyValue, PropType};
+use schemas::EntityId;
+use sqlx::mysql::{MySqlArguments, MySqlPool, MySqlRow};
+use sqlx::query::Query;
+use sqlx::{MySql, MySqlConnection, Row};
+
+use crate::entities::marks;
+use crate::error::{id_column, OnShard, Result};
+
+/// One index row: as stored, or as the indexer and the cleaner write it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IndexRow {
+    pub key: IndexKey,
+    pub entity: EntityId,
+    /// The version of the entity that produced this row.
+    pub version: u64,
+    /// The entity's `added_id` on its own shard; `None`: unknown.
+    pub entity_added_id: Option<u64>,
+}
+
+/// A row to delete unless a newer event re-wrote it: deleted only if its
+/// version is below `below_version`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IndexRowDelete {
+    pub key: IndexKey,
+    pub entity: EntityId,
+    pub below_version: u64,
+}
+
+/// Where an existing row's entity lives: its `added_id`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IndexRowLocation {
+    pub key: IndexKey,
+    pub entity: EntityId,
+    pub entity_added_id: u64,
+}
+
+/// Binds a key's values, in order, the way its columns store them.
+pub(crate) fn bind_key<'q>(
+    mut q: Query<'q, MySql, MySqlArguments>,
+    key: &'q [KeyValue],
+) -> Query<'q, MySql, MySqlArguments> {
+    for v in key {
+        q = match v {
+            KeyValue::Uuid(b) => q.bind(&b[..]),
+            KeyValue::Str(s) => q.bind(s.as_bytes()),
+            KeyValue::Int(i) => q.bind(*i),
+            KeyValue::Float(f) => q.bind(*f),
+            KeyValue::Bool(b) => q.bind(*b),
+        };
+    }
+    q
+}
+
+fn key_equals(spec: &IndexSpec) -> String {
+    spec.properties.iter().map(|p| format!("`{}` = ?", p.name)).collect::<Vec<_>>().join(" AND ")
+}
+
+/// Writes rows, or raises their versions; never lowers one, so a replayed
+/// old event cannot make a row look older than what was already applied.
+/// A known entity location is written; an unknown one keeps what the row
+/// has (an id's `added_id` never changes, so any known one is the same).
+/// Up to 500 rows per statement.
+#[tracing::instrument(level = "debug", skip_all, fields(table = %spec.table, shard))]
+pub async fn upsert_index_rows(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    spec: &IndexSpec,
+    rows: &[IndexRow],
+) -> Result<()> {
+    let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
+    let tuple = format!("({}, ?, ?, ?)", marks(cols.len()));
+    for chunk in rows.chunks(500) {
+        let sql = format!(
+            "INSERT INTO `{}` ({}, entity_id, version, entity_added_id) VALUES {} \
+             ON DUPLICATE KEY UPDATE entity_added_id = COALESCE(VALUES(entity_added_id), entity_added_id), \
+             version = GREATEST(version, VALUES(version))",
+            spec.table,
+            cols.join(", "),
+            vec![tuple.as_str(); chunk.len()].join(", ")
+        );
+        let mut q = sqlx::query(&sql);
+        for row in chunk {
+            q = bind_key(q, &row.key).bind(&row.entity.0[..]).bind(row.version).bind(row.entity_added_id);
+        }
+        q.execute(&mut *conn).await.on(shard)?;
+    }
+    Ok(())
+}
+
+/// Sets where each row's entity is, on rows that exist; never creates one.
+/// Returns how many rows changed.
+#[tracing::instrument(level = "debug", skip_all, fields(table = %spec.table, shard))]
+pub async fn set_index_row_locations(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    spec: &IndexSpec,
+    rows: &[IndexRowLocation],
+) -> Result<u64> {
+    let sql = format!(
+        "UPDATE `{}` SET entity_added_id = ? WHERE {} AND entity_id = ?",
+        spec.table,
+        key_equals(spec)
+    );
+    let mut changed = 0;
+    for row in rows {
+        let q = bind_key(sqlx::query(&sql).bind(row.entity_added_id), &row.key).bind(&row.entity.0[..]);
+        changed += q.execute(&mut *conn).await.on(shard)?.rows_affected();
+    }
+    Ok(changed)
+}
+
+/// Deletes rows written by an older version than each row's
+/// `below_version`: a row that a newer event already re-wrote stays. Up to
+/// 200 rows per statement (primary-key lookups joined by OR).
+#[tracing::instrument(level = "debug", skip_all, fields(table = %spec.table, shard))]
+pub async fn delete_index_rows_before(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    spec: &IndexSpec,
+    rows: &[IndexRowDelete],
+) -> Result<()> {
+    let one = format!("({} AND entity_id = ? AND version < ?)", key_equals(spec));
+    for chunk in rows.chunks(200) {
+        let sql =
+            format!("DELETE FROM `{}` WHERE {}", spec.table, vec![one.as_str(); chunk.len()].join(" OR "));
+        let mut q = sqlx::query(&sql);
+        for row in chunk {
+            q = bind_key(q, &row.key).bind(&row.entity.0[..]).bind(row.below_version);
+        }
+        q.execute(&mut *conn).await.on(shard)?;
+    }
+    Ok(())
+}
+
+/// Deletes a row unless something newer than `version` rewrote it: the
+/// cleaner's guard against undoing a concurrent indexer write.
+#[tracing::instrument(level = "debug", skip_all, fields(table = %spec.table, shard))]
+pub async fn delete_index_row_upto(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    spec: &IndexSpec,
+    key: &IndexKey,
+    entity: &EntityId,
+    version: u64,
+) -> Result<u64> {
+    let sql =
+        format!("DELETE FROM `{}` WHERE {} AND entity_id = ? AND version <= ?", spec.table, key_equals(spec));
+    let done =
+        bind_key(sqlx::query(&sql), key).bind(&entity.0[..]).bind(version).execute(conn).await.on(shard)?;
+    Ok(done.rows_affected())
+}
+
+/// Decodes one index row's key columns; `None` for bytes no key of ours
+/// has (a hand-made row).
+pub(crate) fn row_key(shard: usize, spec: &IndexSpec, r: &MySqlRow) -> Result<Option<IndexKey>> {
+    let mut key = Vec::with_capacity(spec.properties.len());
+    for p in &spec.properties {
+        let name = p.name.as_str();
+        let v = match p.ty {
+            PropType::Uuid => {
+                let b: Vec<u8> = r.try_get(name).on(shard)?;
+                match <[u8; 16]>::try_from(b.as_slice()) {
+                    Ok(a) => KeyValue::Uuid(a),
+                    Err(_) => return Ok(None),
+                }
+            }
+            PropType::String => {
+                let b: Vec<u8> = r.try_get(name).on(shard)?;
+                match String::from_utf8(b) {
+                    Ok(s) => KeyValue::Str(s),
+                    Err(_) => return Ok(None),
+                }
+            }
+            PropType::Int => KeyValue::Int(r.try_get(name).on(shard)?),
+            PropType::Float => KeyValue::Float(r.try_get(name).on(shard)?),
+            PropType::Bool => KeyValue::Bool(r.try_get(name).on(shard)?),
+        };
+        key.push(v);
+    }
+    Ok(Some(key))
+}
+
+/// Every row of the listed entities in this shard's copy of the index.
+/// Rows whose bytes cannot be decoded (hand-made garbage) are skipped.
+#[tracing::instrument(level = "debug", skip_all, fields(table = %spec.table, shard))]
+pub async fn index_rows_of(
+    shard: usize,
+    pool: &MySqlPool,
+    spec: &IndexSpec,
+    ids: &[EntityId],
+) -> Result<Vec<IndexRow>> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
+    let sql = format!(
+        "SELECT {}, entity_id, version, entity_added_id FROM `{}` WHERE entity_id IN ({})",
+        cols.join(", "),
+        spec.table,
+        marks(ids.len())
+    );
+    let mut q = sqlx::query(&sql);
+    for id in ids {
+        q = q.bind(&id.0[..]);
+    }
+    let rows = q.fetch_all(pool).await.on(shard)?;
+    let mut out = Vec::with_capacity(rows.len());
+    for r in &rows {
+        let Some(key) = row_key(shard, spec, r)? else { continue };
+        out.push(IndexRow {
+            key,
+            entity: id_column(shard, r, "entity_id")?,
+            version: r.try_get("version").on(shard)?,
+            entity_added_id: r.try_get("entity_added_id").on(shard)?,
+        });
+    }
+    Ok(out)
+}
+
+/// Distinct entity ids in an index table after `after`, in id order: the
+/// index-side sweep walks these to find rows of entities that are gone.
+pub async fn index_entity_ids(
+    shard: usize,
+    pool: &MySqlPool,
+    spec: &IndexSpec,
+    after: Option<&EntityId>,
+    limit: usize,
+) -> Result<Vec<EntityId>> {
+    let sql = format!(
+        "SELECT DISTINCT entity_id FROM `{}` WHERE entity_id > ? ORDER BY entity_id LIMIT ?",
+        spec.table
+    );
+    let start = after.map(|a| a.0.to_vec()).unwrap_or_default();
+    let rows = sqlx::query(&sql).bind(start).bind(limit as u64).fetch_all(pool).await.on(shard)?;
+    rows.iter().map(|r| id_column(shard, r, "entity_id")).collect()
+}
+
+/// The version of one index row, if it exists.
+pub async fn index_row_version(
+    shard: usize,
+    pool: &MySqlPool,
+    spec: &IndexSpec,
+    key: &IndexKey,
+    entity: &EntityId,
+) -> Result<Option<u64>> {
+    let sql = format!("SELECT version FROM `{}` WHERE {} AND entity_id = ?", spec.table, key_equals(spec));
+    let row = bind_key(sqlx::query(&sql), key).bind(&entity.0[..]).fetch_optional(pool).await.on(shard)?;
+    row.map(|r| r.try_get("version").on(shard)).transpose()
+}

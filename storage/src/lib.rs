@@ -1,0 +1,43 @@
+//! Every SQL statement bagstore runs, and the connections they run on.
+//!
+//! In: the model of `schemas` (ids, index specs and keys, settings). Out:
+//! rows as named structs, and [`StoreError`]s that name their shard and say
+//! whether running again may help. Nothing here knows about HTTP or Kafka.
+//!
+//! Layout, one module per aggregate:
+//! - [`shards`]: a cluster's shards: pools, the metadata shard, fan-out.
+//! - [`conns`]: ping-free connections for the hot paths.
+//! - [`error`]: `StoreError`, naming its shard and whether to retry.
+//! - [`ddl`] and [`migrate`]: table definitions; creating what is missing.
+//! - [`entities`]: the entity rows ([`EntityRecord`]): the writer's locking
+//!   read and writes, reads by id and by location, the cleaner's sweeps.
+//! - [`outbox`]: change events waiting for Kafka.
+//! - [`index_rows`]: index rows: upserts, version-guarded deletes, repairs.
+//! - [`index_scan`]: ordered, keyset-paged index scans for queries.
+//! - [`catalog`]: index definitions, states and progress (metadata shard).
+//! - [`locks`]: named locks: one relay per shard, one backfiller per index.
+//! - [`server`]: statements about a server itself (private dev servers).
+//!
+//! Timestamps cross as integer microseconds since the Unix epoch; sqlx sets
+//! each session's `time_zone` to UTC, so `TIMESTAMPADD` / `TIMESTAMPDIFF`
+//! against the epoch are exact. Table and column names in SQL text come
+//! only from validated specs (`schemas::names`); every value is bound.
+
+pub mod catalog;
+pub mod conns;
+pub mod ddl;
+pub mod entities;
+pub mod error;
+pub mod index_rows;
+pub mod index_scan;
+pub mod locks;
+pub mod migrate;
+pub mod outbox;
+pub mod server;
+pub mod shards;
+
+pub use catalog::IndexMeta;
+pub use entities::{EntityRecord, EntityWrite};
+pub use error::{OnShard, Result, StoreError};
+pub use index_rows::IndexRow;
+pub use shards::{Shards, META_SHARD};

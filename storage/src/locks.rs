@@ -1,0 +1,41 @@
+//! MySQL named locks: who publishes a shard's outbox, who backfills an
+//! index. A named lock lives as long as the connection that took it, so a
+//! holder that dies frees it, and another process takes over. Lock names
+//! are server-wide, so they include the database name (two shards may
+//! share one server).
+
+use sqlx::{MySqlConnection, Row};
+
+use crate::error::{OnShard, Result};
+use crate::shards::META_SHARD;
+
+/// "The relay of this database".
+const RELAY_LOCK: &str = "CONCAT('bagstore.relay.', DATABASE())";
+
+/// Tries to become the shard's relay leader; the lock lives as long as `conn`.
+pub async fn try_relay_lock(shard: usize, conn: &mut MySqlConnection) -> Result<bool> {
+    let row =
+        sqlx::query(&format!("SELECT GET_LOCK({RELAY_LOCK}, 0) AS got")).fetch_one(conn).await.on(shard)?;
+    Ok(row.try_get::<Option<i64>, _>("got").on(shard)? == Some(1))
+}
+
+/// Whether `conn` still holds the relay lock (false if it was killed and
+/// someone else took over).
+pub async fn holds_relay_lock(shard: usize, conn: &mut MySqlConnection) -> Result<bool> {
+    let row = sqlx::query(&format!("SELECT IS_USED_LOCK({RELAY_LOCK}) = CONNECTION_ID() AS mine"))
+        .fetch_one(conn)
+        .await
+        .on(shard)?;
+    Ok(row.try_get::<Option<i64>, _>("mine").on(shard)? == Some(1))
+}
+
+/// Makes `conn` (on the metadata shard) the one backfiller of index
+/// `table`, if no one else is.
+pub async fn try_backfill_lock(conn: &mut MySqlConnection, table: &str) -> Result<bool> {
+    let row = sqlx::query("SELECT GET_LOCK(CONCAT('bagstore.backfill.', DATABASE(), '.', ?), 0) AS got")
+        .bind(table)
+        .fetch_one(conn)
+        .await
+        .on(META_SHARD)?;
+    Ok(row.try_get::<Option<i64>, _>("got").on(META_SHARD)? == Some(1))
+}

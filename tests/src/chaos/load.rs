@@ -1,0 +1,242 @@
+//! The load: clients writing a seeded history, a checker reading it back
+//! (Invariant R, acknowledged writes readable), a lag monitor.
+
+use super::*;
+
+/// Classifies a write answer. A 4xx other than 404/412 is a bug: the
+/// clients only send valid requests.
+pub(super) fn outcome_of(shared: &Shared, what: &str, answer: Result<(u16, Value), String>) -> Outcome {
+    match answer {
+        Ok((200 | 201, body)) => match body["version"].as_u64() {
+            Some(v) => Outcome::Acked(v),
+            None => {
+                shared.fail(format!("{what}: a success without a version: {body}"));
+                Outcome::Unknown("no version".into())
+            }
+        },
+        Ok((s @ (404 | 412), _)) => Outcome::Rejected(s),
+        Ok((s, body)) if s >= 500 => Outcome::Unknown(format!("{s} {}", body["type"])),
+        Ok((s, body)) => {
+            shared.fail(format!("{what}: unexpected {s}: {body}"));
+            Outcome::Unknown(format!("{s}"))
+        }
+        Err(e) => Outcome::Unknown(e),
+    }
+}
+
+/// One writing client: random puts, conditional puts, creates, deletes and
+/// small batches over the shared key space, through any live writer.
+pub(super) async fn client(shared: Arc<Shared>, n: usize, seed: u64, keys: usize) {
+    let mut rng = StdRng::seed_from_u64(seed.wrapping_mul(1000).wrapping_add(n as u64));
+    while !shared.stop.load(Ordering::Relaxed) {
+        let Some(base) = shared.live_writer(&mut rng) else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        };
+        let k = rng.random_range(0..keys);
+        let id = entity_id(k);
+        let url = format!("{base}/v1/entities/{id}");
+        let roll = rng.random_range(0..100);
+        if roll < 10 {
+            // A batch of three (one transaction per shard).
+            let items: Vec<(String, Value)> = (0..3)
+                .map(|_| {
+                    let id = entity_id(rng.random_range(0..keys));
+                    let mut body = model::random_entity(&mut rng);
+                    body["id"] = json!(id);
+                    (id, body)
+                })
+                .collect();
+            let bodies: Vec<&Value> = items.iter().map(|(_, b)| b).collect();
+            let req =
+                shared.http.post(format!("{base}/v1/entities/batch")).json(&json!({"entities": bodies}));
+            match shared.send(req).await {
+                Ok((200, doc)) => {
+                    let results = doc["results"].as_array().cloned().unwrap_or_default();
+                    if results.len() != items.len() {
+                        shared.fail(format!(
+                            "batch answered {} results for {} items: {doc}",
+                            results.len(),
+                            items.len()
+                        ));
+                    }
+                    for ((id, body), r) in items.iter().zip(results) {
+                        let status = r["status"].as_u64().unwrap_or(200) as u16;
+                        let outcome = outcome_of(&shared, "batch item", Ok((status, r)));
+                        shared.record(n, id, format!("batch put {body}"), outcome);
+                    }
+                }
+                other => {
+                    for (id, body) in &items {
+                        let o = outcome_of(&shared, "batch", other.clone());
+                        shared.record(n, id, format!("batch put {body}"), o);
+                    }
+                }
+            }
+            continue;
+        }
+        let body = model::random_entity(&mut rng);
+        if roll < 35 {
+            // A new entity, never written again: if its event were lost,
+            // no later event of the same entity would repair its rows.
+            let id = format!("{:032x}", rng.random::<u128>());
+            let url = format!("{base}/v1/entities/{id}");
+            shared.created.lock().unwrap().push(id.clone());
+            let req = shared.http.put(&url).header("If-None-Match", "*").json(&body);
+            let what = format!("create {body}");
+            let outcome = outcome_of(&shared, &what, shared.send(req).await);
+            shared.record(n, &id, what, outcome);
+            continue;
+        }
+        let (what, req) = if roll < 45 {
+            ("delete".to_string(), shared.http.delete(&url))
+        } else if roll < 58 {
+            // Usually the version this client believes current; sometimes stale.
+            let known = shared.max_acked.lock().unwrap().get(&id).copied().unwrap_or(1);
+            let v = if rng.random_bool(0.7) { known } else { rng.random_range(1..known + 2) };
+            (
+                format!("put if-match {v} {body}"),
+                shared.http.put(&url).header("If-Match", format!("\"{v}\"")).json(&body),
+            )
+        } else if roll < 62 {
+            (
+                format!("put if-none-match {body}"),
+                shared.http.put(&url).header("If-None-Match", "*").json(&body),
+            )
+        } else {
+            (format!("put {body}"), shared.http.put(&url).json(&body))
+        };
+        let answer = shared.send(req).await;
+        let outcome = outcome_of(&shared, &what, answer);
+        shared.record(n, &id, what, outcome);
+    }
+}
+
+/// Reads while the faults go on: random queries (Invariant R) and gets of
+/// acknowledged writes (read-after-acknowledge on the canonical store).
+pub(super) async fn checker(shared: Arc<Shared>, env_dsns: Vec<String>, seed: u64, keys: usize) {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x00c0_ffee);
+    let pools: Vec<sqlx::MySqlPool> = {
+        let mut v = Vec::new();
+        for d in &env_dsns {
+            v.push(sqlx::MySqlPool::connect(d).await.expect("checker connects"));
+        }
+        v
+    };
+    let c = &shared.counters;
+    while !shared.stop.load(Ordering::Relaxed) {
+        if rng.random_bool(0.6) {
+            let q = model::random_query(&mut rng);
+            let req = shared.http.post(format!("{}/v1/query", shared.reader)).json(&q);
+            match shared.send(req).await {
+                Ok((200, body)) => {
+                    let items = body["items"].as_array().cloned().unwrap_or_default();
+                    let mut seen = BTreeSet::new();
+                    for item in &items {
+                        let id = item["id"].as_str().unwrap_or("?").to_string();
+                        if !model::matches(&q, &item["properties"]) {
+                            shared.fail(format!(
+                                "Invariant R: query {q} returned {id} with {}",
+                                item["properties"]
+                            ));
+                        }
+                        if !seen.insert(id.clone()) {
+                            shared.fail(format!("query {q} returned {id} twice"));
+                        }
+                    }
+                    c.queries_checked.fetch_add(1, Ordering::Relaxed);
+                    c.query_items_checked.fetch_add(items.len() as u64, Ordering::Relaxed);
+                }
+                Ok((s, _)) if s >= 500 => {
+                    c.queries_unavailable.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok((s, body)) => shared.fail(format!("query {q}: unexpected {s}: {body}")),
+                Err(_) => {
+                    c.queries_unavailable.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        } else {
+            let id = entity_id(rng.random_range(0..keys));
+            let floor = shared.max_acked.lock().unwrap().get(&id).copied().unwrap_or(0);
+            let req = shared.http.get(format!("{}/v1/entities/{id}", shared.reader));
+            match shared.send(req).await {
+                Ok((200, body)) => {
+                    let v = body["version"].as_u64().unwrap_or(0);
+                    if v < floor {
+                        shared.fail(format!("get {id}: version {v} below the acknowledged {floor}"));
+                    }
+                    c.gets_checked.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok((404, _)) => {
+                    // Wrong only if the acknowledged version is still the
+                    // live one: then the 404 hid it. A tombstone at or above
+                    // it, or any newer version (a later delete, maybe already
+                    // overwritten by a re-create), explains the 404.
+                    let shard = schemas::shard_of(&hex16(&id), pools.len());
+                    let row: Result<Option<(u64, bool)>, _> = sqlx::query_as(
+                        "SELECT CAST(version AS UNSIGNED), body IS NULL FROM entities WHERE id = UNHEX(?)",
+                    )
+                    .bind(&id)
+                    .fetch_optional(&pools[shard])
+                    .await;
+                    match row {
+                        Ok(Some((v, tombstone))) if v > floor || (tombstone && v == floor) => {
+                            c.gets_checked.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(None) if floor == 0 => {
+                            c.gets_checked.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(found) => shared.fail(format!(
+                            "get {id}: 404 but the store has {found:?} (version, tombstone) and {floor} was acknowledged"
+                        )),
+                        Err(_) => {
+                            c.gets_unavailable.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                Ok((s, _)) if s >= 500 => {
+                    c.gets_unavailable.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok((s, body)) => shared.fail(format!("get {id}: unexpected {s}: {body}")),
+                Err(_) => {
+                    c.gets_unavailable.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+    for p in pools {
+        p.close().await;
+    }
+}
+
+pub(super) fn hex16(id: &str) -> [u8; 16] {
+    schemas::EntityId::parse(id).expect("a hex id").0
+}
+
+/// Samples the index lag (events, from the broker; seconds, from the
+/// cleaner's metrics) and keeps the maxima for the report.
+pub(super) async fn monitor(
+    shared: Arc<Shared>,
+    kafka: schemas::settings::KafkaSettings,
+    cleaner_url: Arc<RwLock<String>>,
+) {
+    let http = reqwest::Client::new();
+    while !shared.stop.load(Ordering::Relaxed) {
+        let mut events = 0i64;
+        for t in STANDARD_TABLES {
+            if let Ok(parts) = service::kafka::group_lag(&kafka, &kafka.group_for(t)).await {
+                events = events.max(parts.iter().map(|p| p.lag()).sum());
+            }
+        }
+        shared.counters.max_lag_events.fetch_max(events as u64, Ordering::Relaxed);
+        let url = format!("{}/metrics", cleaner_url.read().unwrap());
+        if let Ok(resp) = http.get(url).timeout(Duration::from_secs(2)).send().await {
+            let text = resp.text().await.unwrap_or_default();
+            for t in STANDARD_TABLES {
+                let secs = metric_sum(&text, "bagstore_index_lag_seconds", &[("index", t)]);
+                shared.counters.max_lag_ms.fetch_max((secs * 1000.0) as u64, Ordering::Relaxed);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}

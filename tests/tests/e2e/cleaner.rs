@@ -1,0 +1,313 @@
+//! The cleaner: online backfill through the index lifecycle, resuming a
+//! killed backfill from its cursor, and repairing hand-made drift.
+
+use bagstore_tests::{bagstore_bin, eventually, metric_sum, until_query_is, TestEnv, STANDARD_INDEXES};
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+const INDEX_LINK: &str = r#"
+[[indexes]]
+table = "index_link"
+properties = [{ name = "link", type = "string", max_len = 735 }]
+shard_on = "link"
+"#;
+
+fn id(i: usize) -> String {
+    format!("{:032x}", 0x1100_0000u64 + i as u64)
+}
+
+fn link(i: usize) -> String {
+    format!("http://friendfeed.com/e/{i:06}")
+}
+
+async fn load(api: &bagstore_tests::Api, n: usize) {
+    for start in (0..n).step_by(500) {
+        let items: Vec<Value> = (start..(start + 500).min(n))
+            .map(|i| json!({"id": id(i), "link": link(i), "title": format!("entry {i}")}))
+            .collect();
+        let (s, body) = api.batch(&items).await;
+        assert_eq!(s, 200);
+        assert!(body["results"].as_array().unwrap().iter().all(|r| r["version"] == 1), "{body}");
+    }
+}
+
+async fn index_state(api: &bagstore_tests::Api, table: &str) -> Option<String> {
+    let (status, body) = api.indexes().await;
+    assert_eq!(status, 200, "{body}");
+    body["indexes"]
+        .as_array()?
+        .iter()
+        .find(|i| i["table"] == table)
+        .map(|i| i["state"].as_str().unwrap().to_string())
+}
+
+fn by_links(range: std::ops::Range<usize>) -> Value {
+    json!({"index": "index_link", "where": {"link": {"in": range.map(link).collect::<Vec<_>>()}}, "limit": 1000})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_index_is_backfilled_online_through_creating_backfilling_active() {
+    let mut env = TestEnv::new("backfill", STANDARD_INDEXES).await;
+    env.migrate().await;
+    let writer = env.spawn(&["writer"]).await;
+    let reader = env.spawn(&["reader"]).await;
+    let api = writer.api();
+    let rapi = reader.api();
+    load(&api, 600).await;
+
+    eventually("the outbox to drain", Duration::from_secs(30), || async {
+        (env.count_rows("outbox").await == 0).then_some(())
+    })
+    .await;
+    env.indexes_toml.push_str(INDEX_LINK);
+    let out = env.migrate().await;
+    assert!(out.contains("index index_link: CREATING"), "{out}");
+    // Its consumer group starts at the topic's end: the backfill covers the past.
+    let k = env.kafka_settings();
+    let lag = service::kafka::group_lag(&k, &k.group_for("index_link")).await.unwrap();
+    assert!(lag.iter().all(|p| p.committed == Some(p.high_watermark)), "{lag:?}");
+    assert!(lag.iter().map(|p| p.high_watermark).sum::<i64>() >= 600);
+    assert_eq!(index_state(&rapi, "index_link").await.as_deref(), Some("CREATING"));
+    let (s, doc) = rapi.query(&by_links(0..10)).await;
+    assert_eq!((s, doc["type"].clone()), (409, json!("/problems/index-not-ready")), "{doc}");
+
+    // The index's consumer group starts with it; the cleaner backfills, slowly
+    // enough (300 rows/s) that the BACKFILLING state can be seen.
+    let indexer = env.spawn(&["indexer", "--index", "index_link"]).await;
+    let cleaner = env
+        .spawn_env(
+            &["cleaner"],
+            &[("BAGSTORE_CLEANER__BACKFILL_RATE", "300"), ("BAGSTORE_CLEANER__BACKFILL_BATCH", "50")],
+        )
+        .await;
+    eventually("index_link to be BACKFILLING", Duration::from_secs(20), || async {
+        (index_state(&rapi, "index_link").await.as_deref() == Some("BACKFILLING")).then_some(())
+    })
+    .await;
+    let (s, doc) = rapi.query(&by_links(0..10)).await;
+    assert_eq!(s, 409, "{doc}");
+    // The reader caches states for half a second, so it may still say CREATING.
+    assert!(doc["state"] == "BACKFILLING" || doc["state"] == "CREATING", "{doc}");
+    let mut partial = by_links(0..10);
+    partial["allow_partial"] = json!(true);
+    assert_eq!(rapi.query(&partial).await.0, 200);
+    // Live traffic goes on during the backfill.
+    assert_eq!(api.put(&id(9999), &json!({"link": link(9999)})).await.0, 201);
+
+    eventually("index_link to be ACTIVE", Duration::from_secs(30), || async {
+        (index_state(&rapi, "index_link").await.as_deref() == Some("ACTIVE")).then_some(())
+    })
+    .await;
+    let (_, doc) = rapi.indexes().await;
+    let meta =
+        doc["indexes"].as_array().unwrap().iter().find(|i| i["table"] == "index_link").unwrap().clone();
+    assert_eq!(meta["backfill"]["fraction"], 1.0, "{meta}");
+    assert_eq!(meta["backfill"]["rows_done"], meta["backfill"]["rows_total"], "{meta}");
+    let want: Vec<String> = (0..600).map(id).collect();
+    let want: Vec<&str> = want.iter().map(String::as_str).collect();
+    until_query_is(&rapi, &by_links(0..600), &want).await;
+    until_query_is(&rapi, &json!({"where": {"link": link(9999)}}), &[&id(9999)]).await;
+    let m = cleaner.api().metrics().await;
+    assert_eq!(metric_sum(&m, "bagstore_cleaner_backfill_progress_ratio", &[("index", "index_link")]), 1.0);
+    assert_eq!(metric_sum(&m, "bagstore_index_state", &[("index", "index_link")]), 2.0);
+    // Backfilled rows (and the indexer's) say where their entity's row is.
+    let rows = env.index_row_locations("index_link").await;
+    assert_eq!(rows.len(), 601);
+    for r in rows {
+        assert!(r.given.is_some() && r.given == r.actual, "{r:?}");
+    }
+    for p in [writer, reader, indexer, cleaner] {
+        p.terminate().await;
+    }
+}
+
+async fn meta_row(env: &TestEnv, table: &str) -> (String, i64, i64) {
+    let pool = env.pool(0).await;
+    let row: (String, i64, i64) =
+        sqlx::query_as("SELECT state, CAST(rows_done AS SIGNED), CAST(rows_total AS SIGNED) FROM bagstore_indexes WHERE name = ?")
+            .bind(table)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    pool.close().await;
+    row
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backfill_killed_half_way_resumes_from_its_cursor_and_ends_exact() {
+    let mut env = TestEnv::new("resume", STANDARD_INDEXES).await;
+    env.migrate().await;
+    let writer = env.spawn(&["writer"]).await;
+    load(&writer.api(), 2000).await;
+    env.indexes_toml.push_str(INDEX_LINK);
+    env.migrate().await;
+
+    let mut first = tokio::process::Command::new(bagstore_bin())
+        .args(env.args(&["cleaner", "--index", "index_link", "--rate", "400"]))
+        .env("BAGSTORE_CLEANER__BACKFILL_BATCH", "40")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(env.dir.path().join("first-backfill.log")).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    eventually("the first backfill to pass 30%", Duration::from_secs(30), || async {
+        (meta_row(&env, "index_link").await.1 >= 600).then_some(())
+    })
+    .await;
+    first.kill().await.unwrap(); // SIGKILL: no chance to clean up
+    let (state, done_at_kill, total) = meta_row(&env, "index_link").await;
+    assert_eq!(state, "BACKFILLING");
+    assert_eq!(total, 2000);
+    assert!(done_at_kill < total, "the kill came too late to test anything");
+
+    let out = tokio::process::Command::new(bagstore_bin())
+        .args(env.args(&["cleaner", "--index", "index_link"]))
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let want = format!("scanned {} rows in this run (2000 of 2000)", total - done_at_kill);
+    assert!(stdout.contains(&want), "expected {want:?} in:\n{stdout}");
+    assert_eq!(meta_row(&env, "index_link").await.0, "ACTIVE");
+    // Exact: one row per entity, each under its own link.
+    assert_eq!(env.count_rows("index_link").await, 2000);
+    let reader = env.spawn(&["reader"]).await;
+    let want_ids: Vec<String> = (0..2000).map(id).collect();
+    for chunk in (0..2000).step_by(1000) {
+        let ids: Vec<&str> = want_ids[chunk..chunk + 1000].iter().map(String::as_str).collect();
+        until_query_is(&reader.api(), &by_links(chunk..chunk + 1000), &ids).await;
+    }
+    writer.terminate().await;
+    reader.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_continuous_cleaner_repairs_missing_and_dangling_rows_within_seconds() {
+    let env = TestEnv::new("repair", STANDARD_INDEXES).await;
+    let dev =
+        env.spawn_env(&["dev", "--http", "127.0.0.1:0"], &[("BAGSTORE_CLEANER__INTERVAL_MS", "200")]).await;
+    let api = dev.api();
+    let user = |i: usize| format!("{:032x}", 0xeeee_0000u64 + i as u64);
+    for i in 0..20 {
+        assert_eq!(api.put(&id(i), &json!({"user_id": user(i)})).await.0, 201);
+    }
+    for i in 0..20 {
+        until_query_is(&api, &json!({"where": {"user_id": user(i)}}), &[&id(i)]).await;
+    }
+    let before = api.metrics().await;
+    let found = |m: &str, kind: &str| {
+        metric_sum(m, "bagstore_cleaner_drift_found_total", &[("index", "index_user_id"), ("kind", kind)])
+    };
+    let fixed = |m: &str, kind: &str| {
+        metric_sum(m, "bagstore_cleaner_drift_fixed_total", &[("index", "index_user_id"), ("kind", kind)])
+    };
+
+    let hexb = |s: &str| schemas::EntityId::parse(s).unwrap().0.to_vec();
+    // Hand-delete the rows of entities 0..5 and hand-insert wrong rows for 5..8
+    // plus one for an id that never existed.
+    for s in 0..env.dsns.len() {
+        let pool = env.pool(s).await;
+        for i in 0..5 {
+            sqlx::query("DELETE FROM index_user_id WHERE entity_id = ?")
+                .bind(hexb(&id(i)))
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+        pool.close().await;
+    }
+    let mut dangling = vec![];
+    for i in 5..8 {
+        dangling.push((user(100 + i), id(i)));
+    }
+    dangling.push((user(0), id(777)));
+    for (u, e) in &dangling {
+        let shard = schemas::shard_of(&hexb(u), env.dsns.len());
+        let pool = env.pool(shard).await;
+        sqlx::query("INSERT INTO index_user_id (user_id, entity_id, version) VALUES (?, ?, 1)")
+            .bind(hexb(u))
+            .bind(hexb(e))
+            .execute(&pool)
+            .await
+            .unwrap();
+        pool.close().await;
+    }
+    let tampered = Instant::now();
+    eventually("the index to be exact again", Duration::from_secs(5), || async {
+        (env.count_rows("index_user_id").await == 20).then_some(())
+    })
+    .await;
+    let took = tampered.elapsed();
+    for i in 0..5 {
+        until_query_is(&api, &json!({"where": {"user_id": user(i)}}), &[&id(i)]).await;
+    }
+    assert_eq!(env.count_rows("index_user_id").await, 20);
+    let after = api.metrics().await;
+    assert!(found(&after, "missing") - found(&before, "missing") >= 5.0, "{after}");
+    assert!(found(&after, "dangling") - found(&before, "dangling") >= 4.0, "{after}");
+    assert!(fixed(&after, "missing") - fixed(&before, "missing") >= 5.0);
+    assert!(fixed(&after, "dangling") - fixed(&before, "dangling") >= 4.0);
+    eprintln!("drift repaired {took:?} after the tampering");
+    dev.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_index_stops_being_maintained_and_can_be_added_again() {
+    let env = TestEnv::new("drop", STANDARD_INDEXES).await;
+    env.migrate().await;
+    let writer = env.spawn(&["writer"]).await;
+    let reader = env.spawn(&["reader"]).await;
+    let indexer = env.spawn(&["indexer"]).await;
+    let api = writer.api();
+    let rapi = reader.api();
+    for i in 0..10 {
+        api.put(&id(i), &json!({"tags": ["x", format!("t{i}")]})).await;
+    }
+    until_query_is(&rapi, &json!({"where": {"tags": "t3"}}), &[&id(3)]).await;
+
+    let out = tokio::process::Command::new(bagstore_bin())
+        .args(["index", "drop", "index_tag", "--config"])
+        .arg(env.config_path())
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(index_state(&rapi, "index_tag").await.as_deref(), Some("DROPPING"));
+    for s in 0..env.dsns.len() {
+        let pool = env.pool(s).await;
+        let (n,): (i64,) = sqlx::query_as(
+            "SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = 'index_tag'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(n, 0, "index_tag still exists on shard {s}");
+        pool.close().await;
+    }
+    eventually("the reader to forget index_tag", Duration::from_secs(5), || async {
+        let (s, doc) = rapi.query(&json!({"index": "index_tag", "where": {"tags": "x"}})).await;
+        (s == 400 && doc["type"] == "/problems/unknown-index").then_some(())
+    })
+    .await;
+    // Writes go on; the indexer moves past the dropped index's events
+    // instead of retrying them forever against tables that are gone.
+    for i in 10..20 {
+        assert_eq!(api.put(&id(i), &json!({"tags": "x", "user_id": format!("{:032x}", i)})).await.0, 201);
+    }
+    env.until_caught_up(&["index_tag", "index_user_id"]).await;
+
+    // Adding it back (migrate) starts it over: CREATING, then a backfill.
+    assert!(env.migrate().await.contains("index index_tag: CREATING"));
+    let cleaner = env.spawn(&["cleaner"]).await;
+    eventually("index_tag to be ACTIVE again", Duration::from_secs(30), || async {
+        (index_state(&rapi, "index_tag").await.as_deref() == Some("ACTIVE")).then_some(())
+    })
+    .await;
+    let all: Vec<String> = (0..20).map(id).collect();
+    let all: Vec<&str> = all.iter().map(String::as_str).collect();
+    until_query_is(&rapi, &json!({"where": {"tags": "x"}, "limit": 100}), &all).await;
+    for p in [writer, reader, indexer, cleaner] {
+        p.terminate().await;
+    }
+}

@@ -1,0 +1,35 @@
+//! The end-to-end suites, one module each, in one test binary: one build
+//! and link instead of fifteen, and one pair of private MariaDB servers for
+//! all of them (every test still gets its own databases, topics and Kafka,
+//! so they run in parallel). The chaos suites are binaries of their own
+//! (`chaos.rs`, `chaos_tansu.rs`): long, and each wants the machine.
+//!
+//! - `pipeline`: the seed entity's lifecycle through every index kind.
+//! - `queries`: ordered pages, ranges, merges across shards, the planner.
+//! - `edges`: bad input, repeatable migrations, request ids.
+//! - `limits`: size limits and slow clients.
+//! - `delivery`: Invariant W across broker outages and writer kills.
+//! - `group_commit`: concurrent writes sharing transactions; locations.
+//! - `convergence`: a seeded random history; indexes end exact.
+//! - `cleaner`: drift repair, online backfill, index drop.
+//! - `shutdown`: graceful stops under load.
+//! - `observability`: metrics, dashboard and alert rules, lag.
+//! - `auth`, `tls`: bearer tokens; TLS to MariaDB and Kafka.
+//! - `cli`, `config`: the `bagstore` command; configuration and compose.
+//! - `bench_quick`: the benchmark's smoke run.
+
+mod auth;
+mod bench_quick;
+mod cleaner;
+mod cli;
+mod config;
+mod convergence;
+mod delivery;
+mod edges;
+mod group_commit;
+mod limits;
+mod observability;
+mod pipeline;
+mod queries;
+mod shutdown;
+mod tls;
