@@ -35,7 +35,7 @@ use schemas::{EntityId, IndexSpec, Settings};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use storage::entities::{self, EntityRecord};
+use storage::entities::{self, EntityRecord, UpdatedCursor};
 use storage::index_rows;
 use storage::{catalog, IndexMeta, Shards, StoreError};
 use tokio_util::sync::CancellationToken;
@@ -83,7 +83,7 @@ struct Inner {
 struct SweepState {
     started: Option<Instant>,
     /// Per shard: the deep pass's `(updated, added_id)` cursor, `None` at the start.
-    deep: Vec<Option<(i64, u64)>>,
+    deep: Vec<Option<UpdatedCursor>>,
     deep_done: Vec<bool>,
     /// Per (index, shard): the index pass's entity-id cursor.
     index_pass: HashMap<(String, usize), Option<EntityId>>,
@@ -224,7 +224,7 @@ impl Cleaner {
                     batch,
                 )
                 .await?;
-                st.deep[shard] = rows.last().map(|e| (e.updated_us, e.added_id));
+                st.deep[shard] = rows.last().map(UpdatedCursor::after);
                 st.deep_done[shard] = rows.len() < batch;
                 self.reconcile_scanned(&specs, &settled, rows).await?;
             }

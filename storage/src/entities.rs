@@ -241,6 +241,21 @@ pub async fn read_entities_any(
     q.fetch_all(pool).await.on(shard)?.iter().map(|r| record(shard, r)).collect()
 }
 
+/// A position in the `(updated, added_id)` order of a shard's entities:
+/// where a sweep by [`scan_entities_by_updated`] stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UpdatedCursor {
+    pub updated_us: i64,
+    pub added_id: u64,
+}
+
+impl UpdatedCursor {
+    /// The cursor just past `e` in a descending sweep.
+    pub fn after(e: &EntityRecord) -> UpdatedCursor {
+        UpdatedCursor { updated_us: e.updated_us, added_id: e.added_id }
+    }
+}
+
 /// Entities (tombstones included) in `(updated, added_id)` descending order,
 /// strictly before `before`, updated at or after `since_us`.
 #[tracing::instrument(level = "debug", skip_all, fields(shard))]
@@ -248,10 +263,10 @@ pub async fn scan_entities_by_updated(
     shard: usize,
     pool: &MySqlPool,
     since_us: i64,
-    before: Option<(i64, u64)>,
+    before: Option<UpdatedCursor>,
     limit: usize,
 ) -> Result<Vec<EntityRecord>> {
-    let (b_us, b_added) = before.unwrap_or((i64::MAX / 2, u64::MAX));
+    let (b_us, b_added) = before.map_or((i64::MAX / 2, u64::MAX), |c| (c.updated_us, c.added_id));
     let sql = format!(
         "SELECT {COLUMNS} FROM entities \
          WHERE updated >= TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00') \
