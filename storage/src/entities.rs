@@ -184,6 +184,47 @@ pub async fn autoinc_is_consecutive(shard: usize, conn: &mut MySqlConnection) ->
     Ok(mode <= 1 && step == 1)
 }
 
+/// Which rows a point read asks for.
+enum Lookup<'a> {
+    /// By entity id (the unique `id` key, then the clustered key).
+    Ids(&'a [EntityId]),
+    /// By location (the clustered key alone).
+    AddedIds(&'a [u64]),
+}
+
+/// The rows `lookup` names (all on this shard), tombstones too unless
+/// `live_only`, in no particular order.
+async fn select(
+    shard: usize,
+    conn: impl sqlx::MySqlExecutor<'_>,
+    lookup: Lookup<'_>,
+    live_only: bool,
+) -> Result<Vec<EntityRecord>> {
+    let (column, n) = match &lookup {
+        Lookup::Ids(ids) => ("id", ids.len()),
+        Lookup::AddedIds(at) => ("added_id", at.len()),
+    };
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let live = if live_only { " AND body IS NOT NULL" } else { "" };
+    let sql = format!("SELECT {COLUMNS} FROM entities WHERE {column} IN ({}){live}", marks(n));
+    let mut q = sqlx::query(&sql);
+    match lookup {
+        Lookup::Ids(ids) => {
+            for id in ids {
+                q = q.bind(&id.0[..]);
+            }
+        }
+        Lookup::AddedIds(at) => {
+            for a in at {
+                q = q.bind(*a);
+            }
+        }
+    }
+    q.fetch_all(conn).await.on(shard)?.iter().map(|r| record(shard, r)).collect()
+}
+
 /// Live entities among `ids` (all on this shard), in no particular order.
 #[tracing::instrument(level = "debug", skip_all, fields(shard))]
 pub async fn get_entities(
@@ -191,16 +232,7 @@ pub async fn get_entities(
     conn: impl sqlx::MySqlExecutor<'_>,
     ids: &[EntityId],
 ) -> Result<Vec<EntityRecord>> {
-    if ids.is_empty() {
-        return Ok(Vec::new());
-    }
-    let sql =
-        format!("SELECT {COLUMNS} FROM entities WHERE id IN ({}) AND body IS NOT NULL", marks(ids.len()));
-    let mut q = sqlx::query(&sql);
-    for id in ids {
-        q = q.bind(&id.0[..]);
-    }
-    q.fetch_all(conn).await.on(shard)?.iter().map(|r| record(shard, r)).collect()
+    select(shard, conn, Lookup::Ids(ids), true).await
 }
 
 /// The rows at `added_ids` (clustered-key lookups: one B-tree descent each,
@@ -212,15 +244,7 @@ pub async fn get_entities_at(
     conn: impl sqlx::MySqlExecutor<'_>,
     added_ids: &[u64],
 ) -> Result<Vec<EntityRecord>> {
-    if added_ids.is_empty() {
-        return Ok(Vec::new());
-    }
-    let sql = format!("SELECT {COLUMNS} FROM entities WHERE added_id IN ({})", marks(added_ids.len()));
-    let mut q = sqlx::query(&sql);
-    for a in added_ids {
-        q = q.bind(*a);
-    }
-    q.fetch_all(conn).await.on(shard)?.iter().map(|r| record(shard, r)).collect()
+    select(shard, conn, Lookup::AddedIds(added_ids), false).await
 }
 
 /// Entities among `ids` (all on this shard), tombstones included.
@@ -230,15 +254,7 @@ pub async fn read_entities_any(
     pool: &MySqlPool,
     ids: &[EntityId],
 ) -> Result<Vec<EntityRecord>> {
-    if ids.is_empty() {
-        return Ok(Vec::new());
-    }
-    let sql = format!("SELECT {COLUMNS} FROM entities WHERE id IN ({})", marks(ids.len()));
-    let mut q = sqlx::query(&sql);
-    for id in ids {
-        q = q.bind(&id.0[..]);
-    }
-    q.fetch_all(pool).await.on(shard)?.iter().map(|r| record(shard, r)).collect()
+    select(shard, pool, Lookup::Ids(ids), false).await
 }
 
 /// A position in the `(updated, added_id)` order of a shard's entities:
