@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use storage::index_rows::{self, IndexRow};
-use storage::{catalog, entities, locks, migrate, EntityRecord, StoreError, META_SHARD};
+use storage::{catalog, entities, locks, migrate, topology, EntityRecord, OnShard, StoreError, META_SHARD};
 use tokio::sync::{Mutex, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -31,7 +31,8 @@ const SAVE_EVERY: Duration = Duration::from_secs(1);
 /// Persisted in `bagstore_indexes.backfill_cursor` as JSON.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Cursor {
-    /// Per shard: scan entities with `added_id` below this.
+    /// By physical id: scan entities with `added_id` below this (a cursor
+    /// saved by an older cluster is shorter: shards past its end are done).
     below: Vec<u64>,
     done: Vec<bool>,
 }
@@ -77,7 +78,7 @@ impl Cleaner {
     ) -> Result<Progress, CleanerError> {
         let table = spec.table.clone();
         let shards = self.shards();
-        let n = shards.count();
+        let n = shards.slots_len();
         let meta = self
             .index_metas()
             .await?
@@ -106,15 +107,23 @@ impl Cleaner {
         }
         let (cursor, rows_done, rows_total) = match catalog::backfill_cursor(shards, &table).await? {
             Some(text) => {
-                let c: Cursor = serde_json::from_str(&text)
+                let mut c: Cursor = serde_json::from_str(&text)
                     .map_err(|source| CleanerError::BadCursor { table: table.clone(), source })?;
+                c.below.resize(n.max(c.below.len()), 0);
+                c.done.resize(n.max(c.done.len()), true);
                 (c, meta.rows_done, meta.rows_total)
             }
             None => {
-                let bounds = shards.try_each(entities::entity_bounds).await?;
-                let below = bounds.iter().map(|b| b.max_added_id + 1).collect();
-                let total = bounds.iter().map(|b| b.count).sum();
-                let c = Cursor { below, done: vec![false; n] };
+                // Indexed by physical id; a shard not live is done.
+                let bounds = shards
+                    .try_each(|shard, pool| async move { Ok((shard, entities::entity_bounds(shard, pool).await?)) })
+                    .await?;
+                let mut c = Cursor { below: vec![0; n], done: vec![true; n] };
+                for (shard, b) in &bounds {
+                    c.below[*shard] = b.max_added_id + 1;
+                    c.done[*shard] = false;
+                }
+                let total = bounds.iter().map(|(_, b)| b.count).sum();
                 let text = serde_json::to_string(&c).expect("cursor serializes");
                 catalog::set_backfill_progress(shards, &table, Some(&text), 0, total).await?;
                 (c, 0, total)
@@ -136,7 +145,7 @@ impl Cleaner {
             scanned_this_run: s.scanned_this_run,
             elapsed: start.elapsed(),
         };
-        let jobs = (0..n).map(|shard| {
+        let jobs = shards.ids().into_iter().filter(|s| *s < n).map(|shard| {
             let shared = shared.clone();
             let gate = &gate;
             let spec = &meta.spec;
@@ -154,13 +163,16 @@ impl Cleaner {
                     if shutdown.is_cancelled() {
                         return Err(CleanerError::Interrupted(table.to_string()));
                     }
-                    let batch = entities::scan_entities_by_added_id(
+                    let scanned = entities::scan_entities_by_added_id(
                         shard,
                         shards.pool(shard),
                         Some(below),
                         self.settings().cleaner.backfill_batch,
                     )
                     .await?;
+                    // A moved-away copy's rows are not this shard's to index.
+                    let batch: Vec<EntityRecord> =
+                        scanned.iter().filter(|e| shards.of_logical(e.logical) == shard).cloned().collect();
                     // Live indexer writes can deadlock with ours; InnoDB rolled
                     // the statement back, so run it again (upserts are idempotent).
                     let mut attempt = 0u32;
@@ -175,19 +187,19 @@ impl Cleaner {
                         }
                     }
                     let mut s = shared.lock().await;
-                    match batch.last() {
+                    match scanned.last() {
                         Some(last) => s.cursor.below[shard] = last.added_id,
                         None => s.cursor.done[shard] = true,
                     }
-                    s.rows_done += batch.len() as u64;
-                    s.scanned_this_run += batch.len() as u64;
+                    s.rows_done += scanned.len() as u64;
+                    s.scanned_this_run += scanned.len() as u64;
                     if s.saved_at.elapsed() >= SAVE_EVERY {
                         save(&s).await?;
                         s.saved_at = Instant::now();
                     }
                     let p = progress_now(&s);
                     drop(s);
-                    self.metrics().backfill_rows.with_label_values(&[table]).inc_by(batch.len() as u64);
+                    self.metrics().backfill_rows.with_label_values(&[table]).inc_by(scanned.len() as u64);
                     self.metrics().backfill_progress.with_label_values(&[table]).set(p.ratio());
                     report(p);
                     self.throttle(p.scanned_this_run, start).await;
@@ -227,17 +239,19 @@ impl Cleaner {
 
     /// Upserts the rows of a batch of entities, grouped by target shard.
     async fn write_rows(&self, spec: &IndexSpec, batch: &[EntityRecord]) -> Result<(), StoreError> {
-        let n = self.shards().count();
+        let n = self.shards().slots_len();
+        let l = self.shards().logical_shards();
         let mut per_shard: Vec<Vec<IndexRow>> = vec![Vec::new(); n];
         for e in batch {
             let Some(body) = e.body.as_deref() else { continue };
             match codec::decode_body(body) {
                 Ok(bag) => {
                     for key in spec.keys(&bag) {
-                        let shard = spec.shard_of_key(&key, n);
-                        per_shard[shard].push(IndexRow {
+                        let logical = spec.logical_of_key(&key, l);
+                        per_shard[self.shards().of_logical(logical)].push(IndexRow {
                             key,
                             entity: e.id,
+                            logical,
                             version: e.version,
                             entity_added_id: Some(e.added_id),
                         });
@@ -249,8 +263,10 @@ impl Cleaner {
         let done = self
             .shards()
             .each_with(&per_shard, |shard, pool, rows| async move {
-                let mut conn = pool.acquire().await.map_err(|source| StoreError::Shard { shard, source })?;
-                index_rows::upsert_index_rows(shard, &mut conn, spec, rows).await
+                let logicals: Vec<u16> = rows.iter().map(|r| r.logical).collect();
+                let mut tx = topology::begin_owned(shard, pool, &logicals).await?;
+                index_rows::upsert_index_rows(shard, &mut tx, spec, rows).await?;
+                tx.commit().await.on(shard)
             })
             .await;
         done.into_iter().try_for_each(|(_, r)| r)

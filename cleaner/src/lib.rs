@@ -144,6 +144,13 @@ impl Cleaner {
         let mut state = SweepState::default();
         while !shutdown.is_cancelled() {
             if let Err(e) = self.cycle(&mut state, tracker, &shutdown).await {
+                if matches!(&e, CleanerError::Store(s) if s.is_stale_map()) {
+                    // A move changed the map: reload and sweep again at once.
+                    if let Err(e) = self.shards().reload().await {
+                        tracing::warn!(error = %e, "cannot reload the shard map");
+                    }
+                    continue;
+                }
                 tracing::warn!(error = %e, source = ?std::error::Error::source(&e).map(|s| s.to_string()),
                     "cleaner cycle failed; retrying");
                 tokio::select! {
@@ -192,9 +199,16 @@ impl Cleaner {
                 self.inner.metrics.drift_fixed.with_label_values(&[&spec.table, kind]);
             }
         }
-        let n = self.shards().count();
+        // Per physical id; ids not live count as done.
+        let live = self.shards().ids();
+        let n = self.shards().slots_len();
+        let fresh = |live: &[usize]| SweepState {
+            deep: vec![None; n],
+            deep_done: (0..n).map(|s| !live.contains(&s)).collect(),
+            ..Default::default()
+        };
         if st.deep.len() != n {
-            *st = SweepState { deep: vec![None; n], deep_done: vec![false; n], ..Default::default() };
+            *st = fresh(&live);
         }
         let started = *st.started.get_or_insert_with(Instant::now);
         if specs.is_empty() {
@@ -203,7 +217,11 @@ impl Cleaner {
         let batch = self.settings().cleaner.batch;
         let now_us = schemas::clock::now_micros();
         let window_us = self.settings().cleaner.recent_window_secs as i64 * 1_000_000;
-        for shard in 0..n {
+        // A moved-away copy's rows are not this shard's to judge.
+        let owned = |shard: usize, rows: Vec<EntityRecord>| -> Vec<EntityRecord> {
+            rows.into_iter().filter(|e| self.shards().of_logical(e.logical) == shard).collect()
+        };
+        for &shard in &live {
             // Fresh drift first: everything updated within the window.
             let recent = entities::scan_entities_by_updated(
                 shard,
@@ -213,7 +231,7 @@ impl Cleaner {
                 batch,
             )
             .await?;
-            self.reconcile_scanned(&specs, &settled, recent).await?;
+            self.reconcile_scanned(&specs, &settled, owned(shard, recent)).await?;
             // One step of the deep pass.
             if !st.deep_done[shard] {
                 let rows = entities::scan_entities_by_updated(
@@ -226,7 +244,7 @@ impl Cleaner {
                 .await?;
                 st.deep[shard] = rows.last().map(UpdatedCursor::after);
                 st.deep_done[shard] = rows.len() < batch;
-                self.reconcile_scanned(&specs, &settled, rows).await?;
+                self.reconcile_scanned(&specs, &settled, owned(shard, rows)).await?;
             }
             // One step of each index table's pass.
             for spec in &specs {
@@ -253,11 +271,11 @@ impl Cleaner {
             }
         }
         let all_index_done =
-            specs.iter().all(|s| (0..n).all(|sh| st.index_done.contains(&(s.table.clone(), sh))));
+            specs.iter().all(|s| live.iter().all(|sh| st.index_done.contains(&(s.table.clone(), *sh))));
         if st.deep_done.iter().all(|d| *d) && all_index_done {
             self.inner.metrics.sweeps.inc();
             self.inner.metrics.sweep_seconds.set(started.elapsed().as_secs_f64());
-            *st = SweepState { deep: vec![None; n], deep_done: vec![false; n], ..Default::default() };
+            *st = fresh(&live);
         }
         Ok(())
     }
@@ -279,14 +297,26 @@ impl Cleaner {
         Ok(())
     }
 
-    /// Entities among `ids` on whatever shards they live, tombstones included.
+    /// Entities among `ids` on whatever shards own them, tombstones
+    /// included; a shard whose epoch moved since the map was loaded is a
+    /// stale map ([`StoreError::StaleMap`]: the cycle reloads and runs again).
     pub async fn read_any(&self, ids: &[EntityId]) -> Result<Vec<EntityRecord>, StoreError> {
         let per_shard = self.shards().by_shard(ids);
-        let found = self
-            .shards()
-            .try_each(|shard, pool| entities::read_entities_any(shard, pool, &per_shard[shard]))
-            .await?;
-        Ok(found.into_iter().flatten().collect())
+        let shards = self.shards();
+        let found = shards
+            .each_with(&per_shard, |shard, pool, ids| async move {
+                let f = entities::read_entities_any(shard, pool, ids).await?;
+                if f.shard_epoch.is_some_and(|e| e != shards.epoch_of(shard)) {
+                    return Err(StoreError::StaleMap { shard });
+                }
+                Ok(f.records)
+            })
+            .await;
+        let mut out = Vec::new();
+        for (_, r) in found {
+            out.extend(r?);
+        }
+        Ok(out)
     }
 
     fn start_backfill(&self, spec: IndexSpec, tracker: &TaskTracker, shutdown: CancellationToken) {

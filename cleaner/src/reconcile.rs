@@ -5,7 +5,7 @@ use schemas::codec;
 use schemas::{EntityId, IndexKey, IndexSpec};
 use std::collections::HashMap;
 use storage::index_rows::{self, IndexRow, IndexRowLocation};
-use storage::{EntityRecord, StoreError};
+use storage::{topology, EntityRecord, OnShard};
 
 use crate::{Cleaner, CleanerError};
 
@@ -48,19 +48,28 @@ pub async fn reconcile(
         return Ok(());
     }
     let shards = cleaner.shards();
-    let n = shards.count();
+    let n = shards.slots_len();
+    let l = shards.logical_shards();
+    // Where a key's row belongs: the owner of its logical shard.
+    let home = |key: &IndexKey| shards.of_logical(spec.logical_of_key(key, l));
     let by_id: HashMap<EntityId, &EntityRecord> = found.iter().map(|e| (e.id, e)).collect();
     let expected: HashMap<EntityId, (u64, Vec<IndexKey>)> =
         ids.iter().map(|id| (*id, expected_keys(spec, by_id.get(id).copied()))).collect();
 
     // The rows these entities have, on every shard.
     let unique: Vec<EntityId> = expected.keys().copied().collect();
-    let per_shard =
-        shards.try_each(|shard, pool| index_rows::index_rows_of(shard, pool, spec, &unique)).await?;
+    let unique = &unique;
+    let per_shard = shards
+        .try_each(|shard, pool| async move {
+            Ok((shard, index_rows::index_rows_of(shard, pool, spec, unique).await?))
+        })
+        .await?;
+    // Rows on a shard that does not own their logical shard are a moved-away
+    // copy waiting for removal, not drift: left alone.
     let actual: Vec<(usize, IndexRow)> = per_shard
         .into_iter()
-        .enumerate()
         .flat_map(|(shard, rows)| rows.into_iter().map(move |r| (shard, r)))
+        .filter(|(shard, r)| shards.of_logical(r.logical) == *shard)
         .collect();
 
     // Missing: a key the entity produces without its row. Mislocated: a
@@ -73,12 +82,13 @@ pub async fn reconcile(
     for (id, (version, keys)) in &expected {
         let at = by_id.get(id).map(|e| e.added_id);
         for key in keys {
-            let shard = spec.shard_of_key(key, n);
+            let shard = home(key);
             match actual.iter().find(|(s, r)| *s == shard && r.entity == *id && &r.key == key) {
                 None => {
                     missing[shard].push(IndexRow {
                         key: key.clone(),
                         entity: *id,
+                        logical: spec.logical_of_key(key, l),
                         version: *version,
                         entity_added_id: at,
                     });
@@ -103,7 +113,7 @@ pub async fn reconcile(
         .into_iter()
         .filter(|(shard, r)| {
             let produced = expected.get(&r.entity).is_some_and(|(_, keys)| keys.contains(&r.key));
-            !produced || spec.shard_of_key(&r.key, n) != *shard
+            !produced || home(&r.key) != *shard
         })
         .collect();
 
@@ -112,9 +122,10 @@ pub async fn reconcile(
     if missing_count > 0 {
         m.drift_found.with_label_values(&[table, "missing"]).inc_by(missing_count);
         for (shard, rows) in missing.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
-            let mut conn =
-                shards.pool(shard).acquire().await.map_err(|source| StoreError::Shard { shard, source })?;
-            index_rows::upsert_index_rows(shard, &mut conn, spec, rows).await?;
+            let logicals: Vec<u16> = rows.iter().map(|r| r.logical).collect();
+            let mut tx = topology::begin_owned(shard, shards.pool(shard), &logicals).await?;
+            index_rows::upsert_index_rows(shard, &mut tx, spec, rows).await?;
+            tx.commit().await.on(shard)?;
         }
         m.drift_fixed.with_label_values(&[table, "missing"]).inc_by(missing_count);
         tracing::info!(index = table, rows = missing_count, "wrote missing index rows");
@@ -124,9 +135,10 @@ pub async fn reconcile(
         m.drift_found.with_label_values(&[table, "location"]).inc_by(mislocated_count);
         let mut fixed = 0;
         for (shard, rows) in mislocated.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
-            let mut conn =
-                shards.pool(shard).acquire().await.map_err(|source| StoreError::Shard { shard, source })?;
-            fixed += index_rows::set_index_row_locations(shard, &mut conn, spec, rows).await?;
+            let logicals: Vec<u16> = rows.iter().map(|r| spec.logical_of_key(&r.key, l)).collect();
+            let mut tx = topology::begin_owned(shard, shards.pool(shard), &logicals).await?;
+            fixed += index_rows::set_index_row_locations(shard, &mut tx, spec, rows).await?;
+            tx.commit().await.on(shard)?;
         }
         m.drift_fixed.with_label_values(&[table, "location"]).inc_by(fixed);
         tracing::info!(index = table, rows = fixed, "wrote entity locations into index rows");
@@ -145,16 +157,15 @@ pub async fn reconcile(
             continue; // Changed since the scan and not yet indexed: the indexer's turn.
         }
         let (version, keys) = expected_keys(spec, now.get(&row.entity).copied());
-        if keys.contains(&row.key) && spec.shard_of_key(&row.key, n) == shard {
+        if keys.contains(&row.key) && home(&row.key) == shard {
             continue; // Valid again: the entity changed under us.
         }
         // Only rows no newer than what we judged: a row rewritten by a newer
         // event (higher version) is the indexer's, and stays.
         let upto = version.max(row.version);
-        let mut conn =
-            shards.pool(shard).acquire().await.map_err(|source| StoreError::Shard { shard, source })?;
-        fixed +=
-            index_rows::delete_index_row_upto(shard, &mut conn, spec, &row.key, &row.entity, upto).await?;
+        let mut tx = topology::begin_owned(shard, shards.pool(shard), &[row.logical]).await?;
+        fixed += index_rows::delete_index_row_upto(shard, &mut tx, spec, &row.key, &row.entity, upto).await?;
+        tx.commit().await.on(shard)?;
     }
     m.drift_fixed.with_label_values(&[table, "dangling"]).inc_by(fixed);
     if fixed > 0 {
@@ -185,10 +196,9 @@ async fn undo_overtaken(
             if current == row.version || keys.contains(&row.key) {
                 continue;
             }
-            let mut conn =
-                shards.pool(shard).acquire().await.map_err(|source| StoreError::Shard { shard, source })?;
-            index_rows::delete_index_row_upto(shard, &mut conn, spec, &row.key, &row.entity, row.version)
-                .await?;
+            let mut tx = topology::begin_owned(shard, shards.pool(shard), &[row.logical]).await?;
+            index_rows::delete_index_row_upto(shard, &mut tx, spec, &row.key, &row.entity, row.version).await?;
+            tx.commit().await.on(shard)?;
             tracing::debug!(index = %spec.table, entity = %row.entity, "undid a repair overtaken by a newer write");
         }
     }

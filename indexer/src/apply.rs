@@ -13,7 +13,7 @@
 use schemas::IndexSpec;
 use std::collections::HashMap;
 use storage::index_rows::{self, IndexRow, IndexRowDelete};
-use storage::{Shards, StoreError};
+use storage::{topology, Shards, StoreError};
 
 use crate::plan::{RowOp, RowOpKind};
 
@@ -31,9 +31,10 @@ fn order_key(op: &RowOp) -> RowOrder {
     (bytes, op.entity.0)
 }
 
-/// Per shard: one operation per row (the newest version wins; on equal
-/// versions the later one), in lock order.
-pub fn collapse(ops: &[RowOp], shards: usize) -> Vec<Vec<&RowOp>> {
+/// Per physical shard (by `owner_of`, a logical shard's owner, for
+/// `slots` physical ids): one operation per row (the newest version wins;
+/// on equal versions the later one), in lock order.
+pub fn collapse(ops: &[RowOp], slots: usize, owner_of: impl Fn(u16) -> usize) -> Vec<Vec<&RowOp>> {
     let mut newest: HashMap<RowOrder, &RowOp> = HashMap::new();
     for op in ops {
         let slot = newest.entry(order_key(op)).or_insert(op);
@@ -41,9 +42,9 @@ pub fn collapse(ops: &[RowOp], shards: usize) -> Vec<Vec<&RowOp>> {
             *slot = op;
         }
     }
-    let mut per_shard: Vec<Vec<(RowOrder, &RowOp)>> = vec![Vec::new(); shards];
+    let mut per_shard: Vec<Vec<(RowOrder, &RowOp)>> = vec![Vec::new(); slots];
     for (k, op) in newest {
-        per_shard[op.shard].push((k, op));
+        per_shard[owner_of(op.logical)].push((k, op));
     }
     per_shard
         .into_iter()
@@ -54,8 +55,12 @@ pub fn collapse(ops: &[RowOp], shards: usize) -> Vec<Vec<&RowOp>> {
         .collect()
 }
 
+/// Applies `ops`, one transaction per physical shard, each proving its
+/// shard owns the logical shards it writes; a [`StoreError::NotOwner`]
+/// means the map was stale (the caller reloads it and runs the batch again,
+/// harmlessly).
 pub async fn apply(shards: &Shards, spec: &IndexSpec, ops: &[RowOp]) -> Result<(), StoreError> {
-    let per_shard = collapse(ops, shards.count());
+    let per_shard = collapse(ops, shards.slots_len(), |k| shards.of_logical(k));
     let done = shards
         .each_with(&per_shard, |shard, pool, ops| async move {
             let of = |kind: RowOpKind| ops.iter().filter(move |o| o.kind == kind);
@@ -66,11 +71,14 @@ pub async fn apply(shards: &Shards, spec: &IndexSpec, ops: &[RowOp]) -> Result<(
                 .map(|o| IndexRow {
                     key: o.key.clone(),
                     entity: o.entity,
+                    logical: o.logical,
                     version: o.version,
                     entity_added_id: o.entity_added_id,
                 })
                 .collect();
             let mut tx = pool.begin().await.map_err(|source| StoreError::Shard { shard, source })?;
+            let logicals: Vec<u16> = ops.iter().map(|o| o.logical).collect();
+            topology::check_owned(shard, &mut tx, &logicals).await?;
             if !deletes.is_empty() {
                 index_rows::delete_index_rows_before(shard, &mut tx, spec, &deletes).await?;
             }
@@ -91,7 +99,7 @@ mod tests {
     fn op(kind: RowOpKind, tag: &str, entity: u8, version: u64) -> RowOp {
         RowOp {
             kind,
-            shard: 0,
+            logical: 0,
             key: vec![KeyValue::Str(tag.into())],
             entity: EntityId([entity; 16]),
             version,
@@ -111,7 +119,7 @@ mod tests {
             op(RowOpKind::DeleteOlder, "c", 1, 6),
             op(RowOpKind::Upsert, "c", 1, 5),
         ];
-        let out = collapse(&ops, 1);
+        let out = collapse(&ops, 1, |_| 0);
         let got: Vec<(RowOpKind, String, u8, u64)> = out[0]
             .iter()
             .map(|o| match &o.key[0] {

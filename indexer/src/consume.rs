@@ -185,7 +185,7 @@ impl IndexConsumer {
         for m in batch {
             match decode(m) {
                 Ok(event) => {
-                    ops.extend(plan(&self.spec, &event, self.shards.count()));
+                    ops.extend(plan(&self.spec, &event, self.shards.logical_shards()));
                     newest_commit = newest_commit.max(Some(event.committed_at_us));
                     commits.push(event.committed_at_us);
                     applied += 1;
@@ -204,6 +204,15 @@ impl IndexConsumer {
                         .with_label_values(&[table])
                         .observe(start.elapsed().as_secs_f64());
                     break;
+                }
+                Err(e) if e.is_stale_map() => {
+                    // A move took a logical shard away (or is cutting it
+                    // over): reload the map and apply again, at once.
+                    tracing::debug!(index = %table, error = %e, "stale shard map; reloading");
+                    if let Err(e) = self.shards.reload().await {
+                        tracing::warn!(error = %e, "cannot reload the shard map");
+                    }
+                    backoff = Duration::from_millis(5);
                 }
                 Err(e) => {
                     self.metrics.failed.with_label_values(&[table]).inc();

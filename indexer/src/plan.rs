@@ -18,7 +18,9 @@ pub enum RowOpKind {
 #[derive(Debug, Clone, PartialEq)]
 pub struct RowOp {
     pub kind: RowOpKind,
-    pub shard: usize,
+    /// The row's logical shard; its physical shard is the map's business
+    /// at apply time (see [`crate::apply`]).
+    pub logical: u16,
     pub key: IndexKey,
     pub entity: EntityId,
     pub version: u64,
@@ -26,13 +28,14 @@ pub struct RowOp {
     pub entity_added_id: Option<u64>,
 }
 
-/// The row operations one event causes in one index, with their shards.
-pub fn plan(spec: &IndexSpec, event: &ChangeEvent, shards: usize) -> Vec<RowOp> {
+/// The row operations one event causes in one index, with their logical
+/// shards (of `logical_shards`).
+pub fn plan(spec: &IndexSpec, event: &ChangeEvent, logical_shards: u16) -> Vec<RowOp> {
     let before = event.before.as_ref().map(|b| spec.keys(b)).unwrap_or_default();
     let after = event.after.as_ref().map(|b| spec.keys(b)).unwrap_or_default();
     let op = |kind, key: &IndexKey| RowOp {
         kind,
-        shard: spec.shard_of_key(key, shards),
+        logical: spec.logical_of_key(key, logical_shards),
         key: key.clone(),
         entity: event.id,
         version: event.version,
@@ -108,9 +111,9 @@ mod tests {
     }
 
     #[test]
-    fn rows_go_to_the_shard_of_their_shard_on_value() {
-        let ops = plan(&spec(), &event(None, Some(json!({"tag": ["a", "bagstore"]}))), 16);
-        assert_eq!(ops[0].shard, schemas::shard_of(b"a", 16));
-        assert_eq!(ops[1].shard, schemas::shard_of(b"bagstore", 16));
+    fn rows_go_to_the_logical_shard_of_their_shard_on_value() {
+        let ops = plan(&spec(), &event(None, Some(json!({"tag": ["a", "bagstore"]}))), 4096);
+        assert_eq!(ops[0].logical, schemas::logical_of(b"a", 4096));
+        assert_eq!(ops[1].logical, schemas::logical_of(b"bagstore", 4096));
     }
 }

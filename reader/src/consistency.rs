@@ -26,11 +26,11 @@ impl Reader {
         let shards = self.shards();
         let shard = shards.of_id(id);
         let found = entities::read_entities_any(shard, shards.pool(shard), std::slice::from_ref(id)).await?;
-        let Some(e) = found.first() else { return Ok(true) };
+        let Some(e) = found.records.first() else { return Ok(true) };
         let Some(body) = e.body.as_deref() else { return Ok(true) };
         let Ok(bag) = schemas::codec::decode_body(body) else { return Ok(true) };
         for key in spec.keys(&bag) {
-            let s = spec.shard_of_key(&key, shards.count());
+            let s = shards.of_logical(spec.logical_of_key(&key, shards.logical_shards()));
             match index_rows::index_row_version(s, shards.pool(s), spec, &key, id).await? {
                 Some(v) if v >= version => {}
                 _ => return Ok(false),

@@ -25,7 +25,7 @@ use schemas::{Bag, EntityId};
 use std::collections::{HashSet, VecDeque};
 use storage::entities::{self, EntityRecord};
 use storage::index_scan::{self, IndexScan, Local, ScannedRow};
-use storage::StoreError;
+use storage::{topology, StoreError};
 
 use crate::{ReadError, Reader};
 
@@ -87,14 +87,50 @@ struct Stream {
 
 impl Reader {
     pub async fn get(&self, id: &EntityId) -> Result<Option<Entity>, ReadError> {
-        let shard = self.shards().of_id(id);
-        Ok(self.fetch_on(shard, &[(*id, None)]).await?.pop())
+        self.fresh(|| async {
+            let shard = self.shards().of_id(id);
+            Ok(self.fetch_on(shard, &[(*id, None)]).await?.pop())
+        })
+        .await
+    }
+
+    /// Runs a read again after it found its map stale (a shard's epoch moved:
+    /// a move's cutover completed since the map was loaded), with the map
+    /// reloaded, for as long as a query may take.
+    pub(crate) async fn fresh<T, F, Fut>(&self, read: F) -> Result<T, ReadError>
+    where
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = Result<T, ReadError>>,
+    {
+        let until = tokio::time::Instant::now()
+            + std::time::Duration::from_millis(self.settings().reader.query_timeout_ms);
+        let mut pause = std::time::Duration::from_millis(5);
+        loop {
+            match read().await {
+                Err(ReadError::Store(e)) if e.is_stale_map() && tokio::time::Instant::now() < until => {
+                    self.inner.metrics.stale_map_retries.inc();
+                    self.shards().reload().await?;
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(std::time::Duration::from_millis(200));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Whether `shard`'s epoch, as a read saw it, is the one the map gives
+    /// it; a mismatch is [`StoreError::StaleMap`].
+    fn check_epoch(&self, shard: usize, seen: Option<u64>) -> Result<(), ReadError> {
+        match seen {
+            Some(e) if e != self.shards().epoch_of(shard) => Err(StoreError::StaleMap { shard }.into()),
+            _ => Ok(()),
+        }
     }
 
     /// Live entities among `ids`, in the order asked, absent ones and
     /// repeats left out. Shards in parallel, each id fetched once.
     pub async fn get_many(&self, ids: &[EntityId]) -> Result<Vec<Entity>, ReadError> {
-        let found = self.fetch_located(ids.iter().map(|id| (*id, None))).await?;
+        let found = self.fresh(|| self.fetch_located(ids.iter().map(|id| (*id, None)))).await?;
         let mut found: std::collections::HashMap<EntityId, Entity> =
             found.into_iter().map(|e| (e.id, e)).collect();
         Ok(ids.iter().filter_map(|id| found.remove(id)).collect())
@@ -106,13 +142,14 @@ impl Reader {
         &self,
         ids: impl Iterator<Item = (EntityId, Option<u64>)>,
     ) -> Result<Vec<Entity>, ReadError> {
-        let mut per_shard: Vec<Vec<(EntityId, Option<u64>)>> = vec![Vec::new(); self.shards().count()];
+        let mut per_shard: Vec<Vec<(EntityId, Option<u64>)>> = vec![Vec::new(); self.shards().slots_len()];
         let mut asked = HashSet::new();
         for (id, at) in ids.filter(|(id, _)| asked.insert(*id)) {
             per_shard[self.shards().of_id(&id)].push((id, at));
         }
         let mut out = Vec::new();
-        for found in self.shards().each(|shard, _| self.fetch_on(shard, &per_shard[shard])).await {
+        let per_shard = &per_shard;
+        for (_, found) in self.shards().each_with(per_shard, |shard, _, ids| self.fetch_on(shard, ids)).await {
             out.extend(found?);
         }
         Ok(out)
@@ -138,9 +175,16 @@ impl Reader {
             }
         }
         fetches.with_label_values(&["id"]).inc_by(by_id.len() as u64);
+        // Whether some statement brought the shard's epoch along (it comes
+        // with any row); if none did, one more statement asks.
+        let mut vouched = false;
         if !at.is_empty() {
             let added: Vec<u64> = at.iter().map(|(_, a)| *a).collect();
-            let rows = read_on!(self.shards().conns(shard), c => entities::get_entities_at(shard, c, &added));
+            let fetched =
+                read_on!(self.shards().conns(shard), c => entities::get_entities_at(shard, c, &added));
+            self.check_epoch(shard, fetched.shard_epoch)?;
+            vouched |= fetched.shard_epoch.is_some();
+            let rows = fetched.records;
             // Keyed by the id each row really holds: a row that is not the
             // asked id's leaves that id unresolved.
             let mut got: std::collections::HashMap<EntityId, EntityRecord> =
@@ -161,11 +205,17 @@ impl Reader {
             fetches.with_label_values(&["stale"]).inc_by(stale as u64);
         }
         if !by_id.is_empty() {
-            let rows = read_on!(self.shards().conns(shard), c => entities::get_entities(shard, c, &by_id));
-            locations.learn(rows.iter().map(|s| (s.id, s.added_id)));
-            for s in rows {
+            let fetched = read_on!(self.shards().conns(shard), c => entities::get_entities(shard, c, &by_id));
+            self.check_epoch(shard, fetched.shard_epoch)?;
+            vouched |= fetched.shard_epoch.is_some();
+            locations.learn(fetched.records.iter().map(|s| (s.id, s.added_id)));
+            for s in fetched.records {
                 out.extend(decode(shard, s)?);
             }
+        }
+        if !vouched && !ids.is_empty() {
+            let epoch = read_on!(self.shards().conns(shard), c => topology::shard_epoch(shard, c));
+            self.check_epoch(shard, Some(epoch))?;
         }
         Ok(out)
     }
@@ -180,7 +230,7 @@ impl Reader {
             }
             None => None,
         };
-        self.scan(plan, q, start).await
+        self.fresh(|| self.scan(plan, q, start.clone())).await
     }
 
     async fn scan(
@@ -190,7 +240,7 @@ impl Reader {
         start: Option<(IndexKey, EntityId)>,
     ) -> Result<Outcome, ReadError> {
         let table = plan.spec.table.as_str();
-        let n = self.shards().count();
+        let l = self.shards().logical_shards();
         let k = plan.prefix_len;
         let mut out = Outcome::default();
         let mut seen: HashSet<EntityId> = HashSet::new();
@@ -215,9 +265,9 @@ impl Reader {
             };
             let shards: Vec<usize> = if plan.shard_fixed {
                 let pos = plan.spec.shard_on_position();
-                vec![schemas::shard_of(&prefix[pos].canonical_bytes(), n)]
+                vec![self.shards().of_logical(schemas::logical_of(&prefix[pos].canonical_bytes(), l))]
             } else {
-                (0..n).collect()
+                self.shards().ids()
             };
             touched.extend(shards.iter().copied());
             let mut streams: Vec<Stream> = shards
@@ -243,11 +293,24 @@ impl Reader {
                             self.shards().conns(s.shard),
                             c => index_scan::scan_index(s.shard, c, &plan.spec, &scan)
                         );
+                        // The shard's epoch came with the rows; with no row,
+                        // one more statement asks (a stale map must not
+                        // read as "nothing here").
+                        let epoch = match rows.first() {
+                            Some(r) => r.shard_epoch,
+                            None => read_on!(self.shards().conns(s.shard), c => topology::shard_epoch(s.shard, c)),
+                        };
+                        if epoch != self.shards().epoch_of(s.shard) {
+                            return Err(StoreError::StaleMap { shard: s.shard });
+                        }
                         s.done = rows.len() < want;
                         if let Some(last) = rows.last() {
                             s.after = Some((last.key[k..].to_vec(), last.entity));
                         }
-                        s.buf.extend(rows);
+                        // Rows of logical shards this shard does not own are
+                        // a moved-away copy not yet removed: never answers.
+                        let shard = s.shard;
+                        s.buf.extend(rows.into_iter().filter(|r| self.shards().of_logical(r.logical) == shard));
                         Ok::<_, StoreError>(())
                     });
                 for r in futures::future::join_all(refills).await {

@@ -13,11 +13,17 @@ pub struct Metrics {
     /// Entities fetched, `by`: `location` (a remembered row key), `id`
     /// (none remembered) or `stale` (the remembered row was not theirs).
     pub fetches: IntCounterVec,
+    /// Reads run again after a shard's epoch showed the map was stale.
+    pub stale_map_retries: prometheus::IntCounter,
 }
 
 impl Metrics {
     pub fn register(r: &Registry) -> prometheus::Result<Metrics> {
         let m = Metrics {
+            stale_map_retries: prometheus::IntCounter::new(
+                "bagstore_reader_stale_map_retries_total",
+                "Reads run again after a shard's epoch showed the shard map was stale",
+            )?,
             index_rows: IntCounterVec::new(
                 Opts::new("bagstore_reader_index_rows_read_total", "Candidate rows read from index tables"),
                 &["index"],
@@ -41,6 +47,7 @@ impl Metrics {
                 &["by"],
             )?,
         };
+        r.register(Box::new(m.stale_map_retries.clone()))?;
         r.register(Box::new(m.index_rows.clone()))?;
         r.register(Box::new(m.dropped.clone()))?;
         r.register(Box::new(m.shard_reads.clone()))?;

@@ -118,7 +118,7 @@ impl KeyValue {
         KeyValue::Float(if f == 0.0 { 0.0 } else { f })
     }
 
-    /// The bytes `shard_of` hashes when this value is an index's `shard_on`.
+    /// The bytes `logical_of` hashes when this value is an index's `shard_on`.
     /// A uuid hashes exactly like an entity id, so an index on `user_id`
     /// keeps a user's rows on the same shard as the user entity.
     pub fn canonical_bytes(&self) -> Vec<u8> {
@@ -254,9 +254,9 @@ impl IndexSpec {
         keys
     }
 
-    /// The shard (of `shards`) holding rows with this key.
-    pub fn shard_of_key(&self, key: &IndexKey, shards: usize) -> usize {
-        crate::shard::shard_of(&key[self.shard_on_position()].canonical_bytes(), shards)
+    /// The logical shard (of `logical_shards`) holding rows with this key.
+    pub fn logical_of_key(&self, key: &IndexKey, logical_shards: u16) -> u16 {
+        crate::shard::logical_of(&key[self.shard_on_position()].canonical_bytes(), logical_shards)
     }
 }
 

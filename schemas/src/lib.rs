@@ -16,7 +16,8 @@
 //! - [`filter`]: conditions on property values.
 //! - [`query`]: query documents, planning, the re-filter that enforces
 //!   Invariant R, page tokens.
-//! - [`shard`]: `shard_of`, the one routing function.
+//! - [`shard`]: `logical_of`, the one routing function (key → logical shard).
+//! - [`topology`]: the map of logical shards to physical shards; moves.
 //! - [`names`]: the identifier rule that keeps SQL text safe; reserved names.
 //! - [`settings`]: typed `Settings` from TOML + `BAGSTORE_…` variables.
 //! - [`clock`]: the wall clock in microseconds.
@@ -31,11 +32,12 @@ pub mod names;
 pub mod query;
 pub mod settings;
 pub mod shard;
+pub mod topology;
 pub mod value;
 
 pub use event::{ChangeEvent, Op};
 pub use id::EntityId;
 pub use index::{IndexKey, IndexSpec, KeyValue};
 pub use settings::Settings;
-pub use shard::shard_of;
+pub use shard::logical_of;
 pub use value::{Bag, Value};

@@ -14,14 +14,39 @@ pub mod tables {
     pub const INDEX_CATALOG: &str = "bagstore_indexes";
     /// Per index, the newest commit applied, on the metadata shard.
     pub const INDEX_PROGRESS: &str = "bagstore_index_progress";
+    /// Who a physical shard is, on every shard.
+    pub const SHARD: &str = "bagstore_shard";
+    /// The logical shards a physical shard owns, on every shard.
+    pub const OWNED: &str = "bagstore_owned";
+    /// The cluster's number of logical shards and map epoch (metadata shard).
+    pub const CLUSTER: &str = "bagstore_cluster";
+    /// The physical shards (metadata shard).
+    pub const PHYSICAL: &str = "bagstore_physical";
+    /// Logical → physical (metadata shard).
+    pub const MAP: &str = "bagstore_map";
+    /// Moves in flight (metadata shard).
+    pub const MOVES: &str = "bagstore_moves";
+    /// The processes and the map epoch each routes with (metadata shard).
+    pub const PROCESSES: &str = "bagstore_processes";
 }
 
 /// Tables bagstore owns; an index may not take these names.
-pub const RESERVED_TABLES: &[&str] =
-    &[tables::ENTITIES, tables::OUTBOX, tables::INDEX_CATALOG, tables::INDEX_PROGRESS];
+pub const RESERVED_TABLES: &[&str] = &[
+    tables::ENTITIES,
+    tables::OUTBOX,
+    tables::SHARD,
+    tables::OWNED,
+    tables::INDEX_CATALOG,
+    tables::INDEX_PROGRESS,
+    tables::CLUSTER,
+    tables::PHYSICAL,
+    tables::MAP,
+    tables::MOVES,
+    tables::PROCESSES,
+];
 /// Columns every index table has besides its property columns; a property
 /// may not take these names.
-pub const RESERVED_COLUMNS: &[&str] = &["entity_id", "version", "entity_added_id"];
+pub const RESERVED_COLUMNS: &[&str] = &["entity_id", "version", "entity_added_id", "logical"];
 
 /// `[a-z][a-z0-9_]{0,63}`: at most 64 characters, MySQL's identifier limit.
 pub fn is_valid_identifier(name: &str) -> bool {

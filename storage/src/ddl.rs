@@ -9,17 +9,21 @@ use schemas::names::tables;
 /// unique `id`. A delete keeps the row as a tombstone (`body` NULL) so the
 /// version keeps rising across delete and re-create: that monotonic version
 /// is what makes replayed change events harmless in the index tables.
+/// `logical` (the id's logical shard) leads a key, so a move finds a
+/// logical shard's rows in clustered-key order without a full scan.
 pub fn entities() -> String {
     format!(
         "CREATE TABLE IF NOT EXISTS `{}` (
     added_id BIGINT UNSIGNED NOT NULL AUTO_INCREMENT,
     id BINARY(16) NOT NULL,
+    {LOGICAL_COLUMN},
     version BIGINT UNSIGNED NOT NULL,
     updated TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
     body MEDIUMBLOB NULL,
     PRIMARY KEY (added_id),
     UNIQUE KEY entities_id (id),
-    KEY entities_updated (updated)
+    KEY entities_updated (updated),
+    KEY entities_logical (logical, added_id)
 ) ENGINE=InnoDB",
         tables::ENTITIES
     )
@@ -90,6 +94,8 @@ pub fn column_type(ty: PropType, max_len: u32) -> String {
 /// `entity_added_id` is where the entity's row is on its shard (its
 /// clustered key), so a query reads it with one B-tree descent instead of
 /// two; NULL where unknown (rows written before the column existed).
+/// `logical` is the row's logical shard (of its `shard_on` value), keyed so
+/// a move finds a logical shard's rows.
 pub fn index_table(spec: &IndexSpec) -> String {
     let mut cols = String::new();
     for p in &spec.properties {
@@ -98,8 +104,9 @@ pub fn index_table(spec: &IndexSpec) -> String {
     let key: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
     format!(
         "CREATE TABLE IF NOT EXISTS `{table}` (\n{cols}    entity_id BINARY(16) NOT NULL,\n    \
-         version BIGINT UNSIGNED NOT NULL,\n    {LOCATION_COLUMN},\n    PRIMARY KEY ({key}, entity_id),\n    \
-         KEY `{table}_entity` (entity_id)\n) ENGINE=InnoDB",
+         version BIGINT UNSIGNED NOT NULL,\n    {LOCATION_COLUMN},\n    {LOGICAL_COLUMN},\n    \
+         PRIMARY KEY ({key}, entity_id),\n    KEY `{table}_entity` (entity_id),\n    \
+         KEY `{table}_logical` (logical)\n) ENGINE=InnoDB",
         table = spec.table,
         key = key.join(", "),
     )
@@ -109,9 +116,132 @@ pub fn index_table(spec: &IndexSpec) -> String {
 /// [`crate::migrate::create_index_table`], which adds it to older tables.
 pub const LOCATION_COLUMN: &str = "entity_added_id BIGINT UNSIGNED NULL";
 
+/// The logical-shard column of entities and index rows. Tables made before
+/// it existed get it from [`crate::migrate`] with the placeholder default
+/// [`LOGICAL_UNKNOWN`], and their rows are filled in.
+pub const LOGICAL_COLUMN: &str = "logical SMALLINT UNSIGNED NOT NULL";
+
+/// What a row made before logical shards says until `migrate` fills it in:
+/// no cluster has this many logical shards.
+pub const LOGICAL_UNKNOWN: u16 = u16::MAX;
+
+/// Who a physical shard is: its name, its physical id, and the epoch of the
+/// last move to or from it (one row).
+pub fn shard_identity() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    id TINYINT UNSIGNED NOT NULL,
+    name VARCHAR(64) NOT NULL,
+    physical INT UNSIGNED NOT NULL,
+    epoch BIGINT UNSIGNED NOT NULL,
+    PRIMARY KEY (id)
+) ENGINE=InnoDB",
+        tables::SHARD
+    )
+}
+
+/// The logical shards this physical shard owns: what a write locks shared
+/// and a cutover exclusively.
+pub fn owned() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    logical SMALLINT UNSIGNED NOT NULL,
+    PRIMARY KEY (logical)
+) ENGINE=InnoDB",
+        tables::OWNED
+    )
+}
+
+/// The cluster (metadata shard, one row): its number of logical shards and
+/// the map's epoch.
+pub fn cluster() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    id TINYINT UNSIGNED NOT NULL,
+    logical_shards SMALLINT UNSIGNED NOT NULL,
+    epoch BIGINT UNSIGNED NOT NULL,
+    PRIMARY KEY (id)
+) ENGINE=InnoDB",
+        tables::CLUSTER
+    )
+}
+
+/// The physical shards (metadata shard): stable id and name, the address
+/// (a DSN without its password), the epoch of the last move touching it.
+pub fn physical() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    id INT UNSIGNED NOT NULL,
+    name VARCHAR(64) NOT NULL,
+    address TEXT NOT NULL,
+    epoch BIGINT UNSIGNED NOT NULL,
+    PRIMARY KEY (id),
+    UNIQUE KEY bagstore_physical_name (name)
+) ENGINE=InnoDB",
+        tables::PHYSICAL
+    )
+}
+
+/// The map (metadata shard): logical shard → physical shard.
+pub fn map() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    logical SMALLINT UNSIGNED NOT NULL,
+    physical INT UNSIGNED NOT NULL,
+    PRIMARY KEY (logical)
+) ENGINE=InnoDB",
+        tables::MAP
+    )
+}
+
+/// Moves in flight (metadata shard): what, from where to where, how far.
+pub fn moves() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    id BIGINT UNSIGNED NOT NULL AUTO_INCREMENT,
+    logicals TEXT NOT NULL,
+    source INT UNSIGNED NOT NULL,
+    target INT UNSIGNED NOT NULL,
+    phase VARCHAR(16) NOT NULL,
+    done_logicals TEXT NOT NULL,
+    rows_copied BIGINT UNSIGNED NOT NULL DEFAULT 0,
+    started TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    changed TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    PRIMARY KEY (id)
+) ENGINE=InnoDB",
+        tables::MOVES
+    )
+}
+
+/// The processes of the cluster (metadata shard) and the map epoch each
+/// routes with: a move removes its source's copy only once every live
+/// process is past the cutover.
+pub fn processes() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    id VARCHAR(64) NOT NULL,
+    role VARCHAR(32) NOT NULL,
+    epoch BIGINT UNSIGNED NOT NULL,
+    seen TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    PRIMARY KEY (id)
+) ENGINE=InnoDB",
+        tables::PROCESSES
+    )
+}
+
+/// What every physical shard has.
+pub fn shard_tables() -> [String; 4] {
+    [entities(), outbox(), shard_identity(), owned()]
+}
+
+/// What only the metadata shard has.
+pub fn meta_tables() -> [String; 7] {
+    [index_catalog(), index_progress(), cluster(), physical(), map(), moves(), processes()]
+}
+
 /// Every table storage creates besides index tables.
-pub fn base_tables() -> [String; 4] {
-    [entities(), outbox(), index_catalog(), index_progress()]
+pub fn base_tables() -> Vec<String> {
+    shard_tables().into_iter().chain(meta_tables()).collect()
 }
 
 #[cfg(test)]

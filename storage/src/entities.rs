@@ -18,6 +18,8 @@ use crate::error::{id_column, OnShard, Result};
 #[derive(Debug, Clone, PartialEq)]
 pub struct EntityRecord {
     pub id: EntityId,
+    /// The id's logical shard.
+    pub logical: u16,
     /// The row's clustered key on its shard: fixed for the life of the id.
     pub added_id: u64,
     pub version: u64,
@@ -31,6 +33,8 @@ pub struct EntityRecord {
 #[derive(Debug, Clone, PartialEq)]
 pub struct EntityWrite {
     pub id: EntityId,
+    /// The id's logical shard.
+    pub logical: u16,
     pub version: u64,
     /// Commit time, µs since the Unix epoch.
     pub updated_us: i64,
@@ -48,12 +52,13 @@ pub struct EntityBounds {
 }
 
 /// The columns every read of [`EntityRecord`]s selects, in its order.
-const COLUMNS: &str =
-    "id, added_id, version, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated) AS updated_us, body";
+const COLUMNS: &str = "id, logical, added_id, version, \
+     TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated) AS updated_us, body";
 
 fn record(shard: usize, r: &MySqlRow) -> Result<EntityRecord> {
     Ok(EntityRecord {
         id: id_column(shard, r, "id")?,
+        logical: r.try_get("logical").on(shard)?,
         added_id: r.try_get("added_id").on(shard)?,
         version: r.try_get("version").on(shard)?,
         updated_us: r.try_get("updated_us").on(shard)?,
@@ -151,12 +156,12 @@ pub async fn insert_entities(
 
 /// `INSERT INTO entities` of `n` rows; `overwrite` makes it an upsert.
 fn entities_sql(n: usize, overwrite: bool) -> String {
-    let tuple = "(?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)";
+    let tuple = "(?, ?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)";
     let tail = match overwrite {
         true => " ON DUPLICATE KEY UPDATE version = VALUES(version), updated = VALUES(updated), body = VALUES(body)",
         false => "",
     };
-    format!("INSERT INTO entities (id, version, updated, body) VALUES {}{tail}", vec![tuple; n].join(", "))
+    format!("INSERT INTO entities (id, logical, version, updated, body) VALUES {}{tail}", vec![tuple; n].join(", "))
 }
 
 /// Binds `rows` to an [`entities_sql`] statement.
@@ -165,7 +170,7 @@ fn bind_entities<'q>(
     rows: &'q [EntityWrite],
 ) -> Query<'q, MySql, MySqlArguments> {
     for row in rows {
-        q = q.bind(&row.id.0[..]).bind(row.version).bind(row.updated_us).bind(row.body.as_deref());
+        q = q.bind(&row.id.0[..]).bind(row.logical).bind(row.version).bind(row.updated_us).bind(row.body.as_deref());
     }
     q
 }
@@ -192,6 +197,15 @@ enum Lookup<'a> {
     AddedIds(&'a [u64]),
 }
 
+/// Rows a point read found, and the shard's epoch read with them (`None`
+/// when no row came back: then nothing vouches for the map, and a reader
+/// that must know asks [`crate::topology::shard_epoch`]).
+#[derive(Debug, Clone, Default)]
+pub struct Fetched {
+    pub records: Vec<EntityRecord>,
+    pub shard_epoch: Option<u64>,
+}
+
 /// The rows `lookup` names (all on this shard), tombstones too unless
 /// `live_only`, in no particular order.
 async fn select(
@@ -199,16 +213,20 @@ async fn select(
     conn: impl sqlx::MySqlExecutor<'_>,
     lookup: Lookup<'_>,
     live_only: bool,
-) -> Result<Vec<EntityRecord>> {
+) -> Result<Fetched> {
     let (column, n) = match &lookup {
         Lookup::Ids(ids) => ("id", ids.len()),
         Lookup::AddedIds(at) => ("added_id", at.len()),
     };
     if n == 0 {
-        return Ok(Vec::new());
+        return Ok(Fetched::default());
     }
     let live = if live_only { " AND body IS NOT NULL" } else { "" };
-    let sql = format!("SELECT {COLUMNS} FROM entities WHERE {column} IN ({}){live}", marks(n));
+    let sql = format!(
+        "SELECT {COLUMNS}, {} AS shard_epoch FROM entities WHERE {column} IN ({}){live}",
+        crate::topology::SHARD_EPOCH,
+        marks(n)
+    );
     let mut q = sqlx::query(&sql);
     match lookup {
         Lookup::Ids(ids) => {
@@ -222,7 +240,9 @@ async fn select(
             }
         }
     }
-    q.fetch_all(conn).await.on(shard)?.iter().map(|r| record(shard, r)).collect()
+    let rows = q.fetch_all(conn).await.on(shard)?;
+    let shard_epoch = rows.first().map(|r| r.try_get("shard_epoch").on(shard)).transpose()?;
+    Ok(Fetched { records: rows.iter().map(|r| record(shard, r)).collect::<Result<_>>()?, shard_epoch })
 }
 
 /// Live entities among `ids` (all on this shard), in no particular order.
@@ -231,7 +251,7 @@ pub async fn get_entities(
     shard: usize,
     conn: impl sqlx::MySqlExecutor<'_>,
     ids: &[EntityId],
-) -> Result<Vec<EntityRecord>> {
+) -> Result<Fetched> {
     select(shard, conn, Lookup::Ids(ids), true).await
 }
 
@@ -243,7 +263,7 @@ pub async fn get_entities_at(
     shard: usize,
     conn: impl sqlx::MySqlExecutor<'_>,
     added_ids: &[u64],
-) -> Result<Vec<EntityRecord>> {
+) -> Result<Fetched> {
     select(shard, conn, Lookup::AddedIds(added_ids), false).await
 }
 
@@ -253,7 +273,7 @@ pub async fn read_entities_any(
     shard: usize,
     pool: &MySqlPool,
     ids: &[EntityId],
-) -> Result<Vec<EntityRecord>> {
+) -> Result<Fetched> {
     select(shard, pool, Lookup::Ids(ids), false).await
 }
 
@@ -352,4 +372,131 @@ pub async fn newest_commit_us(shard: usize, pool: &MySqlPool) -> Result<Option<i
 pub async fn has_entities(shard: usize, pool: &MySqlPool) -> Result<bool> {
     let row = sqlx::query("SELECT EXISTS(SELECT 1 FROM entities) AS e").fetch_one(pool).await.on(shard)?;
     Ok(row.try_get::<i64, _>("e").on(shard)? != 0)
+}
+
+/// A position in a move's copy: the `(logical, added_id)` order of the
+/// rows of the logical shards it moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LogicalCursor {
+    pub logical: u16,
+    pub added_id: u64,
+}
+
+/// Rows of `logicals` (tombstones included) after `after`, in
+/// `(logical, added_id)` order, along the `entities_logical` key.
+#[tracing::instrument(level = "debug", skip_all, fields(shard))]
+pub async fn scan_logicals(
+    shard: usize,
+    pool: &MySqlPool,
+    logicals: &[u16],
+    after: Option<LogicalCursor>,
+    limit: usize,
+) -> Result<Vec<EntityRecord>> {
+    if logicals.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (l, a) = after.map_or((0, 0), |c| (c.logical, c.added_id));
+    let sql = format!(
+        "SELECT {COLUMNS} FROM entities FORCE INDEX (entities_logical) WHERE logical IN ({}) \
+         AND (logical > ? OR (logical = ? AND added_id > ?)) ORDER BY logical, added_id LIMIT ?",
+        marks(logicals.len())
+    );
+    let mut q = sqlx::query(&sql);
+    for k in logicals {
+        q = q.bind(*k);
+    }
+    let first = after.is_none();
+    let rows = q
+        .bind(if first { -1i32 } else { i32::from(l) })
+        .bind(if first { -1i32 } else { i32::from(l) })
+        .bind(a)
+        .bind(limit as u64)
+        .fetch_all(pool)
+        .await
+        .on(shard)?;
+    rows.iter().map(|r| record(shard, r)).collect()
+}
+
+/// Rows of `logicals` written at or after `since_us` (a move's catch-up).
+#[tracing::instrument(level = "debug", skip_all, fields(shard))]
+pub async fn changed_in_logicals(
+    shard: usize,
+    conn: impl sqlx::MySqlExecutor<'_>,
+    logicals: &[u16],
+    since_us: i64,
+) -> Result<Vec<EntityRecord>> {
+    if logicals.is_empty() {
+        return Ok(Vec::new());
+    }
+    let sql = format!(
+        "SELECT {COLUMNS} FROM entities WHERE updated >= TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00') \
+         AND logical IN ({})",
+        marks(logicals.len())
+    );
+    let mut q = sqlx::query(&sql).bind(since_us.max(0));
+    for k in logicals {
+        q = q.bind(*k);
+    }
+    q.fetch_all(conn).await.on(shard)?.iter().map(|r| record(shard, r)).collect()
+}
+
+/// Copies rows made on another shard (a move): a row is written unless this
+/// shard has the id at the same or a newer version. Its `added_id` is this
+/// shard's own (locations in index rows then cost a fetch by id until the
+/// cleaner rewrites them).
+#[tracing::instrument(level = "debug", skip_all, fields(shard))]
+pub async fn copy_entities(shard: usize, conn: &mut MySqlConnection, rows: &[EntityRecord]) -> Result<()> {
+    for chunk in rows.chunks(500) {
+        let tuple = "(?, ?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)";
+        let sql = format!(
+            "INSERT INTO entities (id, logical, version, updated, body) VALUES {} \
+             ON DUPLICATE KEY UPDATE body = IF(VALUES(version) > version, VALUES(body), body), \
+             updated = IF(VALUES(version) > version, VALUES(updated), updated), \
+             version = GREATEST(version, VALUES(version))",
+            vec![tuple; chunk.len()].join(", ")
+        );
+        let mut q = sqlx::query(&sql);
+        for r in chunk {
+            q = q.bind(&r.id.0[..]).bind(r.logical).bind(r.version).bind(r.updated_us).bind(r.body.as_deref());
+        }
+        q.execute(&mut *conn).await.on(shard)?;
+    }
+    Ok(())
+}
+
+/// `(id, version)` of every row of `logicals`, ordered by id: what a move
+/// compares between source and target.
+pub async fn versions_in_logicals(
+    shard: usize,
+    conn: impl sqlx::MySqlExecutor<'_>,
+    logicals: &[u16],
+) -> Result<Vec<(EntityId, u64)>> {
+    if logicals.is_empty() {
+        return Ok(Vec::new());
+    }
+    let sql = format!("SELECT id, version FROM entities WHERE logical IN ({}) ORDER BY id", marks(logicals.len()));
+    let mut q = sqlx::query(&sql);
+    for k in logicals {
+        q = q.bind(*k);
+    }
+    q.fetch_all(conn)
+        .await
+        .on(shard)?
+        .iter()
+        .map(|r| Ok((id_column(shard, r, "id")?, r.try_get("version").on(shard)?)))
+        .collect()
+}
+
+/// Deletes up to `limit` rows of `logicals` (a moved-away copy); returns
+/// how many went.
+pub async fn delete_logicals(shard: usize, pool: &MySqlPool, logicals: &[u16], limit: usize) -> Result<u64> {
+    if logicals.is_empty() {
+        return Ok(0);
+    }
+    let sql = format!("DELETE FROM entities WHERE logical IN ({}) LIMIT ?", marks(logicals.len()));
+    let mut q = sqlx::query(&sql);
+    for k in logicals {
+        q = q.bind(*k);
+    }
+    Ok(q.bind(limit as u64).execute(pool).await.on(shard)?.rows_affected())
 }

@@ -22,6 +22,17 @@ pub enum StoreError {
     SpecChanged { table: String },
     #[error("no index named {table:?}")]
     NoSuchIndex { table: String },
+    /// The write's map is stale: this physical shard does not own a logical
+    /// shard the write touches (any more). Reload the map and route again.
+    #[error("physical shard {shard} does not own logical shard {logical}")]
+    NotOwner { shard: usize, logical: u16 },
+    /// A read found a shard's epoch moved: its map is stale.
+    #[error("physical shard {shard} changed ownership since the map was loaded")]
+    StaleMap { shard: usize },
+    #[error("{0}")]
+    BadTopology(String),
+    #[error(transparent)]
+    Topology(#[from] schemas::topology::TopologyError),
     #[error("stored index metadata for {table:?} is unreadable")]
     BadMeta {
         table: String,
@@ -39,6 +50,12 @@ impl StoreError {
             }
             _ => None,
         }
+    }
+
+    /// The map this operation routed with is out of date: reload it and run
+    /// the operation again (on the new owner).
+    pub fn is_stale_map(&self) -> bool {
+        matches!(self, StoreError::NotOwner { .. } | StoreError::StaleMap { .. })
     }
 
     /// Deadlocks, lock wait timeouts and a lost race to insert the same new

@@ -17,6 +17,8 @@ use crate::error::{id_column, OnShard, Result};
 pub struct IndexRow {
     pub key: IndexKey,
     pub entity: EntityId,
+    /// The row's logical shard (of its `shard_on` value).
+    pub logical: u16,
     /// The version of the entity that produced this row.
     pub version: u64,
     /// The entity's `added_id` on its own shard; `None`: unknown.
@@ -74,10 +76,10 @@ pub async fn upsert_index_rows(
     rows: &[IndexRow],
 ) -> Result<()> {
     let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
-    let tuple = format!("({}, ?, ?, ?)", marks(cols.len()));
+    let tuple = format!("({}, ?, ?, ?, ?)", marks(cols.len()));
     for chunk in rows.chunks(500) {
         let sql = format!(
-            "INSERT INTO `{}` ({}, entity_id, version, entity_added_id) VALUES {} \
+            "INSERT INTO `{}` ({}, entity_id, version, entity_added_id, logical) VALUES {} \
              ON DUPLICATE KEY UPDATE entity_added_id = COALESCE(VALUES(entity_added_id), entity_added_id), \
              version = GREATEST(version, VALUES(version))",
             spec.table,
@@ -86,7 +88,11 @@ pub async fn upsert_index_rows(
         );
         let mut q = sqlx::query(&sql);
         for row in chunk {
-            q = bind_key(q, &row.key).bind(&row.entity.0[..]).bind(row.version).bind(row.entity_added_id);
+            q = bind_key(q, &row.key)
+                .bind(&row.entity.0[..])
+                .bind(row.version)
+                .bind(row.entity_added_id)
+                .bind(row.logical);
         }
         q.execute(&mut *conn).await.on(shard)?;
     }
@@ -198,29 +204,12 @@ pub async fn index_rows_of(
     if ids.is_empty() {
         return Ok(Vec::new());
     }
-    let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
-    let sql = format!(
-        "SELECT {}, entity_id, version, entity_added_id FROM `{}` WHERE entity_id IN ({})",
-        cols.join(", "),
-        spec.table,
-        marks(ids.len())
-    );
+    let sql = format!("SELECT {} FROM `{}` WHERE entity_id IN ({})", row_columns(spec), spec.table, marks(ids.len()));
     let mut q = sqlx::query(&sql);
     for id in ids {
         q = q.bind(&id.0[..]);
     }
-    let rows = q.fetch_all(pool).await.on(shard)?;
-    let mut out = Vec::with_capacity(rows.len());
-    for r in &rows {
-        let Some(key) = row_key(shard, spec, r)? else { continue };
-        out.push(IndexRow {
-            key,
-            entity: id_column(shard, r, "entity_id")?,
-            version: r.try_get("version").on(shard)?,
-            entity_added_id: r.try_get("entity_added_id").on(shard)?,
-        });
-    }
-    Ok(out)
+    index_rows(shard, spec, &q.fetch_all(pool).await.on(shard)?)
 }
 
 /// Distinct entity ids in an index table after `after`, in id order: the
@@ -252,4 +241,160 @@ pub async fn index_row_version(
     let sql = format!("SELECT version FROM `{}` WHERE {} AND entity_id = ?", spec.table, key_equals(spec));
     let row = bind_key(sqlx::query(&sql), key).bind(&entity.0[..]).fetch_optional(pool).await.on(shard)?;
     row.map(|r| r.try_get("version").on(shard)).transpose()
+}
+
+/// The columns [`index_rows`] decodes.
+fn row_columns(spec: &IndexSpec) -> String {
+    let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
+    format!("{}, entity_id, version, entity_added_id, logical", cols.join(", "))
+}
+
+/// Decodes rows of [`row_columns`]; rows whose bytes no key of ours has
+/// (hand-made garbage) are skipped.
+fn index_rows(shard: usize, spec: &IndexSpec, rows: &[MySqlRow]) -> Result<Vec<IndexRow>> {
+    let mut out = Vec::with_capacity(rows.len());
+    for r in rows {
+        let Some(key) = row_key(shard, spec, r)? else { continue };
+        out.push(IndexRow {
+            key,
+            entity: id_column(shard, r, "entity_id")?,
+            logical: r.try_get("logical").on(shard)?,
+            version: r.try_get("version").on(shard)?,
+            entity_added_id: r.try_get("entity_added_id").on(shard)?,
+        });
+    }
+    Ok(out)
+}
+
+/// Up to `limit` rows whose `logical` column is `logical` (`migrate` fills
+/// in rows made before logical shards).
+pub async fn rows_with_logical(
+    shard: usize,
+    pool: &MySqlPool,
+    spec: &IndexSpec,
+    logical: u16,
+    limit: usize,
+) -> Result<Vec<IndexRow>> {
+    let sql = format!("SELECT {} FROM `{}` WHERE logical = ? LIMIT ?", row_columns(spec), spec.table);
+    let rows = sqlx::query(&sql).bind(logical).bind(limit as u64).fetch_all(pool).await.on(shard)?;
+    index_rows(shard, spec, &rows)
+}
+
+/// Sets one row's `logical` column.
+pub async fn set_logical(
+    shard: usize,
+    pool: &MySqlPool,
+    spec: &IndexSpec,
+    key: &IndexKey,
+    entity: &EntityId,
+    logical: u16,
+) -> Result<()> {
+    let sql = format!("UPDATE `{}` SET logical = ? WHERE {} AND entity_id = ?", spec.table, key_equals(spec));
+    bind_key(sqlx::query(&sql).bind(logical), key).bind(&entity.0[..]).execute(pool).await.on(shard)?;
+    Ok(())
+}
+
+/// Every row of `logicals` in this shard's copy of the index (a move's
+/// copy and verification; a logical shard is a small slice of an index).
+#[tracing::instrument(level = "debug", skip_all, fields(table = %spec.table, shard))]
+pub async fn rows_in_logicals(
+    shard: usize,
+    conn: impl sqlx::MySqlExecutor<'_>,
+    spec: &IndexSpec,
+    logicals: &[u16],
+) -> Result<Vec<IndexRow>> {
+    if logicals.is_empty() {
+        return Ok(Vec::new());
+    }
+    let sql = format!(
+        "SELECT {} FROM `{}` WHERE logical IN ({})",
+        row_columns(spec),
+        spec.table,
+        marks(logicals.len())
+    );
+    let mut q = sqlx::query(&sql);
+    for k in logicals {
+        q = q.bind(*k);
+    }
+    index_rows(shard, spec, &q.fetch_all(conn).await.on(shard)?)
+}
+
+/// Makes this shard's rows of `logicals` exactly `rows` (a move's fenced
+/// sync): deletes every row of `logicals` not in `rows`, then writes
+/// `rows` with their versions and locations as given.
+#[tracing::instrument(level = "debug", skip_all, fields(table = %spec.table, shard))]
+pub async fn replace_logicals(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    spec: &IndexSpec,
+    logicals: &[u16],
+    rows: &[IndexRow],
+) -> Result<()> {
+    let have = rows_in_logicals(shard, &mut *conn, spec, logicals).await?;
+    let want: std::collections::HashSet<(Vec<u8>, EntityId)> =
+        rows.iter().map(|r| (key_bytes(&r.key), r.entity)).collect();
+    let extra: Vec<IndexRowDelete> = have
+        .iter()
+        .filter(|r| !want.contains(&(key_bytes(&r.key), r.entity)))
+        .map(|r| IndexRowDelete { key: r.key.clone(), entity: r.entity, below_version: u64::MAX })
+        .collect();
+    delete_index_rows_before(shard, conn, spec, &extra).await?;
+    let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
+    let tuple = format!("({}, ?, ?, ?, ?)", marks(cols.len()));
+    for chunk in rows.chunks(500) {
+        let sql = format!(
+            "INSERT INTO `{}` ({}, entity_id, version, entity_added_id, logical) VALUES {} \
+             ON DUPLICATE KEY UPDATE version = VALUES(version), entity_added_id = VALUES(entity_added_id)",
+            spec.table,
+            cols.join(", "),
+            vec![tuple.as_str(); chunk.len()].join(", ")
+        );
+        let mut q = sqlx::query(&sql);
+        for row in chunk {
+            q = bind_key(q, &row.key)
+                .bind(&row.entity.0[..])
+                .bind(row.version)
+                .bind(row.entity_added_id)
+                .bind(row.logical);
+        }
+        q.execute(&mut *conn).await.on(shard)?;
+    }
+    Ok(())
+}
+
+/// A key as comparable bytes (each value length-prefixed).
+fn key_bytes(key: &IndexKey) -> Vec<u8> {
+    let mut out = Vec::new();
+    for v in key {
+        let b = v.canonical_bytes();
+        out.extend_from_slice(&(b.len() as u32).to_be_bytes());
+        out.push(match v {
+            KeyValue::Uuid(_) => 1,
+            KeyValue::Str(_) => 2,
+            KeyValue::Int(_) => 3,
+            KeyValue::Float(_) => 4,
+            KeyValue::Bool(_) => 5,
+        });
+        out.extend_from_slice(&b);
+    }
+    out
+}
+
+/// Deletes up to `limit` rows of `logicals` (a moved-away copy).
+pub async fn delete_logicals(
+    shard: usize,
+    pool: &MySqlPool,
+    spec: &IndexSpec,
+    logicals: &[u16],
+    limit: usize,
+) -> Result<u64> {
+    if logicals.is_empty() {
+        return Ok(0);
+    }
+    let sql = format!("DELETE FROM `{}` WHERE logical IN ({}) LIMIT ?", spec.table, marks(logicals.len()));
+    let mut q = sqlx::query(&sql);
+    for k in logicals {
+        q = q.bind(*k);
+    }
+    Ok(q.bind(limit as u64).execute(pool).await.on(shard)?.rows_affected())
 }

@@ -11,6 +11,7 @@ use sqlx::{MySql, Row};
 use crate::entities::EntityRecord;
 use crate::error::{id_column, OnShard, Result};
 use crate::index_rows::row_key;
+use crate::topology::SHARD_EPOCH;
 
 #[derive(Debug, Clone)]
 pub struct IndexScan<'a> {
@@ -34,6 +35,12 @@ pub struct IndexScan<'a> {
 pub struct ScannedRow {
     pub key: IndexKey,
     pub entity: EntityId,
+    /// The row's logical shard: a reader drops rows of logical shards this
+    /// physical shard does not own (a moved-away copy not yet removed).
+    pub logical: u16,
+    /// This shard's epoch, read in the same statement (see
+    /// `crate::topology::shard_epoch`).
+    pub shard_epoch: u64,
     /// The entity's `added_id` on its own shard, as the index row has it.
     pub entity_added_id: Option<u64>,
     pub local: Local,
@@ -105,7 +112,7 @@ pub async fn scan_index(
     // against the id, so a wrong or unknown location joins nothing.
     let (entity_cols, join) = if scan.with_entities {
         (
-            ", e.added_id AS `e.added_id`, e.version AS `e.version`, \
+            ", e.added_id AS `e.added_id`, e.logical AS `e.logical`, e.version AS `e.version`, \
              TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', e.updated) AS `e.updated_us`, e.body AS `e.body`",
             " LEFT JOIN entities AS e FORCE INDEX (PRIMARY) \
              ON e.added_id = i.entity_added_id AND e.id = i.entity_id",
@@ -114,7 +121,8 @@ pub async fn scan_index(
         ("", "")
     };
     let sql = format!(
-        "SELECT {}, i.entity_id, i.entity_added_id{entity_cols} FROM `{}` AS i{join} {} ORDER BY {} LIMIT ?",
+        "SELECT {}, i.entity_id, i.entity_added_id, i.logical, {SHARD_EPOCH} AS shard_epoch{entity_cols} \
+         FROM `{}` AS i{join} {} ORDER BY {} LIMIT ?",
         cols.join(", "),
         spec.table,
         if wheres.is_empty() { String::new() } else { format!("WHERE {}", wheres.join(" AND ")) },
@@ -144,6 +152,7 @@ pub async fn scan_index(
                 None => Local::Deleted,
                 Some(body) => Local::Live(EntityRecord {
                     id,
+                    logical: r.try_get("e.logical").on(shard)?,
                     added_id,
                     version: r.try_get("e.version").on(shard)?,
                     updated_us: r.try_get("e.updated_us").on(shard)?,
@@ -155,6 +164,8 @@ pub async fn scan_index(
             key,
             entity: id,
             entity_added_id: r.try_get("entity_added_id").on(shard)?,
+            logical: r.try_get("logical").on(shard)?,
+            shard_epoch: r.try_get("shard_epoch").on(shard)?,
             local,
         });
     }

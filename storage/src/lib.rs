@@ -16,6 +16,8 @@
 //! - [`index_scan`]: ordered, keyset-paged index scans for queries.
 //! - [`catalog`]: index definitions, states and progress (metadata shard).
 //! - [`locks`]: named locks: one relay per shard, one backfiller per index.
+//! - [`topology`]: the map in the database; the ownership a write proves,
+//!   the epoch a read checks.
 //! - [`server`]: statements about a server itself (private dev servers).
 //!
 //! Timestamps cross as integer microseconds since the Unix epoch; sqlx sets
@@ -35,6 +37,7 @@ pub mod migrate;
 pub mod outbox;
 pub mod server;
 pub mod shards;
+pub mod topology;
 
 pub use catalog::IndexMeta;
 pub use entities::{EntityRecord, EntityWrite};

@@ -22,12 +22,21 @@ pub async fn create_database(shard: usize, dsn: &Dsn) -> Result<()> {
 }
 
 /// The tables every shard has, and on the metadata shard the cluster's own.
+/// An `entities` table made before logical shards gets its `logical`
+/// column and key (rows read [`ddl::LOGICAL_UNKNOWN`] until
+/// [`fill_logical`] runs).
 pub async fn create_base_tables(shard: usize, pool: &MySqlPool) -> Result<()> {
-    for stmt in [ddl::entities(), ddl::outbox()] {
+    for stmt in ddl::shard_tables() {
         sqlx::query(&stmt).execute(pool).await.on(shard)?;
     }
+    if add_column(shard, pool, "entities", "logical", &logical_with_placeholder()).await? {
+        sqlx::query("ALTER TABLE entities ADD KEY entities_logical (logical, added_id)")
+            .execute(pool)
+            .await
+            .on(shard)?;
+    }
     if shard == META_SHARD {
-        for stmt in [ddl::index_catalog(), ddl::index_progress()] {
+        for stmt in ddl::meta_tables() {
             sqlx::query(&stmt).execute(pool).await.on(shard)?;
         }
     }
@@ -37,22 +46,84 @@ pub async fn create_base_tables(shard: usize, pool: &MySqlPool) -> Result<()> {
 /// Creates the index table, or brings an older one up to date: a table
 /// made before `entity_added_id` existed gets the column (an instant
 /// `ALTER` on MariaDB ≥ 10.3 and MySQL ≥ 8.0; its rows read NULL, "location
-/// unknown", until the indexer or the cleaner rewrites them).
+/// unknown", until the indexer or the cleaner rewrites them), and one made
+/// before logical shards gets `logical` and its key ([`fill_logical`]
+/// fills it in).
 pub async fn create_index_table(shard: usize, pool: &MySqlPool, spec: &IndexSpec) -> Result<()> {
     sqlx::query(&ddl::index_table(spec)).execute(pool).await.on(shard)?;
-    let (has,): (i64,) = sqlx::query_as(
-        "SELECT COUNT(*) FROM information_schema.COLUMNS \
-         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = 'entity_added_id'",
-    )
-    .bind(&spec.table)
-    .fetch_one(pool)
-    .await
-    .on(shard)?;
-    if has == 0 {
-        let sql = format!("ALTER TABLE `{}` ADD COLUMN {}", spec.table, ddl::LOCATION_COLUMN);
+    add_column(shard, pool, &spec.table, "entity_added_id", ddl::LOCATION_COLUMN).await?;
+    if add_column(shard, pool, &spec.table, "logical", &logical_with_placeholder()).await? {
+        let sql = format!("ALTER TABLE `{t}` ADD KEY `{t}_logical` (logical)", t = spec.table);
         sqlx::query(&sql).execute(pool).await.on(shard)?;
     }
     Ok(())
+}
+
+fn logical_with_placeholder() -> String {
+    format!("{} DEFAULT {}", ddl::LOGICAL_COLUMN, ddl::LOGICAL_UNKNOWN)
+}
+
+/// Adds `column` (defined by `definition`) to `table` unless it has it;
+/// true if it was added.
+async fn add_column(shard: usize, pool: &MySqlPool, table: &str, column: &str, definition: &str) -> Result<bool> {
+    let (has,): (i64,) = sqlx::query_as(
+        "SELECT COUNT(*) FROM information_schema.COLUMNS \
+         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = ?",
+    )
+    .bind(table)
+    .bind(column)
+    .fetch_one(pool)
+    .await
+    .on(shard)?;
+    if has > 0 {
+        return Ok(false);
+    }
+    sqlx::query(&format!("ALTER TABLE `{table}` ADD COLUMN {definition}")).execute(pool).await.on(shard)?;
+    Ok(true)
+}
+
+/// Fills in the `logical` column of rows made before logical shards, in
+/// batches: `entities` from the id, an index table (when `spec` is given)
+/// from the `shard_on` value. Returns how many rows it filled.
+pub async fn fill_logical(shard: usize, pool: &MySqlPool, spec: Option<&IndexSpec>, logical_shards: u16) -> Result<u64> {
+    let mut filled = 0;
+    loop {
+        let n = match spec {
+            None => fill_entities_batch(shard, pool, logical_shards).await?,
+            Some(spec) => fill_index_batch(shard, pool, spec, logical_shards).await?,
+        };
+        filled += n;
+        if n == 0 {
+            return Ok(filled);
+        }
+    }
+}
+
+async fn fill_entities_batch(shard: usize, pool: &MySqlPool, l: u16) -> Result<u64> {
+    let rows: Vec<(u64, Vec<u8>)> =
+        sqlx::query_as("SELECT added_id, id FROM entities WHERE logical = ? LIMIT 1000")
+            .bind(ddl::LOGICAL_UNKNOWN)
+            .fetch_all(pool)
+            .await
+            .on(shard)?;
+    for (added_id, id) in &rows {
+        sqlx::query("UPDATE entities SET logical = ? WHERE added_id = ?")
+            .bind(schemas::logical_of(id, l))
+            .bind(added_id)
+            .execute(pool)
+            .await
+            .on(shard)?;
+    }
+    Ok(rows.len() as u64)
+}
+
+async fn fill_index_batch(shard: usize, pool: &MySqlPool, spec: &IndexSpec, l: u16) -> Result<u64> {
+    let rows = crate::index_rows::rows_with_logical(shard, pool, spec, ddl::LOGICAL_UNKNOWN, 1000).await?;
+    for row in &rows {
+        let logical = spec.logical_of_key(&row.key, l);
+        crate::index_rows::set_logical(shard, pool, spec, &row.key, &row.entity, logical).await?;
+    }
+    Ok(rows.len() as u64)
 }
 
 pub async fn drop_index_table(shard: usize, pool: &MySqlPool, table: &str) -> Result<()> {

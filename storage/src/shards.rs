@@ -1,24 +1,74 @@
-//! The shards of a cluster and how to reach them.
+//! The physical shards of a cluster, how to reach them, and the map a
+//! process routes with.
+//!
+//! Each physical shard's database knows its own name and id
+//! ([`crate::topology::identity`]), so the configuration is just a set of
+//! DSNs in any order: [`Shards::connect`] asks each who it is, loads the map
+//! from the metadata shard, and refuses a configuration that does not name
+//! exactly the registered shards. Shards registered later (`bagstore shards
+//! add`) are picked up by [`Shards::reload`]: their address comes from the
+//! map, their credentials from the metadata shard's DSN in the
+//! configuration (one account for the whole cluster).
+//!
+//! Slots are indexed by physical id and never move, so pools and
+//! connections can be borrowed for as long as the `Shards` lives.
 
 use schemas::settings::{Dsn, MysqlSettings};
-use schemas::{shard_of, EntityId};
+use schemas::topology::{PhysicalId, Topology};
+use schemas::{logical_of, EntityId};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 use sqlx::{Connection, MySqlConnection};
+use std::collections::BTreeSet;
 use std::str::FromStr;
-use std::time::Duration;
+use std::sync::{Arc, OnceLock, RwLock};
+use std::time::{Duration, Instant};
 
+use crate::conns::Conns;
 use crate::error::{OnShard, Result, StoreError};
+use crate::topology;
 
-/// The shard that holds the cluster's own tables (see [`Shards::meta`]).
+/// The metadata shard: physical shard 0, the first of the cluster. It holds
+/// the map and the index catalog ([`Shards::meta`]) and is never removed.
 pub const META_SHARD: usize = 0;
 
-/// Per shard, in shard order: a sqlx pool, and the ping-free connections
-/// of the hot paths ([`crate::conns`]).
+/// The most physical shards a cluster can ever have registered.
+pub const MAX_PHYSICAL: usize = 1024;
+
+/// Reloads of the map closer together than this are served by the last.
+const RELOAD_EVERY: Duration = Duration::from_millis(50);
+
+/// The shards of one cluster. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Shards {
-    pools: Vec<MySqlPool>,
-    conns: Vec<std::sync::Arc<crate::conns::Conns>>,
-    dsns: Vec<Dsn>,
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    settings: MysqlSettings,
+    /// By physical id; set once, when the shard is first reached.
+    slots: Vec<OnceLock<Slot>>,
+    routing: RwLock<Arc<Routing>>,
+    /// When the map was last loaded; held while loading.
+    reloaded: tokio::sync::Mutex<Option<Instant>>,
+}
+
+/// How to reach one physical shard.
+#[derive(Debug)]
+struct Slot {
+    name: String,
+    dsn: Dsn,
+    pool: MySqlPool,
+    conns: Arc<Conns>,
+}
+
+/// What a process routes with: the map it loaded (none before `migrate`
+/// made the cluster), and the physical shards live in it.
+#[derive(Debug, Clone)]
+pub struct Routing {
+    pub topology: Option<Topology>,
+    /// Physical ids of the registered shards (with a slot), in order.
+    pub live: Vec<usize>,
 }
 
 pub fn connect_options(dsn: &Dsn) -> Result<MySqlConnectOptions> {
@@ -27,73 +77,263 @@ pub fn connect_options(dsn: &Dsn) -> Result<MySqlConnectOptions> {
 }
 
 impl Shards {
-    /// Pools connect lazily, so a service can start before MySQL is up and
-    /// report the outage per request instead of refusing to start.
-    pub fn connect_lazy(settings: &MysqlSettings) -> Result<Shards> {
-        let mut pools = Vec::new();
-        let mut conns = Vec::new();
-        for (shard, dsn) in settings.shards.iter().enumerate() {
-            let opts = connect_options(dsn)?;
-            conns.push(std::sync::Arc::new(crate::conns::Conns::new(
-                shard,
-                opts.clone(),
-                settings.max_connections,
-            )));
-            pools.push(
-                MySqlPoolOptions::new()
-                    .max_connections(settings.max_connections)
-                    .acquire_timeout(Duration::from_millis(settings.connect_timeout_ms))
-                    // READ COMMITTED: a locking read of an absent id takes no
-                    // gap lock, so concurrent inserts of different new ids do
-                    // not deadlock; two inserts of the same new id collide on
-                    // the unique key instead, and the loser retries.
-                    .after_connect(|conn, _| {
-                        Box::pin(async move {
-                            sqlx::query("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
-                                .execute(&mut *conn)
-                                .await
-                                .map(|_| ())
-                        })
-                    })
-                    .connect_lazy_with(opts),
-            );
+    /// The configured DSNs as shards `0..N` in configuration order, without
+    /// a map: for `migrate` before the cluster exists. Pools connect lazily.
+    pub fn configured(settings: &MysqlSettings) -> Result<Shards> {
+        let shards = Shards::empty(settings);
+        for (i, dsn) in settings.shards.iter().enumerate() {
+            shards.set_slot(i, &format!("s{i}"), dsn.clone())?;
         }
-        Ok(Shards { pools, conns, dsns: settings.shards.clone() })
+        let live = (0..settings.shards.len()).collect();
+        *shards.inner.routing.write().expect("not poisoned") = Arc::new(Routing { topology: None, live });
+        Ok(shards)
     }
 
+    fn empty(settings: &MysqlSettings) -> Shards {
+        Shards {
+            inner: Arc::new(Inner {
+                settings: settings.clone(),
+                slots: (0..MAX_PHYSICAL).map(|_| OnceLock::new()).collect(),
+                routing: RwLock::new(Arc::new(Routing { topology: None, live: Vec::new() })),
+                reloaded: tokio::sync::Mutex::new(None),
+            }),
+        }
+    }
+
+    fn set_slot(&self, id: usize, name: &str, dsn: Dsn) -> Result<()> {
+        if id >= MAX_PHYSICAL {
+            return Err(StoreError::BadTopology(format!("physical shard id {id} is over the limit of {MAX_PHYSICAL}")));
+        }
+        let s = &self.inner.settings;
+        let opts = connect_options(&dsn)?;
+        let conns = Arc::new(Conns::new(id, opts.clone(), s.max_connections));
+        let pool = MySqlPoolOptions::new()
+            .max_connections(s.max_connections)
+            .acquire_timeout(Duration::from_millis(s.connect_timeout_ms))
+            // READ COMMITTED: a locking read of an absent id takes no gap
+            // lock, so concurrent inserts of different new ids do not
+            // deadlock; two inserts of the same new id collide on the unique
+            // key instead, and the loser retries.
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    sqlx::query("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                        .execute(&mut *conn)
+                        .await
+                        .map(|_| ())
+                })
+            })
+            .connect_lazy_with(opts);
+        let _ = self.inner.slots[id].set(Slot { name: name.to_string(), dsn, pool, conns });
+        Ok(())
+    }
+
+    /// The configured shards as the cluster knows them: asks each database
+    /// who it is, loads the map from the metadata shard, and checks that the
+    /// configuration names exactly the registered shards (and, if it gives
+    /// one, the cluster's number of logical shards). Waits up to
+    /// `connect_timeout_ms` for the databases to answer.
+    pub async fn connect(settings: &MysqlSettings) -> Result<Shards> {
+        let probe = Shards::configured(settings)?;
+        let until = Instant::now() + Duration::from_millis(settings.connect_timeout_ms);
+        let mut found = Vec::new();
+        for (i, dsn) in settings.shards.iter().enumerate() {
+            let pool = probe.pool(i);
+            let id = loop {
+                match topology::identity(i, pool).await {
+                    Ok(id) => break id,
+                    Err(e) if e.is_dead_connection() && Instant::now() < until => {
+                        tokio::time::sleep(Duration::from_millis(200)).await
+                    }
+                    Err(e) => return Err(e),
+                }
+            };
+            let Some(id) = id else {
+                return Err(StoreError::BadTopology(format!(
+                    "{} is not a shard of a bagstore cluster (run `bagstore migrate` for a new cluster, \
+                     or `bagstore shards add` for a new shard)",
+                    dsn.redacted()
+                )));
+            };
+            found.push((id, dsn.clone()));
+        }
+        probe.close().await;
+        let shards = Shards::empty(settings);
+        for (id, dsn) in &found {
+            shards.set_slot(id.physical as usize, &id.name, dsn.clone())?;
+        }
+        if shards.inner.slots[META_SHARD].get().is_none() {
+            return Err(StoreError::BadTopology(
+                "the configuration lacks the metadata shard (physical shard 0, the first of the cluster)".into(),
+            ));
+        }
+        let t = topology::load(shards.meta()).await?.ok_or_else(|| {
+            StoreError::BadTopology("the metadata shard holds no cluster map (run `bagstore migrate`)".into())
+        })?;
+        let names: BTreeSet<String> = found.iter().map(|(id, _)| id.name.clone()).collect();
+        if names.len() != found.len() {
+            return Err(StoreError::BadTopology("the configuration lists one shard twice".into()));
+        }
+        t.check_config(&names, settings.logical_shards).map_err(StoreError::Topology)?;
+        shards.install(t)?;
+        Ok(shards)
+    }
+
+    /// Makes `t` the map routed with, reaching shards registered since with
+    /// the metadata shard's credentials.
+    fn install(&self, t: Topology) -> Result<()> {
+        for p in &t.shards {
+            let id = p.id as usize;
+            if id < MAX_PHYSICAL && self.inner.slots[id].get().is_none() {
+                let dsn = self.credentials_for(&p.address)?;
+                self.set_slot(id, &p.name, dsn)?;
+            }
+        }
+        let live = t.shards.iter().map(|p| p.id as usize).collect();
+        *self.inner.routing.write().expect("not poisoned") = Arc::new(Routing { topology: Some(t), live });
+        Ok(())
+    }
+
+    /// `address` (a DSN without password) with the metadata shard's
+    /// user and password.
+    fn credentials_for(&self, address: &str) -> Result<Dsn> {
+        let meta = &self.slot(META_SHARD).dsn;
+        Ok(Dsn(with_credentials_of(address, meta.expose())))
+    }
+
+    /// Loads the map again (at most every [`RELOAD_EVERY`]; concurrent
+    /// callers share one load): after a write found its shard does not own
+    /// what it wrote, or a read found a shard's epoch moved.
+    pub async fn reload(&self) -> Result<()> {
+        let mut last = self.inner.reloaded.lock().await;
+        if last.is_some_and(|t| t.elapsed() < RELOAD_EVERY) {
+            return Ok(());
+        }
+        let t = topology::load(self.meta()).await?;
+        *last = Some(Instant::now());
+        match t {
+            Some(t) => self.install(t),
+            None => Ok(()),
+        }
+    }
+
+    /// The current routing (a snapshot: cheap, and consistent for one
+    /// operation).
+    pub fn routing(&self) -> Arc<Routing> {
+        self.inner.routing.read().expect("not poisoned").clone()
+    }
+
+    /// The map routed with. Panics before a cluster exists (`migrate` uses
+    /// [`Shards::configured`] and needs none).
+    pub fn topology(&self) -> Topology {
+        self.routing().topology.clone().expect("a cluster map (the process connected with Shards::connect)")
+    }
+
+    /// Logical shards of the cluster.
+    pub fn logical_shards(&self) -> u16 {
+        self.routing().topology.as_ref().map_or(schemas::shard::DEFAULT_LOGICAL_SHARDS, |t| t.logical_shards)
+    }
+
+    /// Physical ids of the live shards, in order.
+    pub fn ids(&self) -> Vec<usize> {
+        self.routing().live.clone()
+    }
+
+    /// How many physical shards are live.
     pub fn count(&self) -> usize {
-        self.pools.len()
+        self.routing().live.len()
+    }
+
+    fn slot(&self, shard: usize) -> &Slot {
+        self.inner.slots[shard].get().unwrap_or_else(|| panic!("physical shard {shard} is not connected"))
     }
 
     pub fn pool(&self, shard: usize) -> &MySqlPool {
-        &self.pools[shard]
+        &self.slot(shard).pool
+    }
+
+    /// Ping-free connections for the hot paths (see [`crate::conns`]).
+    pub fn conns(&self, shard: usize) -> &Conns {
+        &self.slot(shard).conns
+    }
+
+    pub fn dsn(&self, shard: usize) -> &Dsn {
+        &self.slot(shard).dsn
+    }
+
+    /// A physical shard's name.
+    pub fn name(&self, shard: usize) -> &str {
+        &self.slot(shard).name
     }
 
     /// The metadata shard: the one well-known place of the cluster's own
-    /// tables (index catalog, index progress; see [`crate::catalog`]).
+    /// tables (the map, the index catalog, index progress).
     pub fn meta(&self) -> &MySqlPool {
-        &self.pools[META_SHARD]
+        self.pool(META_SHARD)
     }
 
-    /// Runs `f` on every shard at once and returns the results in shard
-    /// order: the one fan-out every cross-shard read and write uses.
+    /// The logical shard of an entity id.
+    pub fn logical_of_id(&self, id: &EntityId) -> u16 {
+        logical_of(id.as_bytes(), self.logical_shards())
+    }
+
+    /// The physical shard owning logical shard `k`, by the current map (by
+    /// `k mod N` before a cluster exists).
+    pub fn of_logical(&self, k: u16) -> usize {
+        let r = self.routing();
+        match &r.topology {
+            Some(t) => t.owner(k) as usize,
+            None => r.live[k as usize % r.live.len()],
+        }
+    }
+
+    /// The physical shard an entity lives on, by the current map.
+    pub fn of_id(&self, id: &EntityId) -> usize {
+        self.of_logical(self.logical_of_id(id))
+    }
+
+    /// The epoch the current map gives physical shard `shard`.
+    pub fn epoch_of(&self, shard: usize) -> u64 {
+        let r = self.routing();
+        r.topology.as_ref().and_then(|t| t.shard(shard as PhysicalId)).map_or(0, |p| p.epoch)
+    }
+
+    /// `ids` grouped by the physical shard each lives on (one list per
+    /// physical id up to the highest live one, possibly empty), keeping
+    /// their order: what a fan-out by entity needs.
+    pub fn by_shard(&self, ids: &[EntityId]) -> Vec<Vec<EntityId>> {
+        let mut out = vec![Vec::new(); self.slots_len()];
+        for id in ids {
+            out[self.of_id(id)].push(*id);
+        }
+        out
+    }
+
+    /// One past the highest live physical id: the length of a per-shard
+    /// list indexed by physical id.
+    pub fn slots_len(&self) -> usize {
+        self.routing().live.iter().max().map_or(0, |m| m + 1)
+    }
+
+    /// Runs `f` on every live shard at once and returns the results in
+    /// shard order: the one fan-out every cross-shard read and write uses.
     pub async fn each<'a, T, F, Fut>(&'a self, f: F) -> Vec<T>
     where
         F: Fn(usize, &'a MySqlPool) -> Fut,
         Fut: std::future::Future<Output = T> + 'a,
     {
-        futures::future::join_all(self.pools.iter().enumerate().map(|(shard, pool)| f(shard, pool))).await
+        let ids = self.ids();
+        futures::future::join_all(ids.into_iter().map(|shard| f(shard, &self.slot(shard).pool))).await
     }
 
-    /// Runs `f` at once on every shard whose list in `work` (one per shard)
-    /// is not empty; returns `(shard, result)` in shard order.
+    /// Runs `f` at once on every shard whose list in `work` (indexed by
+    /// physical id) is not empty; returns `(shard, result)` in shard order.
     pub async fn each_with<'a, W, T, F, Fut>(&'a self, work: &'a [Vec<W>], f: F) -> Vec<(usize, T)>
     where
         F: Fn(usize, &'a MySqlPool, &'a [W]) -> Fut,
         Fut: std::future::Future<Output = T> + 'a,
     {
         let jobs = work.iter().enumerate().filter(|(_, w)| !w.is_empty()).map(|(shard, w)| {
-            let job = f(shard, &self.pools[shard], w);
+            let job = f(shard, &self.slot(shard).pool, w);
             async move { (shard, job.await) }
         });
         futures::future::join_all(jobs).await
@@ -108,36 +348,12 @@ impl Shards {
         self.each(f).await.into_iter().collect()
     }
 
-    /// Ping-free connections for the hot paths (see [`crate::conns`]).
-    pub fn conns(&self, shard: usize) -> &crate::conns::Conns {
-        &self.conns[shard]
-    }
-
-    pub fn dsn(&self, shard: usize) -> &Dsn {
-        &self.dsns[shard]
-    }
-
-    pub fn of_id(&self, id: &EntityId) -> usize {
-        shard_of(id.as_bytes(), self.count())
-    }
-
-    /// `ids` grouped by the shard each lives on (one list per shard, in
-    /// shard order, possibly empty), keeping their order: what a fan-out
-    /// by entity needs.
-    pub fn by_shard(&self, ids: &[EntityId]) -> Vec<Vec<EntityId>> {
-        let mut out = vec![Vec::new(); self.count()];
-        for id in ids {
-            out[self.of_id(id)].push(*id);
-        }
-        out
-    }
-
-    /// Waits until every shard answers, up to `deadline`.
+    /// Waits until every live shard answers, up to `deadline`.
     pub async fn wait_ready(&self, deadline: Duration) -> Result<()> {
         let until = tokio::time::Instant::now() + deadline;
-        for (shard, pool) in self.pools.iter().enumerate() {
+        for shard in self.ids() {
             loop {
-                match sqlx::query("SELECT 1").execute(pool).await {
+                match sqlx::query("SELECT 1").execute(self.pool(shard)).await {
                     Ok(_) => break,
                     Err(e) if tokio::time::Instant::now() >= until => return Err(e).on(shard),
                     Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
@@ -148,9 +364,44 @@ impl Shards {
     }
 
     pub async fn close(&self) {
-        for p in &self.pools {
-            p.close().await;
+        for slot in self.inner.slots.iter().filter_map(OnceLock::get) {
+            slot.pool.close().await;
         }
+    }
+}
+
+/// `address` (a DSN whose password was left out) with the user and password
+/// of `from` (another DSN). Only the part before `@` changes.
+pub fn with_credentials_of(address: &str, from: &str) -> String {
+    let userinfo = |s: &str| -> Option<(usize, usize)> {
+        let start = s.find("://")? + 3;
+        let at = s[start..].find('@')? + start;
+        Some((start, at))
+    };
+    let Some((fs, fa)) = userinfo(from) else { return address.to_string() };
+    let creds = &from[fs..fa];
+    match (address.find("://"), userinfo(address)) {
+        (_, Some((s, a))) => format!("{}{creds}{}", &address[..s], &address[a..]),
+        (Some(p), None) => format!("{}{creds}@{}", &address[..p + 3], &address[p + 3..]),
+        (None, None) => address.to_string(),
+    }
+}
+
+/// `dsn` without its password: what the map records as a shard's address.
+pub fn address_of(dsn: &Dsn) -> String {
+    let s = dsn.expose();
+    let Some(start) = s.find("://").map(|p| p + 3) else { return s.to_string() };
+    let Some(at) = s[start..].find('@').map(|a| a + start) else { return s.to_string() };
+    let user = s[start..at].split(':').next().unwrap_or("");
+    // Query-string passwords go too.
+    let (base, query) = s.split_once('?').unwrap_or((s, ""));
+    let kept: Vec<&str> =
+        query.split('&').filter(|kv| !kv.is_empty() && !kv.to_ascii_lowercase().starts_with("password=")).collect();
+    let base = format!("{}{user}{}", &base[..start], &base[at..]);
+    if kept.is_empty() {
+        base
+    } else {
+        format!("{base}?{}", kept.join("&"))
     }
 }
 
@@ -190,5 +441,18 @@ mod tests {
         assert_eq!(db, "bagstore");
         assert_eq!(server.expose(), "mysql://root:pw@127.0.0.1:3307?ssl-mode=disabled");
         assert!(split_database(&Dsn("mysql://root@host:1".into())).is_none());
+    }
+
+    #[test]
+    fn addresses_drop_passwords_and_take_credentials_back() {
+        let dsn = Dsn("mysql://app:hunter2@db3:3306/bagstore?ssl-mode=REQUIRED&password=x".into());
+        assert_eq!(address_of(&dsn), "mysql://app@db3:3306/bagstore?ssl-mode=REQUIRED");
+        assert_eq!(address_of(&Dsn("mysql://root@h:1/b".into())), "mysql://root@h:1/b");
+        let meta = "mysql://app:s3cret@db1:3306/bagstore";
+        assert_eq!(
+            with_credentials_of("mysql://app@db3:3306/bagstore?ssl-mode=REQUIRED", meta),
+            "mysql://app:s3cret@db3:3306/bagstore?ssl-mode=REQUIRED"
+        );
+        assert_eq!(with_credentials_of("mysql://db3/b", meta), "mysql://app:s3cret@db3/b");
     }
 }

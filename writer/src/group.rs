@@ -36,21 +36,19 @@ pub(crate) struct Pending {
 /// The sending side of one shard's queue.
 pub(crate) type Queue = mpsc::UnboundedSender<Pending>;
 
-/// One queue per shard: the senders live in the writer, the receivers go to
-/// [`spawn_dispatchers`].
-pub(crate) fn queues(shards: usize) -> (Vec<Queue>, Vec<mpsc::UnboundedReceiver<Pending>>) {
-    (0..shards).map(|_| mpsc::unbounded_channel()).unzip()
-}
-
-/// Starts one task per shard that drains its queue. A task holds only a
-/// weak reference to the writer, and ends once the writer (and with it the
-/// queue's sender) is dropped.
-pub(crate) fn spawn_dispatchers(inner: &Arc<Inner>, receivers: Vec<mpsc::UnboundedReceiver<Pending>>) {
-    let slots = inner.settings.writer.commit_slots;
-    let max = inner.settings.writer.max_batch;
-    for (shard, rx) in receivers.into_iter().enumerate() {
+/// The queue of physical shard `shard`, made (with its dispatcher task)
+/// the first time a write goes there: shards added online get theirs
+/// without a restart. A dispatcher holds only a weak reference to the
+/// writer, and ends once the writer (and with it the queue's sender) is
+/// dropped.
+pub(crate) fn queue(inner: &Arc<Inner>, shard: usize) -> &Queue {
+    inner.queues[shard].get_or_init(|| {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let slots = inner.settings.writer.commit_slots;
+        let max = inner.settings.writer.max_batch;
         tokio::spawn(dispatch(shard, Arc::downgrade(inner), rx, Arc::new(Semaphore::new(slots)), max));
-    }
+        tx
+    })
 }
 
 /// Waits for a write, then for a free slot, then takes everything queued
@@ -82,20 +80,30 @@ async fn dispatch(
 }
 
 impl Writer {
-    /// Queues one write on its shard and waits for its answer.
+    /// Queues one write on the shard that owns it and waits for its answer.
+    /// When that shard turns out not to own it any more (a move completed
+    /// since the map was loaded, or is in its cutover), the map is reloaded
+    /// and the write goes to the new owner: it waits, it does not fail.
     pub(crate) async fn write_one(
         &self,
         id: EntityId,
         change: Change,
         pre: Precondition,
     ) -> Result<Outcome, WriteError> {
-        let shard = self.shards().of_id(&id);
-        let (answer, rx) = oneshot::channel();
-        self.inner.metrics.queued.with_label_values(&[&shard.to_string()]).inc();
-        self.inner.queues[shard]
-            .send(Pending { id, change, pre, answer })
-            .expect("a shard's dispatcher lives as long as the writer");
-        rx.await.expect("every queued write is answered")
+        let mut stale = crate::StaleMapRetry::new();
+        loop {
+            let shard = self.shards().of_id(&id);
+            let (answer, rx) = oneshot::channel();
+            self.inner.metrics.queued.with_label_values(&[&shard.to_string()]).inc();
+            queue(&self.inner, shard)
+                .send(Pending { id, change: change.clone(), pre, answer })
+                .expect("a shard's dispatcher lives as long as the writer");
+            let result = rx.await.expect("every queued write is answered");
+            match result {
+                Err(e) if e.is_stale_map() && stale.again(self.shards(), &self.inner.metrics).await => {}
+                other => return other,
+            }
+        }
     }
 
     async fn commit_group(&self, shard: usize, group: Vec<Pending>) {

@@ -25,7 +25,9 @@ pub mod write;
 
 use prometheus::Registry;
 use schemas::Settings;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+use storage::shards::MAX_PHYSICAL;
 use storage::Shards;
 use tokio::sync::Notify;
 
@@ -42,14 +44,48 @@ struct Inner {
     settings: Settings,
     shards: Shards,
     metrics: metrics::Metrics,
-    /// One per shard: a commit wakes that shard's relay at once instead of
+    /// By physical id: a commit wakes that shard's relay at once instead of
     /// waiting for the next poll.
     wake: Vec<Notify>,
-    /// One per shard: single writes waiting for a commit slot.
-    queues: Vec<group::Queue>,
-    /// One per shard, asked once: whether a multi-row insert's new rows are
+    /// By physical id: single writes waiting for a commit slot (made when
+    /// first used, see `group::queue`).
+    queues: Vec<OnceLock<group::Queue>>,
+    /// By physical id, asked once: whether a multi-row insert's new rows are
     /// numbered consecutively (see `storage::entities::autoinc_is_consecutive`).
     consecutive: Vec<tokio::sync::OnceCell<bool>>,
+}
+
+/// How long a write keeps going after its map turned out stale (a move's
+/// cutover in progress, or completed since the map was loaded) before it
+/// fails: a cutover pauses a logical shard's writes for much less.
+const STALE_MAP_WAIT: Duration = Duration::from_secs(10);
+
+/// The retry loop of a write whose map was stale: reload, wait a little
+/// (longer each time), and go again until [`STALE_MAP_WAIT`].
+#[derive(Debug)]
+pub(crate) struct StaleMapRetry {
+    until: Instant,
+    pause: Duration,
+}
+
+impl StaleMapRetry {
+    pub(crate) fn new() -> StaleMapRetry {
+        StaleMapRetry { until: Instant::now() + STALE_MAP_WAIT, pause: Duration::from_millis(5) }
+    }
+
+    /// Reloads the map and waits; false once the time is up.
+    pub(crate) async fn again(&mut self, shards: &Shards, metrics: &metrics::Metrics) -> bool {
+        if Instant::now() >= self.until {
+            return false;
+        }
+        metrics.stale_map_retries.inc();
+        if let Err(e) = shards.reload().await {
+            tracing::warn!(error = %e, "cannot reload the shard map");
+        }
+        tokio::time::sleep(self.pause).await;
+        self.pause = (self.pause * 2).min(Duration::from_millis(200));
+        true
+    }
 }
 
 impl Writer {
@@ -59,7 +95,7 @@ impl Writer {
         let metrics = metrics::Metrics::register(registry)?;
         // Every shard's series exist from the start (at 0), so dashboards and
         // increase() see the first failure.
-        for shard in 0..shards.count() {
+        for shard in shards.ids() {
             let s = shard.to_string();
             metrics.published.with_label_values(&[&s]);
             metrics.publish_failures.with_label_values(&[&s]);
@@ -69,11 +105,10 @@ impl Writer {
                 metrics.writes.with_label_values(&[&s, kind]);
             }
         }
-        let wake = (0..shards.count()).map(|_| Notify::new()).collect();
-        let (queues, receivers) = group::queues(shards.count());
-        let consecutive = (0..shards.count()).map(|_| tokio::sync::OnceCell::new()).collect();
+        let wake = (0..MAX_PHYSICAL).map(|_| Notify::new()).collect();
+        let queues = (0..MAX_PHYSICAL).map(|_| OnceLock::new()).collect();
+        let consecutive = (0..MAX_PHYSICAL).map(|_| tokio::sync::OnceCell::new()).collect();
         let inner = Arc::new(Inner { settings, shards, metrics, wake, queues, consecutive });
-        group::spawn_dispatchers(&inner, receivers);
         Ok(Writer { inner })
     }
 

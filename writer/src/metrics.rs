@@ -20,6 +20,9 @@ pub struct Metrics {
     pub group_size: HistogramVec,
     /// Single writes waiting for a free commit slot.
     pub queued: IntGaugeVec,
+    /// Writes sent again after their shard turned out not to own them (a
+    /// stale map: a move's cutover, or one completed since the map loaded).
+    pub stale_map_retries: prometheus::IntCounter,
 }
 
 impl Metrics {
@@ -70,7 +73,12 @@ impl Metrics {
                 ),
                 &["shard"],
             )?,
+            stale_map_retries: prometheus::IntCounter::new(
+                "bagstore_writer_stale_map_retries_total",
+                "Writes sent again after their shard turned out not to own them (the map was stale)",
+            )?,
         };
+        r.register(Box::new(m.stale_map_retries.clone()))?;
         r.register(Box::new(m.writes.clone()))?;
         r.register(Box::new(m.published.clone()))?;
         r.register(Box::new(m.publish_failures.clone()))?;

@@ -24,20 +24,45 @@ use crate::Writer;
 const BACKLOG_EVERY: Duration = Duration::from_millis(500);
 
 impl Writer {
-    /// Starts one relay task per shard on `tracker`; they stop at `shutdown`
-    /// after finishing the round in hand.
+    /// Starts one relay task per physical shard on `tracker`, and one for
+    /// every shard added online later (checked every second); they stop at
+    /// `shutdown` after finishing the round in hand.
     pub fn spawn_relays(
         &self,
         tracker: &TaskTracker,
         shutdown: CancellationToken,
     ) -> Result<(), rdkafka::error::KafkaError> {
-        for shard in 0..self.shards().count() {
+        let mut started = std::collections::BTreeSet::new();
+        self.spawn_new_relays(tracker, &shutdown, &mut started)?;
+        let (writer, tracker2) = (self.clone(), tracker.clone());
+        tracker.spawn(async move {
+            while !shutdown.is_cancelled() {
+                sleep_or_stop(&shutdown, Duration::from_secs(1)).await;
+                if let Err(e) = writer.spawn_new_relays(&tracker2, &shutdown, &mut started) {
+                    tracing::error!(error = %e, "cannot start a relay");
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn spawn_new_relays(
+        &self,
+        tracker: &TaskTracker,
+        shutdown: &CancellationToken,
+        started: &mut std::collections::BTreeSet<usize>,
+    ) -> Result<(), rdkafka::error::KafkaError> {
+        for shard in self.shards().ids() {
+            if started.contains(&shard) || shutdown.is_cancelled() {
+                continue;
+            }
             // One producer per shard: a fatal idempotence error then costs
             // only that shard a producer rebuild.
             let producer: FutureProducer = kafka::create(&kafka::producer_config(&self.settings().kafka))?;
             let writer = self.clone();
             let shutdown = shutdown.clone();
             tracker.spawn(async move { writer.relay(shard, producer, shutdown).await });
+            started.insert(shard);
         }
         Ok(())
     }

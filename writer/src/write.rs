@@ -11,7 +11,7 @@ use sqlx::Connection;
 use std::collections::HashMap;
 use storage::entities::{self, EntityRecord, EntityWrite};
 use storage::outbox::{self, OutboxInsert};
-use storage::{OnShard, StoreError};
+use storage::{topology, OnShard, StoreError};
 
 use crate::Writer;
 
@@ -54,6 +54,18 @@ pub enum WriteError {
     },
 }
 
+impl WriteError {
+    /// The shard the write went to did not own it (the map was stale): the
+    /// write may go again to the owner the reloaded map names.
+    pub fn is_stale_map(&self) -> bool {
+        match self {
+            WriteError::Store(e) => e.is_stale_map(),
+            WriteError::ShardFailed { source, .. } => source.is_stale_map(),
+            _ => false,
+        }
+    }
+}
+
 /// What one write does to the entity.
 #[derive(Debug, Clone)]
 pub enum Change {
@@ -71,12 +83,29 @@ impl Writer {
     }
 
     /// Puts many entities; those on one shard commit in one transaction.
-    /// Results come back in input order.
+    /// Results come back in input order. Items whose shard turned out not to
+    /// own them (a stale map) go again to the new owner.
     pub async fn put_batch(&self, items: Vec<(EntityId, Bag)>) -> Vec<Result<Outcome, WriteError>> {
-        let n = self.shards().count();
-        let mut per_shard: Vec<Vec<usize>> = vec![Vec::new(); n];
-        for (i, (id, _)) in items.iter().enumerate() {
-            per_shard[self.shards().of_id(id)].push(i);
+        let mut out: Vec<Option<Result<Outcome, WriteError>>> = (0..items.len()).map(|_| None).collect();
+        let mut todo: Vec<usize> = (0..items.len()).collect();
+        let mut stale = crate::StaleMapRetry::new();
+        loop {
+            for (i, r) in todo.iter().copied().zip(self.put_batch_once(&items, &todo).await) {
+                out[i] = Some(r);
+            }
+            todo.retain(|&i| out[i].as_ref().is_some_and(|r| matches!(r, Err(e) if e.is_stale_map())));
+            if todo.is_empty() || !stale.again(self.shards(), &self.inner.metrics).await {
+                break;
+            }
+        }
+        out.into_iter().map(|r| r.expect("every item belongs to one shard")).collect()
+    }
+
+    /// One attempt at the items `todo` of `items`; results in `todo`'s order.
+    async fn put_batch_once(&self, items: &[(EntityId, Bag)], todo: &[usize]) -> Vec<Result<Outcome, WriteError>> {
+        let mut per_shard: Vec<Vec<usize>> = vec![Vec::new(); self.shards().slots_len()];
+        for &i in todo {
+            per_shard[self.shards().of_id(&items[i].0)].push(i);
         }
         // Lock rows in id order in every batch, so two batches touching the
         // same ids cannot deadlock; the sort is stable, so repeated ids keep
@@ -84,7 +113,6 @@ impl Writer {
         for idx in &mut per_shard {
             idx.sort_by_key(|&i| items[i].0);
         }
-        let items = &items;
         let done = self
             .shards()
             .each_with(&per_shard, |shard, _, idx| async move {
@@ -95,13 +123,11 @@ impl Writer {
                 self.transaction_with_retries(shard, &batch).await
             })
             .await;
-        let mut out: Vec<Option<Result<Outcome, WriteError>>> = (0..items.len()).map(|_| None).collect();
+        let mut by_item: std::collections::HashMap<usize, Result<Outcome, WriteError>> = HashMap::new();
         for (shard, result) in done {
-            for (&i, r) in per_shard[shard].iter().zip(per_item(shard, result, per_shard[shard].len())) {
-                out[i] = Some(r);
-            }
+            by_item.extend(per_shard[shard].iter().copied().zip(per_item(shard, result, per_shard[shard].len())));
         }
-        out.into_iter().map(|r| r.expect("every item belongs to one shard")).collect()
+        todo.iter().map(|i| by_item.remove(i).expect("every item belongs to one shard")).collect()
     }
 
     /// [`Writer::transaction`] on one of the shard's ping-free connections,
@@ -163,6 +189,10 @@ impl Writer {
         items: &[(EntityId, Change, Precondition)],
     ) -> Result<Vec<Result<Outcome, WriteError>>, StoreError> {
         let ids: Vec<EntityId> = items.iter().map(|(id, _, _)| *id).collect();
+        // First the proof that this shard owns every logical shard written
+        // (a cutover cannot take them until this transaction ends).
+        let logicals: Vec<u16> = ids.iter().map(|id| self.shards().logical_of_id(id)).collect();
+        topology::check_owned(shard, &mut tx, &logicals).await?;
         let current = entities::lock_entities(shard, &mut tx, &ids).await?;
         // Where each entity's row is (its clustered key): the existing ones
         // now, the new ones once inserted. Events carry it for the indexes.
@@ -199,6 +229,7 @@ impl Writer {
                     let r = &rows[id];
                     EntityWrite {
                         id: *id,
+                        logical: self.shards().logical_of_id(id),
                         version: r.version,
                         updated_us: now,
                         body: r.bag.as_ref().map(codec::encode_body),

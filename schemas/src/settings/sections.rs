@@ -26,11 +26,17 @@ pub struct AuthSettings {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MysqlSettings {
-    /// One DSN per shard, in shard order. Order is part of the data layout:
-    /// reordering it sends reads to the wrong shard. May be a TOML list or,
-    /// from the environment, a comma-separated string.
+    /// One DSN per physical shard, in any order: each shard's database
+    /// knows its own name, and the cluster's map (in the database, not here)
+    /// says what it holds. A new cluster (`bagstore migrate`) names them
+    /// `s0`, `s1`, … in this order. May be a TOML list or, from the
+    /// environment, a comma-separated string.
     #[serde(deserialize_with = "list_or_csv")]
     pub shards: Vec<Dsn>,
+    /// Logical shards of a new cluster (default 4096, see
+    /// `schemas::shard::DEFAULT_LOGICAL_SHARDS`); for an existing one, if
+    /// given, it must be the number the cluster was created with.
+    pub logical_shards: Option<u16>,
     /// Pool size per shard and process; the hot-path connections
     /// ([`crate::conns`]) have their own cap of the same size.
     pub max_connections: u32,
@@ -39,7 +45,7 @@ pub struct MysqlSettings {
 
 impl Default for MysqlSettings {
     fn default() -> Self {
-        MysqlSettings { shards: Vec::new(), max_connections: 16, connect_timeout_ms: 10_000 }
+        MysqlSettings { shards: Vec::new(), logical_shards: None, max_connections: 16, connect_timeout_ms: 10_000 }
     }
 }
 

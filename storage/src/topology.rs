@@ -1,0 +1,307 @@
+//! The cluster's map in the database, and the ownership each transaction
+//! proves.
+//!
+//! The metadata shard holds the map (`bagstore_cluster`: the number of
+//! logical shards and the epoch; `bagstore_physical`: the physical shards;
+//! `bagstore_map`: logical → physical) and the processes' last known epochs
+//! (`bagstore_processes`). Every physical shard holds who it is
+//! (`bagstore_shard`: its name and the epoch of the last change that
+//! touched it) and what it owns (`bagstore_owned`: one row per logical
+//! shard).
+//!
+//! Ownership, not the map, is what a write trusts: a transaction that
+//! writes rows of logical shards first reads their `bagstore_owned` rows
+//! with a shared lock ([`check_owned`]). A cutover takes those rows
+//! exclusively and deletes them, so a write that started before waits for
+//! it, and one that comes after finds it does not own them, reloads the map
+//! and goes to the new owner. A read checks the shard's epoch
+//! ([`shard_epoch`]) against its map instead: a mismatch means the map it
+//! routed with is out of date.
+
+use schemas::topology::{PhysicalId, PhysicalShard, Topology};
+use sqlx::mysql::MySqlPool;
+use sqlx::{MySqlConnection, Row};
+
+use crate::entities::marks;
+use crate::error::{OnShard, Result, StoreError};
+use crate::shards::META_SHARD;
+
+/// Who a physical shard's database says it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    pub name: String,
+    pub physical: PhysicalId,
+    pub epoch: u64,
+}
+
+/// The identity recorded in a shard's database; `None` for a database that
+/// is not (yet) part of a cluster.
+pub async fn identity(shard: usize, pool: &MySqlPool) -> Result<Option<Identity>> {
+    let exists: (i64,) = sqlx::query_as(
+        "SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'bagstore_shard'",
+    )
+    .fetch_one(pool)
+    .await
+    .on(shard)?;
+    if exists.0 == 0 {
+        return Ok(None);
+    }
+    let row = sqlx::query("SELECT name, physical, epoch FROM bagstore_shard WHERE id = 1")
+        .fetch_optional(pool)
+        .await
+        .on(shard)?;
+    row.map(|r| {
+        Ok(Identity {
+            name: r.try_get("name").on(shard)?,
+            physical: r.try_get("physical").on(shard)?,
+            epoch: r.try_get("epoch").on(shard)?,
+        })
+    })
+    .transpose()
+}
+
+/// Whether this database holds a cluster's map (it is the metadata shard).
+pub async fn holds_map(shard: usize, pool: &MySqlPool) -> Result<bool> {
+    let (n,): (i64,) = sqlx::query_as(
+        "SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'bagstore_cluster'",
+    )
+    .fetch_one(pool)
+    .await
+    .on(shard)?;
+    if n == 0 {
+        return Ok(false);
+    }
+    let (rows,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM bagstore_cluster").fetch_one(pool).await.on(shard)?;
+    Ok(rows > 0)
+}
+
+/// The map, from the metadata shard; `None` before the cluster exists.
+pub async fn load(meta: &MySqlPool) -> Result<Option<Topology>> {
+    let s = META_SHARD;
+    let Some(cluster) =
+        sqlx::query("SELECT logical_shards, epoch FROM bagstore_cluster WHERE id = 1").fetch_optional(meta).await.on(s)?
+    else {
+        return Ok(None);
+    };
+    let logical_shards: u16 = cluster.try_get("logical_shards").on(s)?;
+    let epoch: u64 = cluster.try_get("epoch").on(s)?;
+    let shards = sqlx::query("SELECT id, name, address, epoch FROM bagstore_physical ORDER BY id")
+        .fetch_all(meta)
+        .await
+        .on(s)?
+        .iter()
+        .map(|r| {
+            Ok(PhysicalShard {
+                id: r.try_get("id").on(s)?,
+                name: r.try_get("name").on(s)?,
+                address: r.try_get("address").on(s)?,
+                epoch: r.try_get("epoch").on(s)?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut owners = vec![PhysicalId::MAX; logical_shards as usize];
+    for r in sqlx::query("SELECT logical, physical FROM bagstore_map").fetch_all(meta).await.on(s)? {
+        let k: u16 = r.try_get("logical").on(s)?;
+        if let Some(slot) = owners.get_mut(k as usize) {
+            *slot = r.try_get("physical").on(s)?;
+        }
+    }
+    if owners.contains(&PhysicalId::MAX) {
+        return Err(StoreError::BadTopology("the map lacks some logical shards".into()));
+    }
+    Ok(Some(Topology { logical_shards, epoch, shards, owners }))
+}
+
+/// Records a new cluster's map on the metadata shard (in one transaction).
+pub async fn create(meta: &MySqlPool, t: &Topology) -> Result<()> {
+    let s = META_SHARD;
+    let mut tx = meta.begin().await.on(s)?;
+    sqlx::query("INSERT INTO bagstore_cluster (id, logical_shards, epoch) VALUES (1, ?, ?)")
+        .bind(t.logical_shards)
+        .bind(t.epoch)
+        .execute(&mut *tx)
+        .await
+        .on(s)?;
+    for p in &t.shards {
+        insert_physical(&mut tx, p).await?;
+    }
+    for chunk in (0..t.logical_shards).collect::<Vec<u16>>().chunks(1000) {
+        let sql = format!("INSERT INTO bagstore_map (logical, physical) VALUES {}", vec!["(?, ?)"; chunk.len()].join(", "));
+        let mut q = sqlx::query(&sql);
+        for k in chunk {
+            q = q.bind(*k).bind(t.owner(*k));
+        }
+        q.execute(&mut *tx).await.on(s)?;
+    }
+    tx.commit().await.on(s)
+}
+
+async fn insert_physical(conn: &mut MySqlConnection, p: &PhysicalShard) -> Result<()> {
+    sqlx::query("INSERT INTO bagstore_physical (id, name, address, epoch) VALUES (?, ?, ?, ?)")
+        .bind(p.id)
+        .bind(&p.name)
+        .bind(&p.address)
+        .bind(p.epoch)
+        .execute(conn)
+        .await
+        .on(META_SHARD)?;
+    Ok(())
+}
+
+/// Registers a new physical shard (owning nothing yet) and bumps the epoch,
+/// so running processes notice it on their next reload.
+pub async fn register(meta: &MySqlPool, name: &str, address: &str) -> Result<PhysicalShard> {
+    let s = META_SHARD;
+    let mut tx = meta.begin().await.on(s)?;
+    let (epoch,): (u64,) =
+        sqlx::query_as("SELECT epoch FROM bagstore_cluster WHERE id = 1 FOR UPDATE").fetch_one(&mut *tx).await.on(s)?;
+    let (next,): (u32,) = sqlx::query_as("SELECT CAST(COALESCE(MAX(id) + 1, 0) AS UNSIGNED) FROM bagstore_physical")
+        .fetch_one(&mut *tx)
+        .await
+        .on(s)?;
+    let p = PhysicalShard { id: next, name: name.to_string(), address: address.to_string(), epoch: epoch + 1 };
+    insert_physical(&mut tx, &p).await?;
+    sqlx::query("UPDATE bagstore_cluster SET epoch = ? WHERE id = 1").bind(epoch + 1).execute(&mut *tx).await.on(s)?;
+    tx.commit().await.on(s)?;
+    Ok(p)
+}
+
+/// Unregisters a physical shard that owns nothing any more.
+pub async fn unregister(meta: &MySqlPool, id: PhysicalId) -> Result<()> {
+    let s = META_SHARD;
+    let mut tx = meta.begin().await.on(s)?;
+    let (owned,): (i64,) =
+        sqlx::query_as("SELECT COUNT(*) FROM bagstore_map WHERE physical = ?").bind(id).fetch_one(&mut *tx).await.on(s)?;
+    if owned > 0 {
+        return Err(StoreError::BadTopology(format!("physical shard {id} still owns {owned} logical shards")));
+    }
+    sqlx::query("DELETE FROM bagstore_physical WHERE id = ?").bind(id).execute(&mut *tx).await.on(s)?;
+    sqlx::query("UPDATE bagstore_cluster SET epoch = epoch + 1 WHERE id = 1").execute(&mut *tx).await.on(s)?;
+    tx.commit().await.on(s)
+}
+
+/// Makes a database physical shard `physical` named `name` (idempotent for
+/// the same name; refuses a database that is another shard already).
+pub async fn claim_identity(shard: usize, pool: &MySqlPool, name: &str, physical: PhysicalId, epoch: u64) -> Result<()> {
+    for ddl in [crate::ddl::shard_identity(), crate::ddl::owned()] {
+        sqlx::query(&ddl).execute(pool).await.on(shard)?;
+    }
+    sqlx::query("INSERT IGNORE INTO bagstore_shard (id, name, physical, epoch) VALUES (1, ?, ?, ?)")
+        .bind(name)
+        .bind(physical)
+        .bind(epoch)
+        .execute(pool)
+        .await
+        .on(shard)?;
+    match identity(shard, pool).await? {
+        Some(me) if me.name == name && me.physical == physical => Ok(()),
+        Some(me) => Err(StoreError::BadTopology(format!(
+            "this database is already physical shard {:?} (id {}), not {name:?}",
+            me.name, me.physical
+        ))),
+        None => Err(StoreError::BadTopology("the shard identity did not stick".into())),
+    }
+}
+
+/// Grants `logicals` to a shard (its `bagstore_owned` rows) and sets its
+/// epoch, in one transaction.
+pub async fn grant(shard: usize, pool: &MySqlPool, logicals: &[u16], epoch: u64) -> Result<()> {
+    let mut tx = pool.begin().await.on(shard)?;
+    for chunk in logicals.chunks(1000) {
+        let sql = format!("INSERT IGNORE INTO bagstore_owned (logical) VALUES {}", vec!["(?)"; chunk.len()].join(", "));
+        let mut q = sqlx::query(&sql);
+        for k in chunk {
+            q = q.bind(*k);
+        }
+        q.execute(&mut *tx).await.on(shard)?;
+    }
+    sqlx::query("UPDATE bagstore_shard SET epoch = GREATEST(epoch, ?) WHERE id = 1")
+        .bind(epoch)
+        .execute(&mut *tx)
+        .await
+        .on(shard)?;
+    tx.commit().await.on(shard)
+}
+
+/// The logical shards a shard's database says it owns.
+pub async fn owned(shard: usize, pool: &MySqlPool) -> Result<Vec<u16>> {
+    let rows: Vec<(u16,)> =
+        sqlx::query_as("SELECT logical FROM bagstore_owned ORDER BY logical").fetch_all(pool).await.on(shard)?;
+    Ok(rows.into_iter().map(|r| r.0).collect())
+}
+
+/// The ownership proof of a write: inside the caller's transaction, reads
+/// the `bagstore_owned` rows of `logicals` with a shared lock (held until
+/// the transaction ends, so no cutover can take them meanwhile). Fails with
+/// [`StoreError::NotOwner`] if any is missing: the caller's map is stale.
+pub async fn check_owned(shard: usize, conn: &mut MySqlConnection, logicals: &[u16]) -> Result<()> {
+    let mut wanted: Vec<u16> = logicals.to_vec();
+    wanted.sort_unstable();
+    wanted.dedup();
+    if wanted.is_empty() {
+        return Ok(());
+    }
+    let sql = format!("SELECT logical FROM bagstore_owned WHERE logical IN ({}) LOCK IN SHARE MODE", marks(wanted.len()));
+    let mut q = sqlx::query(&sql);
+    for k in &wanted {
+        q = q.bind(*k);
+    }
+    let found = q.fetch_all(&mut *conn).await.on(shard)?;
+    if found.len() == wanted.len() {
+        return Ok(());
+    }
+    let have: Vec<u16> = found.iter().filter_map(|r| r.try_get::<u16, _>("logical").ok()).collect();
+    let missing = wanted.into_iter().find(|k| !have.contains(k)).unwrap_or_default();
+    Err(StoreError::NotOwner { shard, logical: missing })
+}
+
+/// Begins a transaction on `shard` that owns `logicals` (see
+/// [`check_owned`]): every write of rows of logical shards goes through one.
+pub async fn begin_owned(
+    shard: usize,
+    pool: &MySqlPool,
+    logicals: &[u16],
+) -> Result<sqlx::Transaction<'static, sqlx::MySql>> {
+    let mut tx = pool.begin().await.on(shard)?;
+    check_owned(shard, &mut tx, logicals).await?;
+    Ok(tx)
+}
+
+/// The shard's epoch as a scalar subquery: a read selects it beside its
+/// rows, so rows and epoch come from one snapshot.
+pub const SHARD_EPOCH: &str = "(SELECT epoch FROM bagstore_shard WHERE id = 1)";
+
+/// A shard's epoch as its database has it: what a read compares with the
+/// epoch its map gives that shard.
+pub async fn shard_epoch(shard: usize, conn: impl sqlx::MySqlExecutor<'_>) -> Result<u64> {
+    let (epoch,): (u64,) = sqlx::query_as("SELECT epoch FROM bagstore_shard WHERE id = 1").fetch_one(conn).await.on(shard)?;
+    Ok(epoch)
+}
+
+/// Records that process `id` (of `role`) routes with map `epoch`.
+pub async fn heartbeat(meta: &MySqlPool, id: &str, role: &str, epoch: u64) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO bagstore_processes (id, role, epoch) VALUES (?, ?, ?) \
+         ON DUPLICATE KEY UPDATE role = VALUES(role), epoch = VALUES(epoch), seen = NOW(6)",
+    )
+    .bind(id)
+    .bind(role)
+    .bind(epoch)
+    .execute(meta)
+    .await
+    .on(META_SHARD)?;
+    Ok(())
+}
+
+/// The lowest map epoch among processes seen within `within_secs`, and how
+/// many such processes there are.
+pub async fn oldest_live_epoch(meta: &MySqlPool, within_secs: u32) -> Result<(Option<u64>, u64)> {
+    let row = sqlx::query(
+        "SELECT MIN(epoch) AS e, COUNT(*) AS n FROM bagstore_processes WHERE seen > NOW(6) - INTERVAL ? SECOND",
+    )
+    .bind(within_secs)
+    .fetch_one(meta)
+    .await
+    .on(META_SHARD)?;
+    Ok((row.try_get("e").on(META_SHARD)?, row.try_get::<i64, _>("n").on(META_SHARD)? as u64))
+}
