@@ -20,6 +20,24 @@ pub struct Roles {
     pub cleaner: bool,
 }
 
+impl Roles {
+    /// The roles as a process reports them (`writer,reader,indexer,cleaner`).
+    pub fn names(&self) -> String {
+        let mut out = Vec::new();
+        for (on, name) in [
+            (self.writer, "writer"),
+            (self.reader, "reader"),
+            (!self.indexes.is_empty(), "indexer"),
+            (self.cleaner, "cleaner"),
+        ] {
+            if on {
+                out.push(name);
+            }
+        }
+        out.join(",")
+    }
+}
+
 /// Services started in this process.
 #[derive(Debug)]
 pub struct Running {
@@ -52,11 +70,12 @@ pub fn routes(
 }
 
 pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running> {
-    let shards = Shards::connect_lazy(&settings.mysql)?;
+    let shards = Shards::connect(&settings.mysql).await?;
     let registry = Registry::new();
     let pipeline = Pipeline::new();
     let http_metrics = HttpMetrics::register(&registry, "http")?;
     let routes = routes(settings, &shards, &roles, &registry, &pipeline)?;
+    let role_names = roles.names();
     if !roles.indexes.is_empty() {
         let metrics = indexer::Metrics::register(&registry)?;
         for spec in roles.indexes {
@@ -69,7 +88,18 @@ pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running>
             });
         }
     }
+    let map_metrics = service::cluster::MapMetrics::register(&registry)?;
+    let every = std::time::Duration::from_millis(settings.mysql.map_refresh_ms);
+    pipeline.tracker.spawn(service::cluster::watch(
+        shards.clone(),
+        role_names,
+        every,
+        map_metrics,
+        pipeline.stop.clone(),
+    ));
     if roles.cleaner {
+        let m = mover::Mover::new(settings.clone(), shards.clone(), mover::MoverMetrics::register(&registry)?);
+        pipeline.tracker.spawn(m.serve(pipeline.stop.clone()));
         let c = cleaner::Cleaner::new(
             settings.clone(),
             shards.clone(),
@@ -133,6 +163,7 @@ mod tests {
         ("GET", "/v1/indexes", Role::Read),
         ("DELETE", "/v1/indexes/{table}", Role::Admin),
         ("GET", "/v1/lag", Role::Read),
+        ("GET", "/v1/shards", Role::Read),
     ];
 
     #[tokio::test]
@@ -140,7 +171,7 @@ mod tests {
         let mut settings = Settings::default();
         settings.mysql.shards = vec![schemas::settings::Dsn("mysql://root@127.0.0.1:1/never".into())];
         settings.kafka.brokers = "127.0.0.1:1".into();
-        let shards = Shards::connect_lazy(&settings.mysql).unwrap();
+        let shards = Shards::configured(&settings.mysql).unwrap();
         let roles = Roles { writer: true, reader: true, ..Default::default() };
         let pipeline = Pipeline::new();
         let routes = routes(&settings, &shards, &roles, &Registry::new(), &pipeline).unwrap();

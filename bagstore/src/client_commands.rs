@@ -47,7 +47,7 @@ fn ok(answer: Result<Answer, TransportError>) -> anyhow::Result<Value> {
     Ok(answer?.into_ok()?)
 }
 
-fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
+pub(crate) fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
     let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
     for r in &rows {
         for (i, c) in r.iter().enumerate() {
@@ -147,6 +147,13 @@ pub async fn query(c: &ClientArgs, q: Value) -> anyhow::Result<()> {
         text(&doc["index_lag_ms"]),
         text(&doc["next_page_token"])
     );
+    Ok(())
+}
+
+/// `bagstore shards list` through the HTTP API.
+pub async fn shards_list(c: &ClientArgs) -> anyhow::Result<()> {
+    let doc = ok(c.client().shards().await)?;
+    println!("{}", if c.json { doc.to_string() } else { crate::shards::render(&doc) });
     Ok(())
 }
 

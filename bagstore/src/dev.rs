@@ -6,6 +6,12 @@
 //! `[kafka]` brokers), migrates, and runs writer + one indexer per index +
 //! reader behind one HTTP listener.
 //!
+//! The private shards grow and shrink with `--shards`: on a data dir made
+//! with fewer, the new servers are added as shards (`s<i>`) and the cluster
+//! rebalances onto them online while serving (progress in the log); with
+//! more, the extra shards are drained, then removed (their servers stop at
+//! the next start). Without `--shards`, the recorded layout is kept.
+//!
 //! The embedded Kafka keeps nothing across restarts. A graceful stop
 //! therefore drains first: no new writes, outbox empty, every index caught
 //! up. Then consumers commit, relays stop, and mariadbd shuts down.
@@ -15,7 +21,6 @@ use devstack::mariadb::MariaDb;
 use schemas::settings::Dsn;
 use std::path::PathBuf;
 use std::time::Duration;
-use storage::Shards;
 
 use crate::app::{self, Roles};
 use crate::migrate;
@@ -27,9 +32,10 @@ pub struct DevArgs {
     pub config: Option<PathBuf>,
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub http: String,
-    /// Private MariaDB shards to run.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
-    pub shards: u16,
+    /// Private MariaDB shards to run (default: as many as the data dir has, 2 for a new one);
+    /// a different number than recorded grows or shrinks the cluster online.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub shards: Option<u16>,
     /// Where the private shards keep their data (kept across restarts).
     #[arg(long, default_value = ".bagstore")]
     pub data_dir: PathBuf,
@@ -47,8 +53,12 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot create the data dir {}", args.data_dir.display()))?;
 
     let mut servers: Vec<MariaDb> = Vec::new();
+    let mut layout = Layout::default();
     if settings.mysql.shards.is_empty() {
-        let starts = (0..args.shards).map(|i| {
+        let existing = (0..).take_while(|i| args.data_dir.join(format!("shard-{i}")).exists()).count();
+        let wanted = args.shards.map(usize::from);
+        let total = existing.max(wanted.unwrap_or(2));
+        let starts = (0..total).map(|i| {
             let dir = args.data_dir.join(format!("shard-{i}"));
             async move {
                 MariaDb::start(&dir).await.with_context(|| format!("starting shard {i} in {}", dir.display()))
@@ -57,7 +67,23 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         for r in futures::future::join_all(starts).await {
             servers.push(r?);
         }
-        settings.mysql.shards = servers.iter().map(|m| Dsn(m.dsn(DEV_DATABASE))).collect();
+        let dsns: Vec<Dsn> = servers.iter().map(|m| Dsn(m.dsn(DEV_DATABASE))).collect();
+        let probe = schemas::settings::MysqlSettings { shards: dsns.clone(), ..settings.mysql.clone() };
+        let ids = storage::Shards::identities(&probe).await.context("asking the private shards who they are")?;
+        layout = Layout::plan(&ids, wanted);
+        settings.mysql.shards = layout.serving.iter().map(|i| dsns[*i].clone()).collect();
+        layout.add = layout.add.iter().map(|(i, _)| (*i, dsns[*i].clone())).collect();
+        // Servers that are no shard and not wanted (removed earlier) stop.
+        let keep: Vec<usize> = layout.serving.iter().copied().chain(layout.add.iter().map(|(i, _)| *i)).collect();
+        let mut kept = Vec::new();
+        for (i, m) in servers.into_iter().enumerate() {
+            if keep.contains(&i) {
+                kept.push(m);
+            } else if let Err(e) = m.stop().await {
+                tracing::warn!(error = %e, "mariadbd did not stop cleanly");
+            }
+        }
+        servers = kept;
     }
 
     // The mock cluster is not Send; it lives on this task until the end.
@@ -66,7 +92,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         cluster = Some(devstack::kafka::start(&mut settings.kafka).context("starting the embedded Kafka")?);
     }
 
-    let result = serve(&settings, &args, cluster.is_none()).await;
+    let result = serve(settings, &args, layout, cluster.is_none()).await;
     drop(cluster);
     for m in servers {
         if let Err(e) = m.stop().await {
@@ -76,15 +102,30 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     result
 }
 
-async fn serve(settings: &schemas::Settings, args: &DevArgs, create_topics: bool) -> anyhow::Result<()> {
-    let shards = Shards::connect_lazy(&settings.mysql)?;
-    migrate::migrate(settings, &shards, create_topics).await?;
+async fn serve(mut settings: schemas::Settings, args: &DevArgs, layout: Layout, create_topics: bool) -> anyhow::Result<()> {
+    let (_, shards) = migrate::migrate(&settings, create_topics).await?;
+    for (i, dsn) in &layout.add {
+        let p = crate::shards::add_shard(&shards, &settings, &format!("s{i}"), dsn).await?;
+        tracing::info!(shard = %p.name, id = p.id, "added a private shard");
+        settings.mysql.shards.push(dsn.clone());
+    }
     shards.close().await;
+    let settings = &settings;
     let roles = Roles { writer: true, reader: true, indexes: settings.indexes.clone(), cleaner: true };
     let running = app::start(settings, roles).await?;
     let (listener, url) = service::serve::bind(&args.http).await?;
     let dsns: Vec<String> = settings.mysql.shards.iter().map(Dsn::redacted).collect();
     println!("bagstore dev ready: http={url} shards={} kafka={}", dsns.join(","), settings.kafka.brokers);
+    if !layout.add.is_empty() || !layout.remove.is_empty() {
+        let (settings, shards, stop) = (settings.clone(), running.shards.clone(), running.pipeline.stop.clone());
+        let wanted = layout.wanted_names();
+        let remove = layout.remove.clone();
+        running.pipeline.tracker.spawn(async move {
+            if let Err(e) = rebalance(settings, shards, wanted, remove, stop).await {
+                tracing::error!(error = %e, "the private shards' rebalance stopped; it resumes at the next start");
+            }
+        });
+    }
     // Between HTTP and the pipeline: drain, since the embedded Kafka keeps nothing.
     let drain = async {
         let deadline = Duration::from_secs(args.drain_timeout_secs);
@@ -94,5 +135,98 @@ async fn serve(settings: &schemas::Settings, args: &DevArgs, create_topics: bool
     };
     service::serve::until_signal(settings, listener, running.router.clone(), &running.pipeline, drain).await;
     running.shards.close().await;
+    Ok(())
+}
+
+/// How this run's private shards relate to the cluster in the data dir.
+#[derive(Debug, Default)]
+struct Layout {
+    /// Server positions of the registered shards (the configuration).
+    serving: Vec<usize>,
+    /// Their names, by position.
+    names: Vec<(usize, String)>,
+    /// Servers to add as shards `s<i>`.
+    add: Vec<(usize, Dsn)>,
+    /// Names of registered shards to drain and remove.
+    remove: Vec<String>,
+}
+
+impl Layout {
+    /// `ids`: who each started server says it is; `wanted`: `--shards`.
+    fn plan(ids: &[Option<storage::topology::Identity>], wanted: Option<usize>) -> Layout {
+        let registered: Vec<usize> = (0..ids.len()).filter(|i| ids[*i].is_some()).collect();
+        if registered.is_empty() {
+            // A new cluster on the first `wanted` (default 2).
+            let n = wanted.unwrap_or(2);
+            return Layout { serving: (0..n).collect(), ..Default::default() };
+        }
+        let names: Vec<(usize, String)> =
+            registered.iter().map(|i| (*i, ids[*i].as_ref().expect("registered").name.clone())).collect();
+        let Some(n) = wanted else {
+            return Layout { serving: registered, names, ..Default::default() };
+        };
+        let add = (0..n).filter(|i| !registered.contains(i)).map(|i| (i, Dsn(String::new()))).collect();
+        let remove = names.iter().filter(|(i, _)| *i >= n).map(|(_, name)| name.clone()).collect();
+        Layout { serving: registered, names, add, remove }
+    }
+
+    /// The shards that should hold the data once grown or shrunk.
+    fn wanted_names(&self) -> Vec<String> {
+        let kept = self.names.iter().filter(|(_, n)| !self.remove.contains(n)).map(|(_, n)| n.clone());
+        kept.chain(self.add.iter().map(|(i, _)| format!("s{i}"))).collect()
+    }
+}
+
+/// Rebalances onto `wanted`, then removes `remove`; progress in the log.
+async fn rebalance(
+    settings: schemas::Settings,
+    shards: storage::Shards,
+    wanted: Vec<String>,
+    remove: Vec<String>,
+    stop: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()> {
+    let mover = mover::Mover::new(settings, shards.clone(), mover::MoverMetrics::unregistered());
+    let last = std::sync::Mutex::new(std::time::Instant::now());
+    let report = |p: &mover::Progress| {
+        let mut last = last.lock().expect("not poisoned");
+        if last.elapsed() >= Duration::from_secs(2) {
+            *last = std::time::Instant::now();
+            tracing::info!(
+                id = p.move_id, phase = p.phase.as_str(), from = %p.source, to = %p.target,
+                copied = p.rows_copied, total = p.rows_total, rows_per_sec = p.rows_per_sec as u64,
+                "rebalancing the private shards"
+            );
+        }
+    };
+    loop {
+        let plans = mover.plan_rebalance(&wanted)?;
+        if plans.is_empty() {
+            break;
+        }
+        tracing::info!(moves = plans.len(), onto = ?wanted, "rebalancing the private shards");
+        match mover.execute(&plans, &report, &stop).await {
+            Ok(_) => {}
+            // The cleaner role is finishing a move left in flight.
+            Err(mover::MoveError::Busy) => {
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    _ = stop.cancelled() => return Ok(()),
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    for name in remove {
+        let t = shards.topology();
+        let Some(p) = t.by_name(&name) else { continue };
+        storage::topology::unregister(shards.meta(), p.id).await?;
+        storage::topology::forget_identity(p.id as usize, shards.pool(p.id as usize)).await?;
+        shards.reload().await?;
+        tracing::info!(shard = %name, "removed a drained private shard; its server stops at the next start");
+    }
+    let t = shards.topology();
+    let counts: Vec<String> =
+        t.counts().iter().filter_map(|(id, n)| t.shard(*id).map(|p| format!("{}={n}", p.name))).collect();
+    tracing::info!(logical_shards = %counts.join(","), "private shards balanced");
     Ok(())
 }

@@ -10,6 +10,8 @@
 //! - [`dev`]: private MariaDB shards + embedded Kafka + all services
 //!   (infrastructure from `devstack`).
 //! - [`admin`]: one-shot operator commands (backfill one index, drop one).
+//! - [`shards`]: `bagstore shards …`: physical shards, moves, rebalancing.
+//! - [`progress`]: progress bars and lines for long commands.
 //! - [`client_commands`]: `put`, `get`, `query`, `lag`, … over HTTP.
 //! - [`logging`]: tracing setup.
 
@@ -19,3 +21,5 @@ pub mod client_commands;
 pub mod dev;
 pub mod logging;
 pub mod migrate;
+pub mod progress;
+pub mod shards;

@@ -2,7 +2,7 @@
 
 use anyhow::Context;
 use bagstore::client_commands::{self as client, ClientArgs};
-use bagstore::{admin, app, dev, logging, migrate};
+use bagstore::{admin, app, dev, logging, migrate, shards};
 use clap::{Parser, Subcommand};
 use schemas::Settings;
 use std::path::PathBuf;
@@ -53,6 +53,11 @@ enum Command {
     Index {
         #[command(subcommand)]
         command: IndexCommand,
+    },
+    /// Physical shards and online moves of logical shards between them.
+    Shards {
+        #[command(subcommand)]
+        command: ShardsCommand,
     },
     /// Create or replace an entity: JSON inline, `@file` or `-` (stdin).
     Put {
@@ -109,6 +114,62 @@ enum IndexCommand {
     },
 }
 
+#[derive(Debug, Subcommand)]
+enum ShardsCommand {
+    /// Physical shards (logical ranges, rows), moves in flight and the map's epoch
+    /// (from the shards with --config, otherwise through the HTTP API).
+    List {
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Prepare an empty database as a new physical shard and register it (it owns nothing yet).
+    Add {
+        name: String,
+        dsn: String,
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Move logical shards (`A-B`, or a list like `0-9,20`) to the physical shard NAME, online.
+    Move {
+        #[arg(long)]
+        logical: String,
+        #[arg(long)]
+        to: String,
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Move logical shards until every physical shard (or each of --shards) holds an even share.
+    Rebalance {
+        /// Print the moves without running them.
+        #[arg(long)]
+        dry_run: bool,
+        /// Physical shards to spread over (default: all registered).
+        #[arg(long, value_delimiter = ',')]
+        shards: Option<Vec<String>>,
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Move everything a physical shard owns to the others, then unregister it.
+    Remove {
+        name: String,
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Finish the move in flight (after a kill).
+    Resume {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Roll back a move that has not yet flipped the map.
+    Abort {
+        id: u64,
+        #[arg(long)]
+        config: PathBuf,
+    },
+}
+
 #[derive(Debug, clap::Args)]
 struct ServiceArgs {
     #[arg(long)]
@@ -135,18 +196,40 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
+async fn shards_command(command: ShardsCommand) -> anyhow::Result<()> {
+    let external = |path: &PathBuf| -> anyhow::Result<Settings> {
+        let s = load(Some(path))?;
+        anyhow::ensure!(!s.mysql.shards.is_empty(), "mysql.shards is empty: list the DSN of every shard");
+        Ok(s)
+    };
+    match command {
+        ShardsCommand::List { config: Some(config), client } => shards::list(external(&config)?, client.json).await,
+        ShardsCommand::List { config: None, client } => client::shards_list(&client).await,
+        ShardsCommand::Add { name, dsn, config } => {
+            shards::add(external(&config)?, &name, schemas::settings::Dsn(dsn)).await
+        }
+        ShardsCommand::Move { logical, to, config } => shards::move_logicals(external(&config)?, &logical, &to).await,
+        ShardsCommand::Rebalance { dry_run, shards: names, config } => {
+            shards::rebalance(external(&config)?, names, dry_run).await
+        }
+        ShardsCommand::Remove { name, config } => shards::remove(external(&config)?, &name).await,
+        ShardsCommand::Resume { config } => shards::resume(external(&config)?).await,
+        ShardsCommand::Abort { id, config } => shards::abort(external(&config)?, id).await,
+    }
+}
+
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Dev(args) => dev::run(args).await,
         Command::Migrate { config } => {
             let settings = load(Some(&config))?;
             settings.require_external()?;
-            let shards = storage::Shards::connect_lazy(&settings.mysql)?;
-            let report = migrate::migrate(&settings, &shards, true).await?;
+            let (report, shards) = migrate::migrate(&settings, true).await?;
             for (table, state) in report.indexes {
                 println!("index {table}: {}", state.as_str());
             }
             println!("migrate done: {} shards", shards.count());
+            shards.close().await;
             Ok(())
         }
         Command::Writer(a) => {
@@ -188,6 +271,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             client::index_drop(&client, &table).await
         }
         Command::Index { command: IndexCommand::List { client } } => client::index_list(&client).await,
+        Command::Shards { command } => shards_command(command).await,
         Command::Put { client, body, id, if_match } => {
             client::put(&client, id.as_deref(), client::json_arg(&body)?, if_match).await
         }

@@ -32,18 +32,21 @@ pub struct Report {
 /// is nothing to backfill); otherwise it starts in CREATING and the
 /// cleaner's backfill brings it to ACTIVE.
 pub async fn migrate(settings: &Settings, kafka: bool) -> anyhow::Result<(Report, Shards)> {
-    for (shard, dsn) in settings.mysql.shards.iter().enumerate() {
-        migrate::create_database(shard, dsn)
-            .await
-            .with_context(|| format!("creating the database of shard {shard} ({dsn})"))?;
-    }
-    let probe = Shards::configured(&settings.mysql)?;
-    probe.wait_ready(Duration::from_secs(30)).await.context("waiting for the shards")?;
-    let identities = probe.try_each(topology::identity).await?;
+    // Who the configured databases are decides between a new cluster and
+    // an existing one; a configuration that disagrees with an existing
+    // cluster is refused before anything is written.
+    let identities = Shards::identities(&settings.mysql).await.context("asking the shards who they are")?;
     if identities.iter().all(Option::is_none) {
+        for (shard, dsn) in settings.mysql.shards.iter().enumerate() {
+            migrate::create_database(shard, dsn)
+                .await
+                .with_context(|| format!("creating the database of shard {shard} ({dsn})"))?;
+        }
+        let probe = Shards::configured(&settings.mysql)?;
+        probe.wait_ready(Duration::from_secs(30)).await.context("waiting for the shards")?;
         create_cluster(settings, &probe).await.context("creating the cluster's map")?;
+        probe.close().await;
     }
-    probe.close().await;
     let shards = Shards::connect(&settings.mysql).await.context("checking the configuration against the cluster")?;
     shards.try_each(migrate::create_base_tables).await.context("creating base tables")?;
     let l = shards.logical_shards();

@@ -171,7 +171,7 @@ fn entity(i: u64) -> Value {
 }
 
 fn shard_of_hex(id: &str) -> usize {
-    schemas::shard_of(&hex16(id), SHARDS)
+    schemas::shard::initial_position_of(&hex16(id), SHARDS)
 }
 
 fn hex16(id: &str) -> [u8; 16] {

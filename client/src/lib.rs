@@ -183,6 +183,11 @@ impl Client {
         self.request(Method::GET, "/v1/lag", None, &[]).await
     }
 
+    /// `GET /v1/shards`.
+    pub async fn shards(&self) -> Result<Answer, TransportError> {
+        self.request(Method::GET, "/v1/shards", None, &[]).await
+    }
+
     /// `GET /metrics`: the Prometheus text.
     pub async fn metrics(&self) -> Result<String, TransportError> {
         Ok(self.request(Method::GET, "/metrics", None, &[]).await?.text)

@@ -83,7 +83,7 @@ pub fn derive_keys(bag: &Bag) {
         assert!(keys.is_empty() || spec.matches_partial(bag));
         for k in &keys {
             assert_eq!(k.len(), spec.properties.len());
-            assert!(spec.shard_of_key(k, 2) < 2);
+            assert!(spec.logical_of_key(k, 16) < 16);
         }
     }
 }

@@ -39,6 +39,7 @@ pub fn routes(reader: Reader) -> Routes {
         .route(Method::GET, "/v1/indexes", Role::Read, list_indexes)
         .route(Method::DELETE, "/v1/indexes/{table}", Role::Admin, drop_index)
         .route(Method::GET, "/v1/lag", Role::Read, lag)
+        .route(Method::GET, "/v1/shards", Role::Read, list_shards)
         .with_state(reader)
 }
 
@@ -178,6 +179,11 @@ async fn run_query(State(r): State<Reader>, body: Body) -> Result<Response, Prob
         }),
     })
     .into_response())
+}
+
+/// The cluster's layout: the same document as `bagstore shards list --json`.
+async fn list_shards(State(r): State<Reader>) -> Result<Json<service::cluster::ShardsReport>, Problem> {
+    Ok(Json(service::cluster::report(r.shards()).await.map_err(ReadError::from)?))
 }
 
 async fn list_indexes(State(r): State<Reader>) -> Result<Json<JsonValue>, Problem> {

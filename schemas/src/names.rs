@@ -18,6 +18,10 @@ pub mod tables {
     pub const SHARD: &str = "bagstore_shard";
     /// The logical shards a physical shard owns, on every shard.
     pub const OWNED: &str = "bagstore_owned";
+    /// The logical shards a move is taking from this shard, on every shard.
+    pub const MOVING: &str = "bagstore_moving";
+    /// Changes to moving logical shards, for the move's catch-up, on every shard.
+    pub const JOURNAL: &str = "bagstore_journal";
     /// The cluster's number of logical shards and map epoch (metadata shard).
     pub const CLUSTER: &str = "bagstore_cluster";
     /// The physical shards (metadata shard).
@@ -36,6 +40,8 @@ pub const RESERVED_TABLES: &[&str] = &[
     tables::OUTBOX,
     tables::SHARD,
     tables::OWNED,
+    tables::MOVING,
+    tables::JOURNAL,
     tables::INDEX_CATALOG,
     tables::INDEX_PROGRESS,
     tables::CLUSTER,

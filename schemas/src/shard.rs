@@ -22,6 +22,15 @@ pub fn logical_of(bytes: &[u8], logical_shards: u16) -> u16 {
     (xxhash_rust::xxh3::xxh3_64(bytes) % u64::from(logical_shards)) as u16
 }
 
+/// The physical shard, by position `0..n` in the configuration, holding
+/// `bytes` in a cluster made with `n` shards and the default number of
+/// logical shards, before any move ([`crate::topology::Topology::even`]
+/// gives logical shard k to position k mod n). For tests and benchmarks that
+/// place or look up rows by hand; services route with the map.
+pub fn initial_position_of(bytes: &[u8], n: usize) -> usize {
+    logical_of(bytes, DEFAULT_LOGICAL_SHARDS) as usize % n
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

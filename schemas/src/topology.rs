@@ -163,6 +163,35 @@ impl Topology {
     }
 }
 
+/// Logical shards as compact text: sorted, runs as `A-B`, comma-separated
+/// (`0-9,20,22-30`). [`parse_logicals`] reads it back.
+pub fn format_logicals(logicals: &[u16]) -> String {
+    let mut ks = logicals.to_vec();
+    ks.sort_unstable();
+    ks.dedup();
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < ks.len() {
+        let mut j = i;
+        while j + 1 < ks.len() && ks[j + 1] == ks[j] + 1 {
+            j += 1;
+        }
+        parts.push(if i == j { ks[i].to_string() } else { format!("{}-{}", ks[i], ks[j]) });
+        i = j + 1;
+    }
+    parts.join(",")
+}
+
+/// Parses comma-separated ranges (`A-B` or `A`, inclusive) into sorted,
+/// distinct logical shards below `l`; the empty string is none.
+pub fn parse_logicals(text: &str, l: u16) -> Result<Vec<u16>, String> {
+    let mut out = BTreeSet::new();
+    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        out.extend(parse_logical_range(part, l)?);
+    }
+    Ok(out.into_iter().collect())
+}
+
 /// Parses `A-B` or `A` (inclusive) into logical shards below `l`.
 pub fn parse_logical_range(text: &str, l: u16) -> Result<Vec<u16>, String> {
     let (a, b) = text.split_once('-').unwrap_or((text, text));
@@ -182,6 +211,18 @@ mod tests {
         (0..n)
             .map(|id| PhysicalShard { id, name: format!("s{id}"), address: format!("mysql://h{id}/db"), epoch: 1 })
             .collect()
+    }
+
+    #[test]
+    fn logical_shard_lists_round_trip_as_ranges() {
+        let ks = vec![0, 1, 2, 3, 7, 9, 10, 4095];
+        assert_eq!(format_logicals(&ks), "0-3,7,9-10,4095");
+        assert_eq!(parse_logicals("0-3,7,9-10,4095", 4096).unwrap(), ks);
+        assert_eq!(parse_logicals("", 4096).unwrap(), Vec::<u16>::new());
+        assert_eq!(format_logicals(&[]), "");
+        assert!(parse_logicals("5-2", 4096).is_err());
+        assert!(parse_logicals("4096", 4096).is_err());
+        assert!(parse_logicals("x", 4096).is_err());
     }
 
     #[test]

@@ -10,9 +10,11 @@
 //!   request ids, request metrics, the ops routes.
 //! - [`kafka`]: client configuration, topics, consumer-group lag.
 //! - [`freshness`]: how far behind an index is (the one lag rule).
+//! - [`cluster`]: keeping the map current; this process's heartbeat.
 //! - [`config`]: loading `Settings` from a file and the environment.
 //! - [`serve`]: bind, serve, signal, and the graceful, bounded stop.
 
+pub mod cluster;
 pub mod config;
 pub mod freshness;
 pub mod http;

@@ -152,6 +152,33 @@ pub fn owned() -> String {
     )
 }
 
+/// The logical shards a move is taking from this shard: the journal
+/// triggers record changes to these (see [`crate::moves`]).
+pub fn moving() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    logical SMALLINT UNSIGNED NOT NULL,
+    PRIMARY KEY (logical)
+) ENGINE=InnoDB",
+        tables::MOVING
+    )
+}
+
+/// Changes to moving logical shards, written by the journal triggers in the
+/// changing transaction: which entity's rows of which table to copy again.
+pub fn journal() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    seq BIGINT UNSIGNED NOT NULL AUTO_INCREMENT,
+    logical SMALLINT UNSIGNED NOT NULL,
+    tbl VARCHAR(64) NOT NULL,
+    entity_id BINARY(16) NOT NULL,
+    PRIMARY KEY (seq)
+) ENGINE=InnoDB",
+        tables::JOURNAL
+    )
+}
+
 /// The cluster (metadata shard, one row): its number of logical shards and
 /// the map's epoch.
 pub fn cluster() -> String {
@@ -230,8 +257,8 @@ pub fn processes() -> String {
 }
 
 /// What every physical shard has.
-pub fn shard_tables() -> [String; 4] {
-    [entities(), outbox(), shard_identity(), owned()]
+pub fn shard_tables() -> [String; 6] {
+    [entities(), outbox(), shard_identity(), owned(), moving(), journal()]
 }
 
 /// What only the metadata shard has.

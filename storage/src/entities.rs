@@ -417,29 +417,6 @@ pub async fn scan_logicals(
     rows.iter().map(|r| record(shard, r)).collect()
 }
 
-/// Rows of `logicals` written at or after `since_us` (a move's catch-up).
-#[tracing::instrument(level = "debug", skip_all, fields(shard))]
-pub async fn changed_in_logicals(
-    shard: usize,
-    conn: impl sqlx::MySqlExecutor<'_>,
-    logicals: &[u16],
-    since_us: i64,
-) -> Result<Vec<EntityRecord>> {
-    if logicals.is_empty() {
-        return Ok(Vec::new());
-    }
-    let sql = format!(
-        "SELECT {COLUMNS} FROM entities WHERE updated >= TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00') \
-         AND logical IN ({})",
-        marks(logicals.len())
-    );
-    let mut q = sqlx::query(&sql).bind(since_us.max(0));
-    for k in logicals {
-        q = q.bind(*k);
-    }
-    q.fetch_all(conn).await.on(shard)?.iter().map(|r| record(shard, r)).collect()
-}
-
 /// Copies rows made on another shard (a move): a row is written unless this
 /// shard has the id at the same or a newer version. Its `added_id` is this
 /// shard's own (locations in index rows then cost a fetch by id until the
@@ -464,27 +441,76 @@ pub async fn copy_entities(shard: usize, conn: &mut MySqlConnection, rows: &[Ent
     Ok(())
 }
 
-/// `(id, version)` of every row of `logicals`, ordered by id: what a move
-/// compares between source and target.
-pub async fn versions_in_logicals(
+/// What a move compares of an entity row: id, version and a digest of
+/// the body (computed by the server, so bodies do not cross the network).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Fingerprint {
+    pub id: EntityId,
+    pub version: u64,
+    /// MD5 of the body in hex; `None` for a tombstone.
+    pub body_md5: Option<String>,
+}
+
+/// Fingerprints of every row of `logicals`, or (with `ids`) of those ids
+/// among them, ordered by id.
+pub async fn fingerprints(
     shard: usize,
     conn: impl sqlx::MySqlExecutor<'_>,
     logicals: &[u16],
-) -> Result<Vec<(EntityId, u64)>> {
-    if logicals.is_empty() {
+    ids: Option<&[EntityId]>,
+) -> Result<Vec<Fingerprint>> {
+    if logicals.is_empty() || ids.is_some_and(<[EntityId]>::is_empty) {
         return Ok(Vec::new());
     }
-    let sql = format!("SELECT id, version FROM entities WHERE logical IN ({}) ORDER BY id", marks(logicals.len()));
+    let only = ids.map_or(String::new(), |ids| format!(" AND id IN ({})", marks(ids.len())));
+    let sql = format!(
+        "SELECT id, version, MD5(body) AS body_md5 FROM entities WHERE logical IN ({}){only} ORDER BY id",
+        marks(logicals.len())
+    );
     let mut q = sqlx::query(&sql);
     for k in logicals {
         q = q.bind(*k);
+    }
+    for id in ids.unwrap_or_default() {
+        q = q.bind(&id.0[..]);
     }
     q.fetch_all(conn)
         .await
         .on(shard)?
         .iter()
-        .map(|r| Ok((id_column(shard, r, "id")?, r.try_get("version").on(shard)?)))
+        .map(|r| {
+            Ok(Fingerprint {
+                id: id_column(shard, r, "id")?,
+                version: r.try_get("version").on(shard)?,
+                body_md5: r.try_get("body_md5").on(shard)?,
+            })
+        })
         .collect()
+}
+
+/// InnoDB's estimate of the shard's entity rows (cheap; for metrics).
+pub async fn estimated_rows(shard: usize, pool: &MySqlPool) -> Result<u64> {
+    let n: Option<u64> = sqlx::query_scalar(
+        "SELECT TABLE_ROWS FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'entities'",
+    )
+    .fetch_optional(pool)
+    .await
+    .on(shard)?
+    .flatten();
+    Ok(n.unwrap_or(0))
+}
+
+/// How many rows of `logicals` a shard has.
+pub async fn count_in_logicals(shard: usize, pool: &MySqlPool, logicals: &[u16]) -> Result<u64> {
+    if logicals.is_empty() {
+        return Ok(0);
+    }
+    let sql = format!("SELECT COUNT(*) FROM entities WHERE logical IN ({})", marks(logicals.len()));
+    let mut q = sqlx::query_as::<_, (i64,)>(&sql);
+    for k in logicals {
+        q = q.bind(*k);
+    }
+    Ok(q.fetch_one(pool).await.on(shard)?.0 as u64)
 }
 
 /// Deletes up to `limit` rows of `logicals` (a moved-away copy); returns

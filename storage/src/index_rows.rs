@@ -197,7 +197,7 @@ pub(crate) fn row_key(shard: usize, spec: &IndexSpec, r: &MySqlRow) -> Result<Op
 #[tracing::instrument(level = "debug", skip_all, fields(table = %spec.table, shard))]
 pub async fn index_rows_of(
     shard: usize,
-    pool: &MySqlPool,
+    pool: impl sqlx::MySqlExecutor<'_>,
     spec: &IndexSpec,
     ids: &[EntityId],
 ) -> Result<Vec<IndexRow>> {
@@ -319,26 +319,10 @@ pub async fn rows_in_logicals(
     index_rows(shard, spec, &q.fetch_all(conn).await.on(shard)?)
 }
 
-/// Makes this shard's rows of `logicals` exactly `rows` (a move's fenced
-/// sync): deletes every row of `logicals` not in `rows`, then writes
-/// `rows` with their versions and locations as given.
+/// Writes rows exactly as another shard has them (a move's copy): key,
+/// version and location as given, whatever this shard had for the key.
 #[tracing::instrument(level = "debug", skip_all, fields(table = %spec.table, shard))]
-pub async fn replace_logicals(
-    shard: usize,
-    conn: &mut MySqlConnection,
-    spec: &IndexSpec,
-    logicals: &[u16],
-    rows: &[IndexRow],
-) -> Result<()> {
-    let have = rows_in_logicals(shard, &mut *conn, spec, logicals).await?;
-    let want: std::collections::HashSet<(Vec<u8>, EntityId)> =
-        rows.iter().map(|r| (key_bytes(&r.key), r.entity)).collect();
-    let extra: Vec<IndexRowDelete> = have
-        .iter()
-        .filter(|r| !want.contains(&(key_bytes(&r.key), r.entity)))
-        .map(|r| IndexRowDelete { key: r.key.clone(), entity: r.entity, below_version: u64::MAX })
-        .collect();
-    delete_index_rows_before(shard, conn, spec, &extra).await?;
+pub async fn copy_rows(shard: usize, conn: &mut MySqlConnection, spec: &IndexSpec, rows: &[IndexRow]) -> Result<()> {
     let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
     let tuple = format!("({}, ?, ?, ?, ?)", marks(cols.len()));
     for chunk in rows.chunks(500) {
@@ -360,6 +344,54 @@ pub async fn replace_logicals(
         q.execute(&mut *conn).await.on(shard)?;
     }
     Ok(())
+}
+
+/// Makes this shard's rows of `entities` within `logicals` exactly `rows`
+/// (a move's catch-up: the source's current rows of entities that changed).
+#[tracing::instrument(level = "debug", skip_all, fields(table = %spec.table, shard))]
+pub async fn replace_rows_of(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    spec: &IndexSpec,
+    logicals: &[u16],
+    entities: &[EntityId],
+    rows: &[IndexRow],
+) -> Result<()> {
+    for chunk in entities.chunks(500) {
+        let sql = format!(
+            "DELETE FROM `{}` WHERE entity_id IN ({}) AND logical IN ({})",
+            spec.table,
+            marks(chunk.len()),
+            marks(logicals.len())
+        );
+        let mut q = sqlx::query(&sql);
+        for id in chunk {
+            q = q.bind(&id.0[..]);
+        }
+        for k in logicals {
+            q = q.bind(*k);
+        }
+        q.execute(&mut *conn).await.on(shard)?;
+    }
+    copy_rows(shard, conn, spec, rows).await
+}
+
+/// How many rows of `logicals` a shard's copy of the index has.
+pub async fn count_in_logicals(shard: usize, pool: &MySqlPool, spec: &IndexSpec, logicals: &[u16]) -> Result<u64> {
+    if logicals.is_empty() {
+        return Ok(0);
+    }
+    let sql = format!("SELECT COUNT(*) FROM `{}` WHERE logical IN ({})", spec.table, marks(logicals.len()));
+    let mut q = sqlx::query_as::<_, (i64,)>(&sql);
+    for k in logicals {
+        q = q.bind(*k);
+    }
+    Ok(q.fetch_one(pool).await.on(shard)?.0 as u64)
+}
+
+/// Rows compared by value: key bytes, entity, version (a move's verify).
+pub fn row_fingerprint(row: &IndexRow) -> (Vec<u8>, EntityId, u64) {
+    (key_bytes(&row.key), row.entity, row.version)
 }
 
 /// A key as comparable bytes (each value length-prefixed).

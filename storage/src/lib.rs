@@ -16,6 +16,7 @@
 //! - [`index_scan`]: ordered, keyset-paged index scans for queries.
 //! - [`catalog`]: index definitions, states and progress (metadata shard).
 //! - [`locks`]: named locks: one relay per shard, one backfiller per index.
+//! - [`moves`]: moving logical shards: journal, fence, flip.
 //! - [`topology`]: the map in the database; the ownership a write proves,
 //!   the epoch a read checks.
 //! - [`server`]: statements about a server itself (private dev servers).
@@ -34,6 +35,7 @@ pub mod index_rows;
 pub mod index_scan;
 pub mod locks;
 pub mod migrate;
+pub mod moves;
 pub mod outbox;
 pub mod server;
 pub mod shards;

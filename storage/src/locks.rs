@@ -39,3 +39,21 @@ pub async fn try_backfill_lock(conn: &mut MySqlConnection, table: &str) -> Resul
         .on(META_SHARD)?;
     Ok(row.try_get::<Option<i64>, _>("got").on(META_SHARD)? == Some(1))
 }
+
+/// A named lock held by a connection of its own: held until dropped.
+#[derive(Debug)]
+pub struct HeldLock {
+    _conn: MySqlConnection,
+}
+
+/// Makes this process the one running the cluster's moves, if no one else
+/// is: `None` when another process holds the lock.
+pub async fn take_mover_lock(meta: &schemas::settings::Dsn) -> Result<Option<HeldLock>> {
+    let mut conn = crate::shards::dedicated_connection(meta).await.on(META_SHARD)?;
+    let row = sqlx::query("SELECT GET_LOCK(CONCAT('bagstore.mover.', DATABASE()), 0) AS got")
+        .fetch_one(&mut conn)
+        .await
+        .on(META_SHARD)?;
+    let got = row.try_get::<Option<i64>, _>("got").on(META_SHARD)? == Some(1);
+    Ok(got.then_some(HeldLock { _conn: conn }))
+}

@@ -1,8 +1,19 @@
-//! Statements about a MySQL server itself rather than a cluster's data,
+//! Statements about a MySQL server itself rather than a cluster's data:
 //! for `devstack`, which brings up private servers for `bagstore dev` and
-//! the tests.
+//! the tests, and for the mover's throttle.
 
-use sqlx::MySqlConnection;
+use sqlx::mysql::MySqlPool;
+use sqlx::{MySqlConnection, Row};
+
+use crate::error::{OnShard, Result};
+
+/// Queries running on the server right now (`Threads_running`): how busy
+/// it is.
+pub async fn threads_running(shard: usize, pool: &MySqlPool) -> Result<u64> {
+    let row = sqlx::query("SHOW GLOBAL STATUS LIKE 'Threads_running'").fetch_one(pool).await.on(shard)?;
+    let v: String = row.try_get(1).on(shard)?;
+    Ok(v.trim().parse().unwrap_or(0))
+}
 
 /// The unix socket the server listens on (`@@socket`): tells a private
 /// server from another one that took its port.

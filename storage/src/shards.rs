@@ -20,6 +20,7 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 use sqlx::{Connection, MySqlConnection};
 use std::collections::BTreeSet;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
@@ -51,6 +52,9 @@ struct Inner {
     routing: RwLock<Arc<Routing>>,
     /// When the map was last loaded; held while loading.
     reloaded: tokio::sync::Mutex<Option<Instant>>,
+    /// Map loads since the process started (a storm of them means maps
+    /// keep going stale).
+    reloads: AtomicU64,
 }
 
 /// How to reach one physical shard.
@@ -96,6 +100,7 @@ impl Shards {
                 slots: (0..MAX_PHYSICAL).map(|_| OnceLock::new()).collect(),
                 routing: RwLock::new(Arc::new(Routing { topology: None, live: Vec::new() })),
                 reloaded: tokio::sync::Mutex::new(None),
+                reloads: AtomicU64::new(0),
             }),
         }
     }
@@ -133,20 +138,8 @@ impl Shards {
     /// one, the cluster's number of logical shards). Waits up to
     /// `connect_timeout_ms` for the databases to answer.
     pub async fn connect(settings: &MysqlSettings) -> Result<Shards> {
-        let probe = Shards::configured(settings)?;
-        let until = Instant::now() + Duration::from_millis(settings.connect_timeout_ms);
         let mut found = Vec::new();
-        for (i, dsn) in settings.shards.iter().enumerate() {
-            let pool = probe.pool(i);
-            let id = loop {
-                match topology::identity(i, pool).await {
-                    Ok(id) => break id,
-                    Err(e) if e.is_dead_connection() && Instant::now() < until => {
-                        tokio::time::sleep(Duration::from_millis(200)).await
-                    }
-                    Err(e) => return Err(e),
-                }
-            };
+        for (dsn, id) in settings.shards.iter().zip(Shards::identities(settings).await?) {
             let Some(id) = id else {
                 return Err(StoreError::BadTopology(format!(
                     "{} is not a shard of a bagstore cluster (run `bagstore migrate` for a new cluster, \
@@ -156,7 +149,6 @@ impl Shards {
             };
             found.push((id, dsn.clone()));
         }
-        probe.close().await;
         let shards = Shards::empty(settings);
         for (id, dsn) in &found {
             shards.set_slot(id.physical as usize, &id.name, dsn.clone())?;
@@ -176,6 +168,33 @@ impl Shards {
         t.check_config(&names, settings.logical_shards).map_err(StoreError::Topology)?;
         shards.install(t)?;
         Ok(shards)
+    }
+
+    /// Who each configured database says it is (`None`: not a shard, or no
+    /// such database yet), in configuration order. Writes nothing. Waits up
+    /// to `connect_timeout_ms` for the servers to answer.
+    pub async fn identities(settings: &MysqlSettings) -> Result<Vec<Option<topology::Identity>>> {
+        let probe = Shards::configured(settings)?;
+        let until = Instant::now() + Duration::from_millis(settings.connect_timeout_ms);
+        let mut out = Vec::new();
+        for i in 0..settings.shards.len() {
+            let id = loop {
+                match topology::identity(i, probe.pool(i)).await {
+                    Ok(id) => break id,
+                    Err(e) if e.mysql_number() == Some(1049) => break None,
+                    Err(e) if e.is_dead_connection() && Instant::now() < until => {
+                        tokio::time::sleep(Duration::from_millis(200)).await
+                    }
+                    Err(e) => {
+                        probe.close().await;
+                        return Err(e);
+                    }
+                }
+            };
+            out.push(id);
+        }
+        probe.close().await;
+        Ok(out)
     }
 
     /// Makes `t` the map routed with, reaching shards registered since with
@@ -210,10 +229,21 @@ impl Shards {
         }
         let t = topology::load(self.meta()).await?;
         *last = Some(Instant::now());
+        self.inner.reloads.fetch_add(1, Ordering::Relaxed);
         match t {
             Some(t) => self.install(t),
             None => Ok(()),
         }
+    }
+
+    /// Map loads since the process started.
+    pub fn reloads(&self) -> u64 {
+        self.inner.reloads.load(Ordering::Relaxed)
+    }
+
+    /// The map's epoch (0 before a cluster exists).
+    pub fn epoch(&self) -> u64 {
+        self.routing().topology.as_ref().map_or(0, |t| t.epoch)
     }
 
     /// The current routing (a snapshot: cheap, and consistent for one

@@ -203,6 +203,14 @@ pub async fn claim_identity(shard: usize, pool: &MySqlPool, name: &str, physical
     }
 }
 
+/// Makes a removed shard's database a plain database again: no identity,
+/// nothing owned (it can be added again, or dropped).
+pub async fn forget_identity(shard: usize, pool: &MySqlPool) -> Result<()> {
+    sqlx::query("DELETE FROM bagstore_owned").execute(pool).await.on(shard)?;
+    sqlx::query("DELETE FROM bagstore_shard").execute(pool).await.on(shard)?;
+    Ok(())
+}
+
 /// Grants `logicals` to a shard (its `bagstore_owned` rows) and sets its
 /// epoch, in one transaction.
 pub async fn grant(shard: usize, pool: &MySqlPool, logicals: &[u16], epoch: u64) -> Result<()> {

@@ -56,6 +56,11 @@ impl Api {
         Self::reply(self.client.raw(method, path, body).await)
     }
 
+    /// `GET /v1/shards`.
+    pub async fn shards(&self) -> Reply {
+        Self::reply(self.client.shards().await)
+    }
+
     pub async fn delete(&self, id: &str) -> Reply {
         Self::reply(self.client.delete(id, Default::default()).await)
     }

@@ -144,9 +144,14 @@ impl TestEnv {
 
     /// The full config for separate services (and `dev` with external parts).
     pub fn config_toml(&self) -> String {
-        let shards: Vec<String> = self.dsns.iter().map(|d| format!("{d:?}")).collect();
+        self.config_toml_with(&self.dsns, "")
+    }
+
+    /// The config with other shard DSNs and extra `[mysql]` lines.
+    pub fn config_toml_with(&self, dsns: &[String], mysql_extra: &str) -> String {
+        let shards: Vec<String> = dsns.iter().map(|d| format!("{d:?}")).collect();
         format!(
-            "[mysql]\nshards = [{}]\nmax_connections = 8\n\n[kafka]\nbrokers = {:?}\ntopic = {:?}\npartitions = 4\n\
+            "[mysql]\nshards = [{}]\nmax_connections = 8\n{mysql_extra}\n\n[kafka]\nbrokers = {:?}\ntopic = {:?}\npartitions = 4\n\
              session_timeout_ms = 6000\nmessage_timeout_ms = 3000\n\n[writer]\nrelay_poll_ms = 100\n\n[http]\n\
              addr = \"127.0.0.1:0\"\nshutdown_grace_ms = 3000\n{}",
             shards.join(", "),
@@ -160,6 +165,35 @@ impl TestEnv {
         let p = self.dir.path().join("bagstore.toml");
         std::fs::write(&p, self.config_toml()).expect("write config");
         p
+    }
+
+    /// Writes [`TestEnv::config_toml_with`] to `file` in the temp dir.
+    pub fn config_file_with(&self, file: &str, dsns: &[String], mysql_extra: &str) -> PathBuf {
+        let p = self.dir.path().join(file);
+        std::fs::write(&p, self.config_toml_with(dsns, mysql_extra)).expect("write config");
+        p
+    }
+
+    /// The DSN of a further database of this test (a shard to add), on one
+    /// of the two servers.
+    pub fn extra_dsn(&self, i: usize) -> String {
+        let ports = servers();
+        format!("mysql://root@127.0.0.1:{}/{}_s{i}", ports[i % ports.len()], self.name)
+    }
+
+    /// Runs `bagstore <args…>` to completion: (success, stdout, stderr).
+    pub async fn run(&self, args: &[String], env: &[(&str, &str)]) -> (bool, String, String) {
+        let out = tokio::process::Command::new(bagstore_bin())
+            .args(args)
+            .envs(env.iter().copied())
+            .output()
+            .await
+            .expect("run bagstore");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into(),
+            String::from_utf8_lossy(&out.stderr).into(),
+        )
     }
 
     /// `bagstore migrate` with this env's config; panics on failure.

@@ -88,7 +88,7 @@ pub fn random_entity(rng: &mut StdRng) -> Value {
 pub type Rows = BTreeSet<(usize, String, String)>;
 
 fn shard(bytes: &[u8], shards: usize) -> usize {
-    schemas::shard_of(bytes, shards)
+    schemas::shard::initial_position_of(bytes, shards)
 }
 
 fn hex_bytes(s: &str) -> Vec<u8> {

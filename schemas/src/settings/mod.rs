@@ -13,7 +13,7 @@ mod sections;
 
 pub use secrets::{is_secret_kafka_option, Dsn, Secret};
 pub use sections::{
-    AuthSettings, CleanerSettings, HttpSettings, IndexerSettings, KafkaSettings, MysqlSettings,
+    AuthSettings, CleanerSettings, HttpSettings, IndexerSettings, KafkaSettings, MoverSettings, MysqlSettings,
     ReaderSettings, WriterSettings,
 };
 
@@ -50,6 +50,8 @@ pub struct Settings {
     pub reader: ReaderSettings,
     #[serde(default)]
     pub cleaner: CleanerSettings,
+    #[serde(default)]
+    pub mover: MoverSettings,
     #[serde(default)]
     pub auth: AuthSettings,
     #[serde(default)]
@@ -123,6 +125,11 @@ impl Settings {
         {
             return Err(SettingsError::Invalid(
                 "cleaner batch sizes and concurrency must be positive".into(),
+            ));
+        }
+        if self.mover.batch == 0 || self.mover.cutover_attempts == 0 || self.mysql.map_refresh_ms == 0 {
+            return Err(SettingsError::Invalid(
+                "mover.batch, mover.cutover_attempts and mysql.map_refresh_ms must be positive".into(),
             ));
         }
         if self.indexer.batch_max == 0 || self.reader.max_limit == 0 || self.reader.max_in == 0 {

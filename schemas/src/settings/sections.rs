@@ -41,11 +41,20 @@ pub struct MysqlSettings {
     /// ([`crate::conns`]) have their own cap of the same size.
     pub max_connections: u32,
     pub connect_timeout_ms: u64,
+    /// How often a running process checks the map's epoch (and reloads it
+    /// when it moved) and reports the epoch it routes with.
+    pub map_refresh_ms: u64,
 }
 
 impl Default for MysqlSettings {
     fn default() -> Self {
-        MysqlSettings { shards: Vec::new(), logical_shards: None, max_connections: 16, connect_timeout_ms: 10_000 }
+        MysqlSettings {
+            shards: Vec::new(),
+            logical_shards: None,
+            max_connections: 16,
+            connect_timeout_ms: 10_000,
+            map_refresh_ms: 1000,
+        }
     }
 }
 
@@ -249,6 +258,45 @@ impl Default for CleanerSettings {
             backfill_rate: 0,
             backfill_concurrency: 2,
             backfill_batch: 1000,
+        }
+    }
+}
+
+/// Moving logical shards between physical shards (`bagstore shards …`).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MoverSettings {
+    /// Copy speed limit in rows per second (0: unlimited).
+    pub rate: u64,
+    /// Rows per copy statement.
+    pub batch: usize,
+    /// How long the cutover waits for writes in flight before it gives up
+    /// and tries again later (writes meanwhile wait, they do not fail).
+    pub fence_wait_ms: u64,
+    /// How long a closed fence waits for the source's outbox to reach
+    /// Kafka before it opens again and tries later.
+    pub outbox_wait_ms: u64,
+    /// Cutover attempts before the move stops with an error (it stays
+    /// resumable).
+    pub cutover_attempts: u32,
+    /// A process not seen for this long is not waited for before a
+    /// source's copy is removed.
+    pub process_ttl_secs: u32,
+    /// The copy pauses while the source has more than this many queries
+    /// running (MySQL's `Threads_running`; 0: never pauses).
+    pub max_threads_running: u32,
+}
+
+impl Default for MoverSettings {
+    fn default() -> Self {
+        MoverSettings {
+            rate: 0,
+            batch: 2000,
+            fence_wait_ms: 1000,
+            outbox_wait_ms: 1000,
+            cutover_attempts: 20,
+            process_ttl_secs: 10,
+            max_threads_running: 32,
         }
     }
 }

@@ -172,7 +172,7 @@ pub(super) async fn checker(shared: Arc<Shared>, env_dsns: Vec<String>, seed: u6
                     // live one: then the 404 hid it. A tombstone at or above
                     // it, or any newer version (a later delete, maybe already
                     // overwritten by a re-create), explains the 404.
-                    let shard = schemas::shard_of(&hex16(&id), pools.len());
+                    let shard = schemas::shard::initial_position_of(&hex16(&id), pools.len());
                     let row: Result<Option<(u64, bool)>, _> = sqlx::query_as(
                         "SELECT CAST(version AS UNSIGNED), body IS NULL FROM entities WHERE id = UNHEX(?)",
                     )

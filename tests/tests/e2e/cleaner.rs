@@ -223,7 +223,7 @@ async fn the_continuous_cleaner_repairs_missing_and_dangling_rows_within_seconds
     }
     dangling.push((user(0), id(777)));
     for (u, e) in &dangling {
-        let shard = schemas::shard_of(&hexb(u), env.dsns.len());
+        let shard = schemas::shard::initial_position_of(&hexb(u), env.dsns.len());
         let pool = env.pool(shard).await;
         sqlx::query("INSERT INTO index_user_id (user_id, entity_id, version) VALUES (?, ?, 1)")
             .bind(hexb(u))

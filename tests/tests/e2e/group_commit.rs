@@ -28,7 +28,7 @@ fn ids_on(shard: usize, seed: u8, count: usize) -> Vec<String> {
             b[..4].copy_from_slice(&i.to_be_bytes());
             EntityId(b)
         })
-        .filter(|id| schemas::shard_of(id.as_bytes(), 2) == shard)
+        .filter(|id| schemas::shard::initial_position_of(id.as_bytes(), 2) == shard)
         .take(count)
         .map(|id| id.to_hex())
         .collect()
@@ -278,7 +278,7 @@ async fn index_rows_say_where_their_entities_are_and_a_wrong_location_costs_no_a
     // Wrong locations, then none: the same answer, at the cost of fetches
     // by id (the local ones miss the join, and every given location is
     // stale: counted as such, then fetched by id).
-    let shard = schemas::shard_of(&EntityId::parse(user).unwrap().0, 2);
+    let shard = schemas::shard::initial_position_of(&EntityId::parse(user).unwrap().0, 2);
     let admin = env.pool(shard).await;
     sqlx::query("UPDATE index_user_id SET entity_added_id = entity_added_id + 1000000")
         .execute(&admin)
@@ -341,6 +341,7 @@ async fn inserted_entities_report_their_own_locations_both_ways() {
             .iter()
             .map(|i| storage::EntityWrite {
                 id: EntityId([round * 16 + i; 16]),
+                logical: schemas::logical_of(&[round * 16 + i; 16], 4096),
                 version: 1,
                 updated_us: 1_700_000_000_000_000,
                 body: Some(vec![*i]),

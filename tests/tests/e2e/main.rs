@@ -12,6 +12,8 @@
 //! - `group_commit`: concurrent writes sharing transactions; locations.
 //! - `convergence`: a seeded random history; indexes end exact.
 //! - `cleaner`: drift repair, online backfill, index drop.
+//! - `shards`: logical shards: the topology guard, online moves, a frozen
+//!   writer across a cutover, resume and rollback.
 //! - `shutdown`: graceful stops under load.
 //! - `observability`: metrics, dashboard and alert rules, lag.
 //! - `auth`, `tls`: bearer tokens; TLS to MariaDB and Kafka.
@@ -31,5 +33,6 @@ mod limits;
 mod observability;
 mod pipeline;
 mod queries;
+mod shards;
 mod shutdown;
 mod tls;

@@ -450,7 +450,7 @@ async fn every_metric_the_dashboard_and_the_alerts_use_is_exported_by_a_live_sta
     env.kafka.broker_up(1).unwrap();
     // Drift: an index row no entity produces.
     let hexb = |s: &str| schemas::EntityId::parse(s).unwrap().0.to_vec();
-    let pool = env.pool(schemas::shard_of(&hexb(&uid(999)), env.dsns.len())).await;
+    let pool = env.pool(schemas::shard::initial_position_of(&hexb(&uid(999)), env.dsns.len())).await;
     sqlx::query("INSERT INTO index_user_id (user_id, entity_id, version) VALUES (?, ?, 1)")
         .bind(hexb(&uid(999)))
         .bind(hexb(&entity(999)))

@@ -156,7 +156,7 @@ async fn hand_made_index_rows_never_reach_query_results() {
     // Rows on the shard that owns `user`: one pointing at an entity that
     // does not match, one at an id that does not exist.
     let user_bytes = hex(user);
-    let shard = schemas::shard_of(&user_bytes, env.dsns.len());
+    let shard = schemas::shard::initial_position_of(&user_bytes, env.dsns.len());
     let pool = env.pool(shard).await;
     for (entity, version) in [(hex(elsewhere), 1u64), (hex("30000000000000000000000000000003"), 9)] {
         sqlx::query("INSERT INTO index_user_id (user_id, entity_id, version) VALUES (?, ?, ?)")
@@ -168,7 +168,7 @@ async fn hand_made_index_rows_never_reach_query_results() {
             .unwrap();
     }
     // And a compound-index row for a name the entity does not have.
-    let name_shard = schemas::shard_of(b"A", env.dsns.len());
+    let name_shard = schemas::shard::initial_position_of(b"A", env.dsns.len());
     let name_pool = env.pool(name_shard).await;
     sqlx::query(
         "INSERT INTO index_user_name (first_name, last_name, entity_id, version) VALUES ('A', 'Z', ?, 1)",

@@ -108,7 +108,7 @@ async fn latest_entries_of_one_user_page_newest_first_on_one_shard_even_with_sta
     // Hand-made rows in the middle of page one: an id that does not exist,
     // another user's entity, and one of this user's with a wrong value.
     let user = schemas::EntityId::parse(&uid(1)).unwrap();
-    let shard = schemas::shard_of(&user.0, 2);
+    let shard = schemas::shard::initial_position_of(&user.0, 2);
     let pool = env.pool(shard).await;
     let mid = items.iter().filter(|e| e.1 == uid(1)).map(|e| e.3).max().unwrap() - 3;
     for (entity, published) in [(uid(9999), mid), (items[80].0.clone(), mid), (items[0].0.clone(), mid + 1)] {
@@ -300,7 +300,7 @@ async fn consistent_with_waits_for_a_paused_indexer_and_plain_queries_report_lag
 async fn index_order_in_mysql_equals_value_order_for_every_type() {
     let env = TestEnv::new("keyorder", "").await;
     env.migrate().await;
-    let shards = storage::Shards::connect_lazy(&schemas::settings::MysqlSettings {
+    let shards = storage::Shards::configured(&schemas::settings::MysqlSettings {
         shards: env.dsns.iter().map(|d| schemas::settings::Dsn(d.clone())).collect(),
         ..Default::default()
     })
@@ -335,6 +335,7 @@ async fn index_order_in_mysql_equals_value_order_for_every_type() {
             rows.push(IndexRow {
                 key: vec![v],
                 entity: schemas::EntityId(id),
+                logical: 0,
                 version: 1,
                 entity_added_id: None,
             });

@@ -323,7 +323,7 @@ async fn store_connections_made_from_a_tls_dsn_are_encrypted() {
     storage::migrate::create_database(0, &tls).await.expect("CREATE DATABASE over TLS");
     // The pools every service uses.
     let settings = MysqlSettings { shards: vec![tls.clone()], ..Default::default() };
-    let shards = Shards::connect_lazy(&settings).expect("valid DSN");
+    let shards = Shards::configured(&settings).expect("valid DSN");
     let mut pooled = shards.pool(0).acquire().await.expect("pooled TLS connection");
     let cipher = ssl_cipher(&mut pooled).await;
     assert!(!cipher.is_empty(), "a pooled connection is not encrypted");

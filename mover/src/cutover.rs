@@ -1,0 +1,132 @@
+//! The cutover: a short fence on the source, then ownership changes hands
+//! and the map flips. Also the recovery of a cutover that was killed.
+
+use std::time::{Duration, Instant};
+use storage::moves::{self, Fence, Phase};
+use storage::{topology, StoreError};
+
+use crate::copy::Differs;
+use crate::{MoveError, Mover, Result, Running};
+
+/// Why a cutover attempt did not complete.
+#[derive(Debug)]
+pub(crate) enum Retry {
+    /// Nothing changed; try again later.
+    Again(&'static str),
+    Fatal(MoveError),
+}
+
+impl<E: Into<MoveError>> From<E> for Retry {
+    fn from(e: E) -> Retry {
+        Retry::Fatal(e.into())
+    }
+}
+
+impl Mover {
+    /// One cutover attempt. On success returns how long writes to the
+    /// moving logical shards waited (from the fence closing to the map
+    /// flipping).
+    pub(crate) async fn cutover(&self, run: &mut Running<'_>, differs: &Differs) -> Result<Duration, Retry> {
+        let shards = self.shards().clone();
+        let (source, target) = (run.rec.source as usize, run.rec.target as usize);
+        let (src, dst) = (shards.pool(source), shards.pool(target));
+        let logicals = run.rec.logicals.clone();
+        let conn = storage::shards::dedicated_connection(shards.dsn(source))
+            .await
+            .map_err(|e| StoreError::Shard { shard: source, source: e })?;
+        let wait_secs = self.settings().fence_wait_ms.div_ceil(1000) as u32;
+        let closing = Instant::now();
+        let fence = match Fence::close(source, conn, &logicals, wait_secs).await {
+            Ok(f) => f,
+            Err(e) if e.is_retryable_conflict() => {
+                self.metrics().cutover_attempts.with_label_values(&["busy"]).inc();
+                return Err(Retry::Again("writes in flight did not finish within mover.fence_wait_ms"));
+            }
+            Err(e) => return Err(e.into()),
+        };
+        // Held from here: no write to the moving logical shards commits on
+        // the source, and every earlier one has committed and is journaled.
+        let held = async {
+            self.catch_up(run, 0).await?;
+            let still = self.verify(run, Some(differs)).await?;
+            if !still.is_empty() {
+                let n: usize = still.values().map(Vec::len).sum();
+                tracing::error!(id = run.rec.id, differing = n, tables = ?still.keys().collect::<Vec<_>>(),
+                    "the copy differs from the source with writes held: not cutting over");
+                self.metrics().cutover_attempts.with_label_values(&["differs"]).inc();
+                return Ok::<_, MoveError>(Some("the copy differs from the source"));
+            }
+            // Invariant W: the source's events reach Kafka before the target
+            // can commit a later version of the same entity.
+            let deadline = Instant::now() + Duration::from_millis(self.settings().outbox_wait_ms);
+            let l = shards.logical_shards();
+            while moves::outbox_pending_in(source, src, fence.outbox_upto, &logicals, l).await? > 0 {
+                if Instant::now() >= deadline {
+                    self.metrics().cutover_attempts.with_label_values(&["outbox"]).inc();
+                    return Ok(Some("the source's outbox did not reach Kafka within mover.outbox_wait_ms"));
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Ok(None)
+        }
+        .await;
+        match held {
+            Ok(None) => {}
+            Ok(Some(why)) => {
+                fence.open().await;
+                return Err(Retry::Again(why));
+            }
+            Err(e) => {
+                fence.open().await;
+                return Err(e.into());
+            }
+        }
+        // The hand-over, in the order a kill can interrupt safely (see
+        // `recover_cutover`): target owns, source gives up, map flips.
+        topology::grant(target, dst, &logicals, 0).await?;
+        let source_epoch = moves::cluster_epoch(shards.meta()).await? + 1;
+        fence.release(source_epoch).await?;
+        moves::flip(shards.meta(), run.rec.id, &logicals, run.rec.source, run.rec.target, source_epoch).await?;
+        let pause = closing.elapsed();
+        run.rec.phase = Phase::Cleanup;
+        self.metrics().cutover_pause.observe(pause.as_secs_f64());
+        self.metrics().cutover_attempts.with_label_values(&["ok"]).inc();
+        self.metrics().progressed();
+        shards.reload().await?;
+        tracing::info!(id = run.rec.id, pause_ms = pause.as_millis() as u64, "cutover done: the map flipped");
+        Ok(pause)
+    }
+
+    /// A move found in phase cutover was killed during one. If the source
+    /// still owns the logical shards the fence never released: take back
+    /// any grant to the target and copy again. If it gave them up, the
+    /// target was granted them first: flip the map.
+    pub(crate) async fn recover_cutover(&self, run: &mut Running<'_>) -> Result<()> {
+        let shards = self.shards().clone();
+        let (source, target) = (run.rec.source as usize, run.rec.target as usize);
+        let logicals = run.rec.logicals.clone();
+        let source_owns = moves::owns(source, shards.pool(source), &logicals).await?.len();
+        if source_owns == logicals.len() {
+            moves::revoke(target, shards.pool(target), &logicals).await?;
+            tracing::info!(id = run.rec.id, "resuming a cutover that did not release: copying again");
+            return self.set_phase(run, Phase::Copy).await;
+        }
+        let target_owns = moves::owns(target, shards.pool(target), &logicals).await?.len();
+        if source_owns != 0 || target_owns != logicals.len() {
+            return Err(MoveError::Invalid(format!(
+                "move {}: ownership is split (source owns {source_owns}, target {target_owns} of {}); \
+                 this needs an operator",
+                run.rec.id,
+                logicals.len()
+            )));
+        }
+        let me = topology::identity(source, shards.pool(source))
+            .await?
+            .ok_or_else(|| MoveError::Invalid(format!("physical shard {source} lost its identity")))?;
+        moves::flip(shards.meta(), run.rec.id, &logicals, run.rec.source, run.rec.target, me.epoch).await?;
+        run.rec.phase = Phase::Cleanup;
+        shards.reload().await?;
+        tracing::info!(id = run.rec.id, "finished a cutover killed after the release: the map flipped");
+        Ok(())
+    }
+}

@@ -1,0 +1,170 @@
+//! Keeping a process's map current: every `mysql.map_refresh_ms` it asks
+//! the metadata shard for the map's epoch, reloads the map when it moved
+//! (so shards added online and finished moves are picked up without a
+//! restart), and records the epoch it routes with in `bagstore_processes`
+//! (a move removes a source's copy only once every live process is past
+//! its cutover). Also exports the map: epoch, reloads, and per physical
+//! shard the logical shards it owns and its rows.
+
+use prometheus::{IntCounter, IntGauge, IntGaugeVec, Opts, Registry};
+use std::time::Duration;
+use storage::{moves, topology, Shards};
+use tokio_util::sync::CancellationToken;
+
+/// Rows per shard are estimated every this many refreshes.
+const ROWS_EVERY: u64 = 15;
+
+#[derive(Debug, Clone)]
+pub struct MapMetrics {
+    pub epoch: IntGauge,
+    pub reloads: IntCounter,
+    pub logical_owned: IntGaugeVec,
+    pub rows: IntGaugeVec,
+}
+
+impl MapMetrics {
+    pub fn register(r: &Registry) -> prometheus::Result<MapMetrics> {
+        let m = MapMetrics {
+            epoch: IntGauge::new("bagstore_map_epoch", "Epoch of the map this process routes with")?,
+            reloads: IntCounter::new(
+                "bagstore_map_reloads_total",
+                "Map loads (after a write or read found its map stale, or the epoch moved)",
+            )?,
+            logical_owned: IntGaugeVec::new(
+                Opts::new("bagstore_shard_logical_shards", "Logical shards each physical shard owns, by the map"),
+                &["shard"],
+            )?,
+            rows: IntGaugeVec::new(
+                Opts::new("bagstore_shard_entities", "Entity rows on each physical shard (InnoDB's estimate)"),
+                &["shard"],
+            )?,
+        };
+        r.register(Box::new(m.epoch.clone()))?;
+        r.register(Box::new(m.reloads.clone()))?;
+        r.register(Box::new(m.logical_owned.clone()))?;
+        r.register(Box::new(m.rows.clone()))?;
+        Ok(m)
+    }
+}
+
+/// This process's name in `bagstore_processes`: host, pid and a start
+/// time, so a restarted process is a new one.
+pub fn process_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    format!("{}:{}:{}", host.trim(), std::process::id(), started.as_millis())
+}
+
+/// Runs until `stop`: refreshes the map, reports this process, exports the
+/// map's series.
+pub async fn watch(shards: Shards, role: String, every: Duration, metrics: MapMetrics, stop: CancellationToken) {
+    let me = process_id();
+    let mut reloads_seen = 0;
+    let mut tick: u64 = 0;
+    loop {
+        if let Err(e) = refresh(&shards, &me, &role, &metrics, tick.is_multiple_of(ROWS_EVERY)).await {
+            tracing::warn!(error = %e, "map refresh failed; routing with the map loaded before");
+        }
+        let reloads = shards.reloads();
+        metrics.reloads.inc_by(reloads - reloads_seen);
+        reloads_seen = reloads;
+        tick += 1;
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = stop.cancelled() => return,
+        }
+    }
+}
+
+async fn refresh(shards: &Shards, me: &str, role: &str, metrics: &MapMetrics, rows: bool) -> storage::Result<()> {
+    if moves::cluster_epoch(shards.meta()).await? != shards.epoch() {
+        shards.reload().await?;
+    }
+    let t = shards.topology();
+    topology::heartbeat(shards.meta(), me, role, t.epoch).await?;
+    metrics.epoch.set(t.epoch as i64);
+    for (id, n) in t.counts() {
+        if let Some(p) = t.shard(id) {
+            metrics.logical_owned.with_label_values(&[&p.name]).set(n as i64);
+        }
+    }
+    if rows {
+        for p in &t.shards {
+            let n = storage::entities::estimated_rows(p.id as usize, shards.pool(p.id as usize)).await?;
+            metrics.rows.with_label_values(&[&p.name]).set(n as i64);
+        }
+    }
+    Ok(())
+}
+
+/// The cluster's layout as `bagstore shards list --json` and
+/// `GET /v1/shards` give it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ShardsReport {
+    pub epoch: u64,
+    pub logical_shards: u16,
+    pub shards: Vec<ShardReport>,
+    /// Moves in flight (empty when none).
+    pub moves: Vec<MoveReport>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ShardReport {
+    pub name: String,
+    pub id: u32,
+    /// Its DSN without the password.
+    pub address: String,
+    pub epoch: u64,
+    /// How many logical shards it owns, and which.
+    pub logical: usize,
+    pub ranges: String,
+    /// Entity rows (InnoDB's estimate).
+    pub entities_estimate: u64,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct MoveReport {
+    pub id: u64,
+    pub logicals: String,
+    pub source: String,
+    pub target: String,
+    pub phase: moves::Phase,
+    pub rows_copied: u64,
+    pub started_us: i64,
+    pub changed_us: i64,
+}
+
+/// Builds the report from the map (reloaded first) and the shards.
+pub async fn report(shards: &Shards) -> storage::Result<ShardsReport> {
+    shards.reload().await?;
+    let t = shards.topology();
+    let mut out = Vec::new();
+    for p in &t.shards {
+        let owned = t.owned_by(p.id);
+        out.push(ShardReport {
+            name: p.name.clone(),
+            id: p.id,
+            address: p.address.clone(),
+            epoch: p.epoch,
+            logical: owned.len(),
+            ranges: schemas::topology::format_logicals(&owned),
+            entities_estimate: storage::entities::estimated_rows(p.id as usize, shards.pool(p.id as usize)).await?,
+        });
+    }
+    let name = |id: u32| t.shard(id).map_or_else(|| id.to_string(), |p| p.name.clone());
+    let moves = moves::moves_in_flight(shards.meta())
+        .await?
+        .into_iter()
+        .map(|m| MoveReport {
+            id: m.id,
+            logicals: schemas::topology::format_logicals(&m.logicals),
+            source: name(m.source),
+            target: name(m.target),
+            phase: m.phase,
+            rows_copied: m.rows_copied,
+            started_us: m.started_us,
+            changed_us: m.changed_us,
+        })
+        .collect();
+    Ok(ShardsReport { epoch: t.epoch, logical_shards: t.logical_shards, shards: out, moves })
+}

@@ -1,0 +1,488 @@
+//! Moving logical shards between physical shards: the SQL of every step.
+//! The `mover` crate runs the steps in order, resumes them after a kill and
+//! reports progress; this module only says what each step does to the
+//! databases.
+//!
+//! While a move runs, the source records which of its rows change: the
+//! moving logical shards are listed in `bagstore_moving`, and triggers on
+//! `entities` and every index table append `(logical, table, entity_id)` to
+//! `bagstore_journal` in the same transaction as the change (inserts,
+//! updates and deletes alike, so deleted index rows are caught too). The
+//! triggers exist only while a move runs, so a cluster that is not moving
+//! pays nothing for them. Catching up is then: for each journaled entity,
+//! make the target's rows equal to the source's current rows.
+//!
+//! The cutover ([`Fence`]) takes the moving logical shards' `bagstore_owned`
+//! rows on the source exclusively: every write to them holds those rows
+//! shared for its whole transaction, so the fence waits for writes in flight
+//! to commit, and writes that come later wait behind it (they do not fail).
+
+use schemas::index::IndexSpec;
+use schemas::names::tables;
+use schemas::topology::{format_logicals, parse_logicals, PhysicalId};
+use schemas::EntityId;
+use sqlx::mysql::MySqlPool;
+use sqlx::{Executor, MySqlConnection, Row};
+use std::collections::BTreeMap;
+
+use crate::entities::marks;
+use crate::error::{id_column, OnShard, Result, StoreError};
+use crate::shards::META_SHARD;
+
+/// Where a move is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Copying, catching up and verifying; the source owns and serves.
+    Copy,
+    /// The fenced switch of ownership is under way.
+    Cutover,
+    /// The target owns; the source's copy goes once every process has the
+    /// new map.
+    Cleanup,
+    Done,
+    /// Undoing a move that did not reach its cutover.
+    RollingBack,
+    RolledBack,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Copy => "copy",
+            Phase::Cutover => "cutover",
+            Phase::Cleanup => "cleanup",
+            Phase::Done => "done",
+            Phase::RollingBack => "rolling_back",
+            Phase::RolledBack => "rolled_back",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Phase> {
+        [Phase::Copy, Phase::Cutover, Phase::Cleanup, Phase::Done, Phase::RollingBack, Phase::RolledBack]
+            .into_iter()
+            .find(|p| p.as_str() == s)
+    }
+
+    /// Whether the move still has work to do.
+    pub fn in_flight(self) -> bool {
+        !matches!(self, Phase::Done | Phase::RolledBack)
+    }
+}
+
+/// One move as recorded on the metadata shard.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct MoveRecord {
+    pub id: u64,
+    pub logicals: Vec<u16>,
+    pub source: PhysicalId,
+    pub target: PhysicalId,
+    pub phase: Phase,
+    /// Logical shards whose first copy is complete (a resumed copy skips them).
+    pub copied: Vec<u16>,
+    pub rows_copied: u64,
+    pub started_us: i64,
+    pub changed_us: i64,
+}
+
+const MOVE_COLUMNS: &str = "id, logicals, source, target, phase, done_logicals, rows_copied, \
+     TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', started) AS started_us, \
+     TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', changed) AS changed_us";
+
+fn move_record(r: &sqlx::mysql::MySqlRow) -> Result<MoveRecord> {
+    let s = META_SHARD;
+    let bad = |what: &str, e: String| StoreError::BadTopology(format!("unreadable move record ({what}): {e}"));
+    let phase: String = r.try_get("phase").on(s)?;
+    let logicals: String = r.try_get("logicals").on(s)?;
+    let copied: String = r.try_get("done_logicals").on(s)?;
+    Ok(MoveRecord {
+        id: r.try_get("id").on(s)?,
+        logicals: parse_logicals(&logicals, u16::MAX).map_err(|e| bad("logicals", e))?,
+        source: r.try_get("source").on(s)?,
+        target: r.try_get("target").on(s)?,
+        phase: Phase::parse(&phase).ok_or_else(|| bad("phase", phase.clone()))?,
+        copied: parse_logicals(&copied, u16::MAX).map_err(|e| bad("done_logicals", e))?,
+        rows_copied: r.try_get("rows_copied").on(s)?,
+        started_us: r.try_get("started_us").on(s)?,
+        changed_us: r.try_get("changed_us").on(s)?,
+    })
+}
+
+/// Records a new move, unless one is in flight already (one move at a time
+/// per cluster: a rebalance runs its moves one after another).
+pub async fn create_move(meta: &MySqlPool, logicals: &[u16], source: PhysicalId, target: PhysicalId) -> Result<MoveRecord> {
+    let s = META_SHARD;
+    let mut tx = meta.begin().await.on(s)?;
+    // The cluster row serializes movers (and map changes).
+    sqlx::query("SELECT epoch FROM bagstore_cluster WHERE id = 1 FOR UPDATE").fetch_one(&mut *tx).await.on(s)?;
+    let busy = sqlx::query(&format!(
+        "SELECT {MOVE_COLUMNS} FROM bagstore_moves WHERE phase NOT IN ('done', 'rolled_back') LIMIT 1"
+    ))
+    .fetch_optional(&mut *tx)
+    .await
+    .on(s)?;
+    if let Some(r) = busy {
+        let m = move_record(&r)?;
+        return Err(StoreError::BadTopology(format!(
+            "move {} ({} from shard {} to {}) is still in phase {}; resume it with `bagstore shards resume` \
+             or wait for it",
+            m.id,
+            format_logicals(&m.logicals),
+            m.source,
+            m.target,
+            m.phase.as_str()
+        )));
+    }
+    let id = sqlx::query(
+        "INSERT INTO bagstore_moves (logicals, source, target, phase, done_logicals) VALUES (?, ?, ?, 'copy', '')",
+    )
+    .bind(format_logicals(logicals))
+    .bind(source)
+    .bind(target)
+    .execute(&mut *tx)
+    .await
+    .on(s)?
+    .last_insert_id();
+    tx.commit().await.on(s)?;
+    get_move(meta, id).await?.ok_or_else(|| StoreError::BadTopology(format!("move {id} vanished")))
+}
+
+pub async fn get_move(meta: &MySqlPool, id: u64) -> Result<Option<MoveRecord>> {
+    let row = sqlx::query(&format!("SELECT {MOVE_COLUMNS} FROM bagstore_moves WHERE id = ?"))
+        .bind(id)
+        .fetch_optional(meta)
+        .await
+        .on(META_SHARD)?;
+    row.as_ref().map(move_record).transpose()
+}
+
+/// Moves not yet done or rolled back (at most one), oldest first.
+pub async fn moves_in_flight(meta: &MySqlPool) -> Result<Vec<MoveRecord>> {
+    let rows = sqlx::query(&format!(
+        "SELECT {MOVE_COLUMNS} FROM bagstore_moves WHERE phase NOT IN ('done', 'rolled_back') ORDER BY id"
+    ))
+    .fetch_all(meta)
+    .await
+    .on(META_SHARD)?;
+    rows.iter().map(move_record).collect()
+}
+
+/// Records a move's phase.
+pub async fn set_phase(meta: &MySqlPool, id: u64, phase: Phase) -> Result<()> {
+    sqlx::query("UPDATE bagstore_moves SET phase = ?, changed = NOW(6) WHERE id = ?")
+        .bind(phase.as_str())
+        .bind(id)
+        .execute(meta)
+        .await
+        .on(META_SHARD)?;
+    Ok(())
+}
+
+/// Records copy progress: logical shards fully copied, rows copied so far.
+pub async fn set_copied(meta: &MySqlPool, id: u64, copied: &[u16], rows_copied: u64) -> Result<()> {
+    sqlx::query("UPDATE bagstore_moves SET done_logicals = ?, rows_copied = ?, changed = NOW(6) WHERE id = ?")
+        .bind(format_logicals(copied))
+        .bind(rows_copied)
+        .bind(id)
+        .execute(meta)
+        .await
+        .on(META_SHARD)?;
+    Ok(())
+}
+
+/// The name of one of the journal triggers of `table`: short and fixed
+/// whatever the table's name (a trigger name has 64 characters at most).
+fn trigger_name(op: char, table: &str) -> String {
+    format!("bagstore_journal_{op}_{:016x}", xxhash_rust::xxh3::xxh3_64(table.as_bytes()))
+}
+
+/// The tables a move journals: entities, then each index table.
+fn journaled<'a>(indexes: &'a [IndexSpec]) -> Vec<(&'a str, &'static str)> {
+    let mut out = vec![(tables::ENTITIES, "id")];
+    out.extend(indexes.iter().map(|s| (s.table.as_str(), "entity_id")));
+    out
+}
+
+/// Starts journaling changes to `logicals` on the source: lists them in
+/// `bagstore_moving`, then creates the triggers (waiting, as DDL does, for
+/// transactions that already touched those tables; every write after it
+/// returns is journaled). Idempotent.
+pub async fn start_journal(shard: usize, pool: &MySqlPool, logicals: &[u16], indexes: &[IndexSpec]) -> Result<()> {
+    for chunk in logicals.chunks(1000) {
+        let sql = format!("INSERT IGNORE INTO bagstore_moving (logical) VALUES {}", vec!["(?)"; chunk.len()].join(", "));
+        let mut q = sqlx::query(&sql);
+        for k in chunk {
+            q = q.bind(*k);
+        }
+        q.execute(pool).await.on(shard)?;
+    }
+    for (table, id_col) in journaled(indexes) {
+        for (op, event, row) in [('i', "INSERT", "NEW"), ('u', "UPDATE", "NEW"), ('d', "DELETE", "OLD")] {
+            // Sent as text (CREATE TRIGGER cannot be prepared); every name in
+            // it is a validated identifier.
+            let ddl = format!(
+                "CREATE TRIGGER IF NOT EXISTS `{name}` AFTER {event} ON `{table}` FOR EACH ROW \
+                 INSERT INTO bagstore_journal (logical, tbl, entity_id) \
+                 SELECT m.logical, '{table}', {row}.{id_col} FROM bagstore_moving m WHERE m.logical = {row}.logical",
+                name = trigger_name(op, table),
+            );
+            pool.execute(ddl.as_str()).await.on(shard)?;
+        }
+    }
+    Ok(())
+}
+
+/// Stops journaling on a shard: drops the triggers, empties
+/// `bagstore_moving` and the journal. Idempotent.
+pub async fn stop_journal(shard: usize, pool: &MySqlPool, indexes: &[IndexSpec]) -> Result<()> {
+    for (table, _) in journaled(indexes) {
+        for op in ['i', 'u', 'd'] {
+            let ddl = format!("DROP TRIGGER IF EXISTS `{}`", trigger_name(op, table));
+            pool.execute(ddl.as_str()).await.on(shard)?;
+        }
+    }
+    // Triggers of index tables dropped since (their names are ours).
+    let left: Vec<(String,)> = sqlx::query_as(
+        "SELECT TRIGGER_NAME FROM information_schema.TRIGGERS \
+         WHERE TRIGGER_SCHEMA = DATABASE() AND TRIGGER_NAME LIKE 'bagstore\\_journal\\_%'",
+    )
+    .fetch_all(pool)
+    .await
+    .on(shard)?;
+    for (name,) in left {
+        pool.execute(format!("DROP TRIGGER IF EXISTS `{name}`").as_str()).await.on(shard)?;
+    }
+    sqlx::query("DELETE FROM bagstore_moving").execute(pool).await.on(shard)?;
+    sqlx::query("DELETE FROM bagstore_journal").execute(pool).await.on(shard)?;
+    Ok(())
+}
+
+/// One journaled change: some row of `table` for `entity` changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JournalEntry {
+    pub seq: u64,
+    pub table: String,
+    pub entity: EntityId,
+}
+
+/// Up to `limit` journal entries, oldest first.
+pub async fn read_journal(shard: usize, pool: &MySqlPool, limit: usize) -> Result<Vec<JournalEntry>> {
+    let rows = sqlx::query("SELECT seq, tbl, entity_id FROM bagstore_journal ORDER BY seq LIMIT ?")
+        .bind(limit as u64)
+        .fetch_all(pool)
+        .await
+        .on(shard)?;
+    rows.iter()
+        .map(|r| {
+            Ok(JournalEntry {
+                seq: r.try_get("seq").on(shard)?,
+                table: r.try_get("tbl").on(shard)?,
+                entity: id_column(shard, r, "entity_id")?,
+            })
+        })
+        .collect()
+}
+
+/// Forgets journal entries up to `seq` (they have been applied).
+pub async fn trim_journal(shard: usize, pool: &MySqlPool, seq: u64) -> Result<()> {
+    sqlx::query("DELETE FROM bagstore_journal WHERE seq <= ?").bind(seq).execute(pool).await.on(shard)?;
+    Ok(())
+}
+
+/// How many journal entries wait.
+pub async fn journal_backlog(shard: usize, pool: &MySqlPool) -> Result<u64> {
+    let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM bagstore_journal").fetch_one(pool).await.on(shard)?;
+    Ok(n as u64)
+}
+
+/// Groups entries by table: what one catch-up round applies.
+pub fn by_table(entries: &[JournalEntry]) -> BTreeMap<String, Vec<EntityId>> {
+    let mut out: BTreeMap<String, Vec<EntityId>> = BTreeMap::new();
+    for e in entries {
+        out.entry(e.table.clone()).or_default().push(e.entity);
+    }
+    for ids in out.values_mut() {
+        ids.sort_unstable();
+        ids.dedup();
+    }
+    out
+}
+
+/// The cutover's hold on the source: its `bagstore_owned` rows of the
+/// moving logical shards, taken exclusively on a connection of its own.
+#[derive(Debug)]
+pub struct Fence {
+    shard: usize,
+    conn: MySqlConnection,
+    logicals: Vec<u16>,
+    /// The newest outbox event at the moment the fence closed: every event
+    /// up to it must reach Kafka before the target takes writes.
+    pub outbox_upto: u64,
+}
+
+impl Fence {
+    /// Waits up to `wait_secs` for writes in flight to the moving logical
+    /// shards to commit, and holds off new ones. Fails with a lock wait
+    /// timeout (nothing changed) if they do not finish in time.
+    pub async fn close(shard: usize, mut conn: MySqlConnection, logicals: &[u16], wait_secs: u32) -> Result<Fence> {
+        sqlx::query("SET SESSION innodb_lock_wait_timeout = ?").bind(wait_secs.max(1)).execute(&mut conn).await.on(shard)?;
+        sqlx::query("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED").execute(&mut conn).await.on(shard)?;
+        conn.execute("BEGIN").await.on(shard)?;
+        let sql = format!("SELECT logical FROM bagstore_owned WHERE logical IN ({}) FOR UPDATE", marks(logicals.len()));
+        let mut q = sqlx::query(&sql);
+        for k in logicals {
+            q = q.bind(*k);
+        }
+        let held = q.fetch_all(&mut conn).await.on(shard)?;
+        if held.len() != logicals.len() {
+            let _ = conn.execute("ROLLBACK").await;
+            return Err(StoreError::BadTopology(format!(
+                "physical shard {shard} owns only {} of the {} logical shards being moved",
+                held.len(),
+                logicals.len()
+            )));
+        }
+        let (upto,): (u64,) = sqlx::query_as("SELECT CAST(COALESCE(MAX(seq), 0) AS UNSIGNED) FROM outbox")
+            .fetch_one(&mut conn)
+            .await
+            .on(shard)?;
+        Ok(Fence { shard, conn, logicals: logicals.to_vec(), outbox_upto: upto })
+    }
+
+    /// Gives the logical shards up: deletes their ownership rows and sets
+    /// the shard's epoch, so waiting writes find they no longer own them
+    /// and reads see the epoch move. Ends the fence.
+    pub async fn release(mut self, epoch: u64) -> Result<()> {
+        let s = self.shard;
+        for chunk in self.logicals.chunks(1000) {
+            let sql = format!("DELETE FROM bagstore_owned WHERE logical IN ({})", marks(chunk.len()));
+            let mut q = sqlx::query(&sql);
+            for k in chunk {
+                q = q.bind(*k);
+            }
+            q.execute(&mut self.conn).await.on(s)?;
+        }
+        sqlx::query("UPDATE bagstore_shard SET epoch = GREATEST(epoch, ?) WHERE id = 1")
+            .bind(epoch)
+            .execute(&mut self.conn)
+            .await
+            .on(s)?;
+        self.conn.execute("COMMIT").await.on(s)?;
+        Ok(())
+    }
+
+    /// Lets writes continue with nothing changed.
+    pub async fn open(mut self) {
+        let _ = self.conn.execute("ROLLBACK").await;
+    }
+}
+
+/// Outbox events at or below `seq`, of entities in `logicals` (sorted; of
+/// `logical_shards`), not yet acknowledged by Kafka.
+pub async fn outbox_pending_in(
+    shard: usize,
+    pool: &MySqlPool,
+    seq: u64,
+    logicals: &[u16],
+    logical_shards: u16,
+) -> Result<u64> {
+    let rows = sqlx::query("SELECT entity_id FROM outbox WHERE seq <= ?").bind(seq).fetch_all(pool).await.on(shard)?;
+    let mut n = 0;
+    for r in &rows {
+        let id = id_column(shard, r, "entity_id")?;
+        if logicals.binary_search(&schemas::logical_of(id.as_bytes(), logical_shards)).is_ok() {
+            n += 1;
+        }
+    }
+    Ok(n)
+}
+
+/// Takes `logicals` away from a shard that was granted them for a cutover
+/// that did not happen (nothing can have written there: no map routed to
+/// it).
+pub async fn revoke(shard: usize, pool: &MySqlPool, logicals: &[u16]) -> Result<()> {
+    for chunk in logicals.chunks(1000) {
+        let sql = format!("DELETE FROM bagstore_owned WHERE logical IN ({})", marks(chunk.len()));
+        let mut q = sqlx::query(&sql);
+        for k in chunk {
+            q = q.bind(*k);
+        }
+        q.execute(pool).await.on(shard)?;
+    }
+    Ok(())
+}
+
+/// Which of `logicals` a shard's database owns.
+pub async fn owns(shard: usize, pool: &MySqlPool, logicals: &[u16]) -> Result<Vec<u16>> {
+    if logicals.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut out = Vec::new();
+    for chunk in logicals.chunks(1000) {
+        let sql = format!("SELECT logical FROM bagstore_owned WHERE logical IN ({}) ORDER BY logical", marks(chunk.len()));
+        let mut q = sqlx::query_as::<_, (u16,)>(&sql);
+        for k in chunk {
+            q = q.bind(*k);
+        }
+        out.extend(q.fetch_all(pool).await.on(shard)?.into_iter().map(|r| r.0));
+    }
+    Ok(out)
+}
+
+/// Flips the map: `logicals` now belong to `target`; the cluster's epoch
+/// rises past `source_epoch` (what the source's database now says) and the
+/// source's entry records it; the move enters [`Phase::Cleanup`]. One
+/// transaction on the metadata shard.
+pub async fn flip(
+    meta: &MySqlPool,
+    move_id: u64,
+    logicals: &[u16],
+    source: PhysicalId,
+    target: PhysicalId,
+    source_epoch: u64,
+) -> Result<u64> {
+    let s = META_SHARD;
+    let mut tx = meta.begin().await.on(s)?;
+    let (epoch,): (u64,) =
+        sqlx::query_as("SELECT epoch FROM bagstore_cluster WHERE id = 1 FOR UPDATE").fetch_one(&mut *tx).await.on(s)?;
+    let new_epoch = epoch.max(source_epoch) + 1;
+    for chunk in logicals.chunks(1000) {
+        let sql = format!("UPDATE bagstore_map SET physical = ? WHERE logical IN ({})", marks(chunk.len()));
+        let mut q = sqlx::query(&sql).bind(target);
+        for k in chunk {
+            q = q.bind(*k);
+        }
+        q.execute(&mut *tx).await.on(s)?;
+    }
+    sqlx::query("UPDATE bagstore_physical SET epoch = ? WHERE id = ?")
+        .bind(source_epoch)
+        .bind(source)
+        .execute(&mut *tx)
+        .await
+        .on(s)?;
+    sqlx::query("UPDATE bagstore_cluster SET epoch = ? WHERE id = 1").bind(new_epoch).execute(&mut *tx).await.on(s)?;
+    sqlx::query("UPDATE bagstore_moves SET phase = 'cleanup', changed = NOW(6) WHERE id = ?")
+        .bind(move_id)
+        .execute(&mut *tx)
+        .await
+        .on(s)?;
+    tx.commit().await.on(s)?;
+    Ok(new_epoch)
+}
+
+/// The cluster's current epoch (a cheap check for a changed map).
+pub async fn cluster_epoch(meta: &MySqlPool) -> Result<u64> {
+    let (e,): (u64,) =
+        sqlx::query_as("SELECT epoch FROM bagstore_cluster WHERE id = 1").fetch_one(meta).await.on(META_SHARD)?;
+    Ok(e)
+}
+
+/// Entity rows per logical shard on one shard (for `shards list` and the
+/// rebalance's progress).
+pub async fn rows_per_logical(shard: usize, pool: &MySqlPool) -> Result<BTreeMap<u16, u64>> {
+    let rows: Vec<(u16, i64)> = sqlx::query_as("SELECT logical, COUNT(*) FROM entities GROUP BY logical")
+        .fetch_all(pool)
+        .await
+        .on(shard)?;
+    Ok(rows.into_iter().map(|(k, n)| (k, n as u64)).collect())
+}

@@ -1,0 +1,438 @@
+//! Logical shards and online moves: the topology guard, a move under
+//! writes onto a shard added while serving, a writer frozen with the old
+//! map across a cutover, a killed move resumed and another rolled back.
+
+use bagstore_tests::{eventually, metric_sum, Api, TestEnv, STANDARD_INDEXES};
+use rand::Rng;
+use serde_json::{json, Value};
+use sqlx::mysql::MySqlPool;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const L: u16 = 4096;
+
+/// A random entity id (hex) whose logical shard is in `range`.
+fn id_in(range: std::ops::RangeInclusive<u16>) -> String {
+    let mut rng = rand::rng();
+    loop {
+        let b: [u8; 16] = rng.random();
+        if range.contains(&schemas::logical_of(&b, L)) {
+            return schemas::EntityId(b).to_hex();
+        }
+    }
+}
+
+fn logical_of_hex(id: &str) -> u16 {
+    schemas::logical_of(&schemas::EntityId::parse(id).unwrap().0, L)
+}
+
+/// What a misconfigured process must not change: per shard, its tables
+/// and the rows of the ones that say who owns what.
+async fn snapshot(pools: &[MySqlPool]) -> Vec<(Vec<String>, Vec<i64>, u64)> {
+    let mut out = Vec::new();
+    for pool in pools {
+        let tables: Vec<(String,)> = sqlx::query_as(
+            "SELECT TABLE_NAME FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() ORDER BY TABLE_NAME",
+        )
+        .fetch_all(pool)
+        .await
+        .unwrap();
+        let tables: Vec<String> = tables.into_iter().map(|t| t.0).collect();
+        let mut counts = Vec::new();
+        for t in ["entities", "outbox", "bagstore_owned", "bagstore_physical", "bagstore_map", "bagstore_processes"] {
+            if tables.iter().any(|x| x == t) {
+                let (n,): (i64,) = sqlx::query_as(&format!("SELECT COUNT(*) FROM {t}")).fetch_one(pool).await.unwrap();
+                counts.push(n);
+            }
+        }
+        let (epoch,): (u64,) = sqlx::query_as("SELECT epoch FROM bagstore_shard").fetch_one(pool).await.unwrap();
+        out.push((tables, counts, epoch));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configuration_that_disagrees_with_the_cluster_is_refused_before_anything_is_written() {
+    let env = TestEnv::new("guard", "").await;
+    env.migrate().await;
+    let pools = vec![env.pool(0).await, env.pool(1).await];
+    let before = snapshot(&pools).await;
+    let stranger = env.extra_dsn(2);
+    let cases = [
+        ("lacks", vec![env.dsns[0].clone()], "", "but the configuration lacks it"),
+        ("unknown", vec![env.dsns[0].clone(), env.dsns[1].clone(), stranger.clone()], "", "is not a shard of a bagstore cluster"),
+        ("logical", env.dsns.clone(), "logical_shards = 1024", "mysql.logical_shards = 1024"),
+    ];
+    for (name, dsns, extra, want) in cases {
+        let cfg = env.config_file_with(&format!("{name}.toml"), &dsns, extra).display().to_string();
+        for cmd in ["migrate", "writer", "reader"] {
+            let args = vec![cmd.to_string(), "--config".into(), cfg.clone()];
+            let (ok, out, err) = tokio::time::timeout(Duration::from_secs(60), env.run(&args, &[]))
+                .await
+                .unwrap_or_else(|_| panic!("{cmd} with the {name} config did not exit"));
+            assert!(!ok, "{cmd} with the {name} config started: {out}{err}");
+            assert!(err.contains(want), "{cmd} with the {name} config: unclear error: {err}");
+        }
+    }
+    assert_eq!(snapshot(&pools).await, before, "a refused process wrote something");
+    let (db, server) = storage::shards::split_database(&schemas::settings::Dsn(stranger)).unwrap();
+    let server = MySqlPool::connect(server.expose()).await.unwrap();
+    let made: Vec<(String,)> = sqlx::query_as("SELECT SCHEMA_NAME FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = ?").bind(&db).fetch_all(&server).await.unwrap();
+    assert!(made.is_empty(), "the unknown shard's database was created");
+
+    // The order of the list is not the layout.
+    let reordered = vec![env.dsns[1].clone(), env.dsns[0].clone()];
+    let cfg = env.config_file_with("reordered.toml", &reordered, "").display().to_string();
+    let (ok, out, err) = env.run(&["migrate".into(), "--config".into(), cfg.clone()], &[]).await;
+    assert!(ok, "{out}{err}");
+    let args = vec!["writer".into(), "--http".into(), "127.0.0.1:0".into(), "--config".into(), cfg];
+    let writer = bagstore_tests::Proc::start(&args, env.dir.path(), &[]).await.unwrap();
+    let ids: Vec<String> = (0..20).map(|_| id_in(0..=L - 1)).collect();
+    for id in &ids {
+        let (status, body) = writer.api().put(id, &json!({"n": 1})).await;
+        assert_eq!(status, 201, "{body}");
+    }
+    // Each landed on the shard the map gives its logical shard (k mod 2 at
+    // creation), whatever the configuration's order.
+    for id in &ids {
+        let owner = (logical_of_hex(id) % 2) as usize;
+        let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM entities WHERE id = UNHEX(?)")
+            .bind(id)
+            .fetch_one(&pools[owner])
+            .await
+            .unwrap();
+        assert_eq!(n, 1, "{id} is not on s{owner}");
+    }
+}
+
+/// The truth a writer loop builds: id → (version, body).
+type Acked = Arc<Mutex<BTreeMap<String, (u64, Value)>>>;
+
+/// Writes until `stop`, over `keys` ids and 16 users, recording every
+/// acknowledged write.
+fn write_loop(api: Api, keys: Vec<String>, users: Vec<String>, acked: Acked, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<u64> {
+    tokio::spawn(async move {
+        let mut n = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            let i = rand::rng().random_range(0..keys.len());
+            let body = json!({"user_id": users[i % users.len()], "n": n});
+            let (status, reply) = api.put(&keys[i], &body).await;
+            assert!(status == 200 || status == 201, "write failed during the move: {status} {reply}");
+            let version = reply["version"].as_u64().expect("a version");
+            acked.lock().unwrap().insert(keys[i].clone(), (version, body));
+            n += 1;
+        }
+        n
+    })
+}
+
+async fn check_acked(api: &Api, acked: &Acked) {
+    let acked = acked.lock().unwrap().clone();
+    for (id, (version, body)) in &acked {
+        let (status, got) = api.get(id).await;
+        assert_eq!(status, 200, "{id}: {got}");
+        assert_eq!(got["version"].as_u64(), Some(*version), "{id} lost a write: {got}");
+        assert_eq!(&got["properties"], body, "{id}");
+    }
+}
+
+async fn entity_count(pool: &MySqlPool, ids: &[&String]) -> i64 {
+    let mut n = 0;
+    for id in ids {
+        let (c,): (i64,) =
+            sqlx::query_as("SELECT COUNT(*) FROM entities WHERE id = UNHEX(?)").bind(id).fetch_one(pool).await.unwrap();
+        n += c;
+    }
+    n
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logical_shards_move_online_to_a_shard_added_while_serving() {
+    let mut env = TestEnv::new("moveonline", STANDARD_INDEXES).await;
+    let dev = env.dev().await;
+    let api = dev.api();
+    let users: Vec<String> = (0..16).map(|_| id_in(0..=L - 1)).collect();
+    let keys: Vec<String> = (0..300).map(|_| id_in(0..=L - 1)).collect();
+    let acked: Acked = Default::default();
+
+    // A third server's database, added while `dev` serves with two.
+    let dsn2 = env.extra_dsn(2);
+    let (ok, out, err) = env.run(&env.args(&["shards", "add", "s2", &dsn2]), &[]).await;
+    assert!(ok && out.contains("shard s2 added"), "{out}{err}");
+    env.dsns.push(dsn2);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = write_loop(api.clone(), keys.clone(), users.clone(), acked.clone(), stop.clone());
+    eventually("the writers got going", Duration::from_secs(30), || async {
+        (acked.lock().unwrap().len() >= 100).then_some(())
+    })
+    .await;
+    let (ok, out, err) = env.run(&env.args(&["shards", "move", "--logical", "0-1365", "--to", "s2"]), &[]).await;
+    assert!(ok, "{out}{err}");
+    assert!(out.contains("done:") && out.contains("writes paused"), "{out}");
+    stop.store(true, Ordering::Relaxed);
+    let writes = writer.await.unwrap();
+    assert!(writes > 200, "only {writes} writes during the move");
+
+    check_acked(&api, &acked).await;
+    let (status, doc) = api.shards().await;
+    assert_eq!(status, 200, "{doc}");
+    assert_eq!(doc["logical_shards"], 4096);
+    assert_eq!(doc["moves"], json!([]), "{doc}");
+    let owned: BTreeMap<String, u64> = doc["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["name"].as_str().unwrap().to_string(), s["logical"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(owned, BTreeMap::from([("s0".into(), 1365), ("s1".into(), 1365), ("s2".into(), 1366)]));
+
+    // Where the rows are: every moved entity on s2 only (the sources'
+    // copies are gone), every other one where it was.
+    let acked_now = acked.lock().unwrap().clone();
+    let (moved, stayed): (Vec<&String>, Vec<&String>) = acked_now.keys().partition(|id| logical_of_hex(id) <= 1365);
+    let s2 = MySqlPool::connect(&env.dsns[2]).await.unwrap();
+    assert_eq!(entity_count(&s2, &moved).await, moved.len() as i64);
+    assert_eq!(entity_count(&s2, &stayed).await, 0);
+    let (s0, s1) = (env.pool(0).await, env.pool(1).await);
+    assert_eq!(entity_count(&s0, &moved).await + entity_count(&s1, &moved).await, 0, "a source kept its copy");
+
+    // Queries equal the truth once the indexes caught up.
+    env.until_caught_up(&["index_user_id"]).await;
+    for user in &users {
+        let mut want: Vec<&str> = acked_now
+            .iter()
+            .filter(|(_, (_, b))| b["user_id"] == json!(user))
+            .map(|(id, _)| id.as_str())
+            .collect();
+        want.sort_unstable();
+        bagstore_tests::until_query_is(&api, &json!({"where": {"user_id": user}, "limit": 1000}), &want).await;
+    }
+    let text = api.metrics().await;
+    assert_eq!(metric_sum(&text, "bagstore_shard_logical_shards", &[("shard", "s2")]), 1366.0, "dev did not pick up s2");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_writer_with_the_old_map_cannot_commit_to_the_old_owner() {
+    let mut env = TestEnv::new("frozen", "").await;
+    env.migrate().await;
+    let dsn2 = env.extra_dsn(2);
+    let (ok, out, err) = env.run(&env.args(&["shards", "add", "s2", &dsn2]), &[]).await;
+    assert!(ok, "{out}{err}");
+    env.dsns.push(dsn2);
+    // A writer that never refreshes its map on its own.
+    let w = env.spawn_env(&["writer", "--http", "127.0.0.1:0"], &[("BAGSTORE_MYSQL__MAP_REFRESH_MS", "3600000")]).await;
+    let id = id_in(7..=7);
+    let (status, body) = w.api().put(&id, &json!({"v": 1})).await;
+    assert_eq!(status, 201, "{body}");
+
+    // Frozen holding the old map, with its events published (a frozen
+    // relay would hold the cutover back: the source's events of the moving
+    // logical shards reach Kafka before the target takes writes).
+    eventually("the writer's outbox is empty", Duration::from_secs(30), || async {
+        (env.count_rows("outbox").await == 0).then_some(())
+    })
+    .await;
+    let pid = w.pid().to_string();
+    let signal = |sig: &str| std::process::Command::new("kill").args([sig, &pid]).status().unwrap();
+    assert!(signal("-STOP").success());
+    // The cutover completes while it is frozen (it holds no lock: frozen
+    // between requests), and the source's copy goes once it stops
+    // counting as live.
+    let (ok, out, err) =
+        env.run(&env.args(&["shards", "move", "--logical", "7", "--to", "s2"]), &[("BAGSTORE_MOVER__PROCESS_TTL_SECS", "2")]).await;
+    assert!(signal("-CONT").success());
+    assert!(ok, "{out}{err}");
+
+    let before = metric_sum(&w.api().metrics().await, "bagstore_writer_stale_map_retries_total", &[]);
+    let (status, body) = w.api().put(&id, &json!({"v": 2})).await;
+    assert_eq!((status, body["version"].clone()), (200, json!(2)), "{body}");
+    let after = metric_sum(&w.api().metrics().await, "bagstore_writer_stale_map_retries_total", &[]);
+    assert!(after > before, "the write did not find its map stale ({before} → {after})");
+    let s1 = env.pool(1).await;
+    let s2 = MySqlPool::connect(&env.dsns[2]).await.unwrap();
+    let version = |pool: MySqlPool| {
+        let id = id.clone();
+        async move {
+            sqlx::query_as::<_, (u64,)>("SELECT version FROM entities WHERE id = UNHEX(?)")
+                .bind(id)
+                .fetch_optional(&pool)
+                .await
+                .unwrap()
+                .map(|v| v.0)
+        }
+    };
+    assert_eq!(version(s2).await, Some(2), "the write did not land on the new owner");
+    assert_eq!(version(s1).await, None, "the old owner still has the entity");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_killed_mid_copy_resumes_and_one_not_yet_flipped_rolls_back() {
+    let mut env = TestEnv::new("moveresume", STANDARD_INDEXES).await;
+    env.migrate().await;
+    // No cleaner: nothing but the commands here runs a move.
+    let writer = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;
+    let reader = env.spawn(&["reader", "--http", "127.0.0.1:0"]).await;
+    let _indexer = env.spawn(&["indexer", "--http", "127.0.0.1:0"]).await;
+    let (api, read) = (writer.api(), reader.api());
+    let users: Vec<String> = (0..8).map(|_| id_in(0..=L - 1)).collect();
+    let mut acked = BTreeMap::new();
+    for chunk in 0..10 {
+        let items: Vec<Value> = (0..200)
+            .map(|i| json!({"id": id_in(0..=L - 1), "user_id": users[i % users.len()], "c": chunk}))
+            .collect();
+        let (status, body) = api.batch(&items).await;
+        assert_eq!(status, 200, "{body}");
+        for (item, r) in items.iter().zip(body["results"].as_array().unwrap()) {
+            let user = item["user_id"].as_str().unwrap().to_string();
+            acked.insert(item["id"].as_str().unwrap().to_string(), (r["version"].as_u64().unwrap(), user));
+        }
+    }
+    let dsn2 = env.extra_dsn(2);
+    let (ok, out, err) = env.run(&env.args(&["shards", "add", "s2", &dsn2]), &[]).await;
+    assert!(ok, "{out}{err}");
+    env.dsns.push(dsn2);
+    let meta = env.pool(0).await;
+    let s2 = MySqlPool::connect(&env.dsns[2]).await.unwrap();
+
+    // Started slowly, killed once it has copied something.
+    let kill_mid_copy = |range: &'static str| {
+        let args = env.args(&["shards", "move", "--logical", range, "--to", "s2"]);
+        let meta = meta.clone();
+        async move {
+            let mut child = tokio::process::Command::new(bagstore_tests::bagstore_bin())
+                .args(&args)
+                .env("BAGSTORE_MOVER__RATE", "300")
+                .env("BAGSTORE_MOVER__BATCH", "50")
+                .stdout(std::process::Stdio::null())
+                .kill_on_drop(true)
+                .spawn()
+                .unwrap();
+            let id = eventually("the move copied some rows", Duration::from_secs(60), || async {
+                sqlx::query_as::<_, (u64,)>(
+                    "SELECT id FROM bagstore_moves WHERE phase = 'copy' AND rows_copied > 0 ORDER BY id DESC LIMIT 1",
+                )
+                .fetch_optional(&meta)
+                .await
+                .unwrap()
+                .map(|r| r.0)
+            })
+            .await;
+            child.kill().await.unwrap();
+            id
+        }
+    };
+    let first = kill_mid_copy("0-2047").await;
+    let owned_by_s2 = || async {
+        let (_, doc) = read.shards().await;
+        assert_eq!(doc["moves"], json!([]), "{doc}");
+        doc["shards"].as_array().unwrap().iter().find(|s| s["name"] == "s2").unwrap()["logical"].as_u64().unwrap()
+    };
+    // `resume` finishes the move in flight (the range's part from s0);
+    // running the command again does the rest (the part from s1).
+    let (ok, out, err) = env.run(&env.args(&["shards", "resume"]), &[]).await;
+    assert!(ok && out.contains(&format!("move {first} done")), "{out}{err}");
+    assert_eq!(owned_by_s2().await, 1024);
+    let (ok, out, err) = env.run(&env.args(&["shards", "move", "--logical", "0-2047", "--to", "s2"]), &[]).await;
+    assert!(ok && out.contains("done:"), "{out}{err}");
+    assert_eq!(owned_by_s2().await, 2048);
+
+    let second = kill_mid_copy("2048-4095").await;
+    let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM entities WHERE logical >= 2048").fetch_one(&s2).await.unwrap();
+    assert!(n > 0, "the killed copy left nothing to roll back");
+    let (ok, out, err) = env.run(&env.args(&["shards", "abort", &second.to_string()]), &[]).await;
+    assert!(ok && out.contains("rolled back"), "{out}{err}");
+    let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM entities WHERE logical >= 2048").fetch_one(&s2).await.unwrap();
+    assert_eq!(n, 0, "the rolled-back copy is still on the target");
+    for pool in [&meta, &env.pool(1).await] {
+        let (triggers,): (i64,) = sqlx::query_as(
+            "SELECT COUNT(*) FROM information_schema.TRIGGERS WHERE TRIGGER_SCHEMA = DATABASE()",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        assert_eq!(triggers, 0, "a source kept its journal triggers");
+    }
+    let (phase,): (String,) =
+        sqlx::query_as("SELECT phase FROM bagstore_moves WHERE id = ?").bind(second).fetch_one(&meta).await.unwrap();
+    assert_eq!(phase, "rolled_back");
+
+    for (id, (version, _)) in &acked {
+        let (status, got) = read.get(id).await;
+        assert_eq!((status, got["version"].as_u64()), (200, Some(*version)), "{id}: {got}");
+    }
+    env.until_caught_up(&["index_user_id"]).await;
+    for user in &users {
+        let want: Vec<&str> = acked.iter().filter(|(_, (_, u))| u == user).map(|(id, _)| id.as_str()).collect();
+        bagstore_tests::until_query_is(&read, &json!({"where": {"user_id": user}, "limit": 1000}), &want).await;
+    }
+}
+
+/// Waits until `GET /v1/shards` shows `names` only, no move in flight, and
+/// an even share each.
+async fn until_balanced(api: &Api, names: &[&str]) -> Value {
+    let want: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+    eventually(&format!("the cluster balanced over {names:?}"), Duration::from_secs(180), || async {
+        let (status, doc) = api.shards().await;
+        assert_eq!(status, 200, "{doc}");
+        let shards = doc["shards"].as_array()?;
+        let got: Vec<String> = shards.iter().map(|s| s["name"].as_str().unwrap().to_string()).collect();
+        let share = 4096 / names.len() as u64;
+        let even = shards.iter().all(|s| {
+            let n = s["logical"].as_u64().unwrap();
+            n == share || n == share + 1
+        });
+        (got == want && even && doc["moves"] == json!([])).then_some(doc)
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bagstore_dev_grows_from_two_private_shards_to_three_and_back_while_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("indexes.toml");
+    std::fs::write(&config, STANDARD_INDEXES).unwrap();
+    let data = dir.path().join("data");
+    let args = |shards: &str| -> Vec<String> {
+        ["dev", "--http", "127.0.0.1:0", "--shards", shards, "--data-dir"]
+            .iter()
+            .map(|s| s.to_string())
+            .chain([data.display().to_string(), "--config".into(), config.display().to_string()])
+            .collect()
+    };
+    let users: Vec<String> = (0..12).map(|_| id_in(0..=L - 1)).collect();
+    let keys: Vec<String> = (0..400).map(|_| id_in(0..=L - 1)).collect();
+    let acked: Acked = Default::default();
+
+    let dev = bagstore_tests::Proc::start(&args("2"), dir.path(), &[]).await.unwrap();
+    for (i, id) in keys.iter().enumerate() {
+        let body = json!({"user_id": users[i % users.len()], "n": 0});
+        let (status, reply) = dev.api().put(id, &body).await;
+        assert_eq!(status, 201, "{reply}");
+        acked.lock().unwrap().insert(id.clone(), (1, body));
+    }
+    assert_eq!(dev.terminate().await, Some(0));
+
+    for (shards, names) in [("3", &["s0", "s1", "s2"][..]), ("2", &["s0", "s1"][..])] {
+        let dev = bagstore_tests::Proc::start(&args(shards), dir.path(), &[]).await.unwrap();
+        let api = dev.api();
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = write_loop(api.clone(), keys.clone(), users.clone(), acked.clone(), stop.clone());
+        until_balanced(&api, names).await;
+        stop.store(true, Ordering::Relaxed);
+        let writes = writer.await.unwrap();
+        assert!(writes > 0, "no write went through while the cluster went to {shards} shards");
+        check_acked(&api, &acked).await;
+        let truth = acked.lock().unwrap().clone();
+        for user in &users {
+            let want: Vec<&str> =
+                truth.iter().filter(|(_, (_, b))| b["user_id"] == json!(user)).map(|(id, _)| id.as_str()).collect();
+            bagstore_tests::until_query_is(&api, &json!({"where": {"user_id": user}, "limit": 1000}), &want).await;
+        }
+        let log = std::fs::read_to_string(&dev.log).unwrap();
+        assert!(log.contains("private shards balanced"), "no rebalance in the log");
+        assert_eq!(dev.terminate().await, Some(0));
+    }
+}
