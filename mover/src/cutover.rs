@@ -84,8 +84,10 @@ impl Mover {
         // The hand-over, in the order a kill can interrupt safely (see
         // `recover_cutover`): target owns, source gives up, map flips.
         topology::grant(target, dst, &logicals, 0).await?;
+        self.drill_hold().await;
         let source_epoch = moves::cluster_epoch(shards.meta()).await? + 1;
         fence.release(source_epoch).await?;
+        self.drill_hold().await;
         moves::flip(shards.meta(), run.rec.id, &logicals, run.rec.source, run.rec.target, source_epoch).await?;
         let pause = closing.elapsed();
         run.rec.phase = Phase::Cleanup;
@@ -95,6 +97,15 @@ impl Mover {
         shards.reload().await?;
         tracing::info!(id = run.rec.id, pause_ms = pause.as_millis() as u64, "cutover done: the map flipped");
         Ok(pause)
+    }
+
+    /// `mover.drill_hold_ms`: a window to kill the mover in, for drills.
+    async fn drill_hold(&self) {
+        let hold = self.settings().drill_hold_ms;
+        if hold > 0 {
+            tracing::warn!(hold_ms = hold, "holding the cutover for a drill (mover.drill_hold_ms)");
+            tokio::time::sleep(Duration::from_millis(hold)).await;
+        }
     }
 
     /// A move found in phase cutover was killed during one. If the source

@@ -87,8 +87,37 @@ pub fn random_entity(rng: &mut StdRng) -> Value {
 /// (shard, key as text, entity id) for every row an index should hold.
 pub type Rows = BTreeSet<(usize, String, String)>;
 
-fn shard(bytes: &[u8], shards: usize) -> usize {
-    schemas::shard::initial_position_of(bytes, shards)
+/// Which of the env's shards (by position in its DSN list) holds a key:
+/// the cluster's map, read from the metadata shard, or a new cluster's.
+#[derive(Debug, Clone)]
+pub struct Placement {
+    /// Position of the owner of each logical shard.
+    owners: Vec<usize>,
+}
+
+impl Placement {
+    /// A new cluster of `n` shards (logical shard k on the k mod n-th).
+    pub fn even(n: usize) -> Placement {
+        Placement { owners: (0..schemas::shard::DEFAULT_LOGICAL_SHARDS as usize).map(|k| k % n).collect() }
+    }
+
+    /// The map as the cluster has it now.
+    pub async fn load(env: &TestEnv) -> Placement {
+        let meta = env.pool(0).await;
+        let physical: Vec<(u32, String)> =
+            sqlx::query_as("SELECT id, address FROM bagstore_physical").fetch_all(&meta).await.expect("physical");
+        let map: Vec<(u16, u32)> =
+            sqlx::query_as("SELECT logical, physical FROM bagstore_map ORDER BY logical").fetch_all(&meta).await.expect("map");
+        let position = |id: u32| {
+            let address = &physical.iter().find(|p| p.0 == id).expect("a registered shard").1;
+            env.dsns.iter().position(|d| d == address).unwrap_or_else(|| panic!("{address} is not one of the env's DSNs"))
+        };
+        Placement { owners: map.into_iter().map(|(_, p)| position(p)).collect() }
+    }
+
+    pub fn of(&self, bytes: &[u8]) -> usize {
+        self.owners[schemas::logical_of(bytes, self.owners.len() as u16) as usize]
+    }
 }
 
 fn hex_bytes(s: &str) -> Vec<u8> {
@@ -97,20 +126,21 @@ fn hex_bytes(s: &str) -> Vec<u8> {
 
 /// The rows of every standard index, derived from live entities' properties
 /// (entity id → properties), without bagstore's index code.
-pub fn expected_rows(entities: &HashMap<String, Value>, shards: usize) -> HashMap<&'static str, Rows> {
+pub fn expected_rows(entities: &HashMap<String, Value>, placement: &Placement) -> HashMap<&'static str, Rows> {
+    let shard = |bytes: &[u8]| placement.of(bytes);
     let mut out: HashMap<&'static str, Rows> = STANDARD_TABLES.iter().map(|t| (*t, Rows::new())).collect();
     let mut add = |table: &'static str, row| {
         out.get_mut(table).expect("standard table").insert(row);
     };
     for (eid, p) in entities {
         if let Some(u) = p["user_id"].as_str() {
-            add("index_user_id", (shard(&hex_bytes(u), shards), u.to_string(), eid.clone()));
+            add("index_user_id", (shard(&hex_bytes(u)), u.to_string(), eid.clone()));
         }
         if let (Some(f), Some(l)) = (p["first_name"].as_str(), p["last_name"].as_str()) {
-            add("index_user_name", (shard(f.as_bytes(), shards), format!("{f}|{l}"), eid.clone()));
+            add("index_user_name", (shard(f.as_bytes()), format!("{f}|{l}"), eid.clone()));
         }
         if let (Some(bar), Some("right")) = (p["bar"].as_i64(), p["m"].as_str()) {
-            add("index_foo", (shard(&bar.to_be_bytes(), shards), bar.to_string(), eid.clone()));
+            add("index_foo", (shard(&bar.to_be_bytes()), bar.to_string(), eid.clone()));
         }
         let tags: Vec<&str> = match &p["tags"] {
             Value::String(s) => vec![s.as_str()],
@@ -118,7 +148,7 @@ pub fn expected_rows(entities: &HashMap<String, Value>, shards: usize) -> HashMa
             _ => vec![],
         };
         for t in tags {
-            add("index_tag", (shard(t.as_bytes(), shards), t.to_string(), eid.clone()));
+            add("index_tag", (shard(t.as_bytes()), t.to_string(), eid.clone()));
         }
     }
     out

@@ -1,6 +1,7 @@
 //! The chaos suite against librdkafka's mock cluster: indexer and writer
-//! `kill -9`, broker outages and killed MySQL connections, five of each,
-//! with the cleaner sweeping throughout. See `bagstore_tests::chaos`.
+//! `kill -9`, broker outages, killed MySQL connections and online shard
+//! moves (some killed mid-copy or mid-cutover), five of each, with the
+//! cleaner sweeping throughout. See `bagstore_tests::chaos`.
 
 use bagstore_tests::chaos::{self, ChaosConfig, Fault};
 use bagstore_tests::{TestEnv, STANDARD_INDEXES};
@@ -13,7 +14,7 @@ async fn invariants_hold_under_crashes_broker_outages_and_killed_connections() {
     // fails it. A 10 s timeout keeps a rebalance under ~20 s here; a real
     // broker answers such a commit at once (REBALANCE_IN_PROGRESS).
     let toml = format!("{STANDARD_INDEXES}\n[kafka.options]\n\"socket.timeout.ms\" = \"10000\"\n");
-    let env = TestEnv::new("chaos", &toml).await;
-    let faults = [Fault::IndexerKill, Fault::WriterKill, Fault::BrokerOutage, Fault::MysqlKill];
-    chaos::run(&env, ChaosConfig::from_env(&faults, 5)).await;
+    let mut env = TestEnv::new("chaos", &toml).await;
+    let faults = [Fault::IndexerKill, Fault::WriterKill, Fault::BrokerOutage, Fault::MysqlKill, Fault::Move];
+    chaos::run(&mut env, ChaosConfig::from_env(&faults, 5)).await;
 }

@@ -8,9 +8,9 @@ use bagstore_tests::{TestEnv, STANDARD_INDEXES};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invariants_hold_when_the_broker_process_is_killed_and_restarted() {
-    let env = TestEnv::with_tansu("chaostansu", STANDARD_INDEXES).await;
+    let mut env = TestEnv::with_tansu("chaostansu", STANDARD_INDEXES).await;
     let faults = [Fault::BrokerKill, Fault::IndexerKill, Fault::WriterKill, Fault::MysqlKill];
-    chaos::run(&env, ChaosConfig::from_env(&faults, 3)).await;
+    chaos::run(&mut env, ChaosConfig::from_env(&faults, 3)).await;
 }
 
 /// The chaos suite's crash detector: a broker process that dies without

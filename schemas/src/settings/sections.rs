@@ -285,6 +285,11 @@ pub struct MoverSettings {
     /// The copy pauses while the source has more than this many queries
     /// running (MySQL's `Threads_running`; 0: never pauses).
     pub max_threads_running: u32,
+    /// For drills only (killing a mover mid-cutover on purpose): how long
+    /// the cutover pauses before the source gives the logical shards up,
+    /// and again before the map flips. Writes to them wait meanwhile. 0 in
+    /// production.
+    pub drill_hold_ms: u64,
 }
 
 impl Default for MoverSettings {
@@ -297,6 +302,7 @@ impl Default for MoverSettings {
             cutover_attempts: 20,
             process_ttl_secs: 10,
             max_threads_running: 32,
+            drill_hold_ms: 0,
         }
     }
 }

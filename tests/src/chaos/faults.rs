@@ -8,6 +8,120 @@ pub(super) struct Stack {
     pub(super) indexers: Vec<Option<Proc>>,
     pub(super) reader: Proc,
     pub(super) cleaner: Option<Proc>,
+    /// The `bagstore shards …` command running in the background.
+    pub(super) mover: Option<BackgroundMove>,
+    pub(super) moves: MoveLog,
+}
+
+/// A `bagstore shards …` command left running while the next faults land.
+pub(super) struct BackgroundMove {
+    what: String,
+    child: tokio::process::Child,
+}
+
+/// What the move faults did, for the report.
+#[derive(Debug, Default)]
+pub(super) struct MoveLog {
+    pub(super) started: usize,
+    pub(super) killed_mid_copy: usize,
+    pub(super) killed_mid_cutover: usize,
+    /// The commands' `move N done: …` lines.
+    pub(super) done: Vec<String>,
+}
+
+impl MoveLog {
+    /// `rows/s` and `writes paused N ms` of every finished move.
+    pub(super) fn summary(&self) -> String {
+        let field = |line: &str, before: &str, after: &str| -> Option<f64> {
+            let end = line.find(after)?;
+            let start = line[..end].rfind(before)? + before.len();
+            line[start..end].trim().parse().ok()
+        };
+        let rates: Vec<String> =
+            self.done.iter().filter_map(|l| field(l, "(", " rows/s")).map(|r| format!("{r:.0}")).collect();
+        let mut pauses: Vec<f64> = self.done.iter().filter_map(|l| field(l, "writes paused", " ms")).collect();
+        pauses.sort_by(f64::total_cmp);
+        format!(
+            "moves: {} started ({} killed mid-copy, {} killed mid-cutover, each resumed), {} finished by a command; \
+             rows/s {:?}; cutover pauses (ms) {:?}",
+            self.started,
+            self.killed_mid_copy,
+            self.killed_mid_cutover,
+            self.done.len(),
+            rates,
+            pauses
+        )
+    }
+}
+
+/// Starts `bagstore shards <args…>` (with the env's config) in the background.
+fn spawn_shards_command(env: &TestEnv, args: &[&str], vars: &[(&str, &str)]) -> tokio::process::Child {
+    let mut all = vec!["shards"];
+    all.extend_from_slice(args);
+    tokio::process::Command::new(crate::bagstore_bin())
+        .args(env.args(&all))
+        .envs(vars.iter().copied())
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn bagstore shards")
+}
+
+/// Waits for the background move command, keeps its `done` lines; a
+/// command that fails is a failure of the run.
+pub(super) async fn wait_background_move(stack: &mut Stack, shared: &Shared) {
+    let Some(m) = stack.mover.take() else { return };
+    match tokio::time::timeout(Duration::from_secs(300), m.child.wait_with_output()).await {
+        Ok(Ok(out)) => {
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            stack.moves.done.extend(text.lines().filter(|l| l.contains(" done: ")).map(str::to_string));
+            if !out.status.success() {
+                shared.fail(format!("`bagstore shards {}` failed: {text}", m.what));
+            }
+        }
+        Ok(Err(e)) => shared.fail(format!("`bagstore shards {}`: {e}", m.what)),
+        Err(_) => shared.fail(format!("`bagstore shards {}` did not finish within 300 s", m.what)),
+    }
+}
+
+/// Finishes every move: the background command, then `shards resume`,
+/// then checks that nothing is in flight.
+pub(super) async fn finish_moves(env: &TestEnv, stack: &mut Stack, shared: &Shared) {
+    if stack.moves.started == 0 {
+        return;
+    }
+    wait_background_move(stack, shared).await;
+    stack.mover = Some(BackgroundMove { what: "resume".into(), child: spawn_shards_command(env, &["resume"], &[]) });
+    wait_background_move(stack, shared).await;
+    let meta = env.pool(0).await;
+    let (left,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM bagstore_moves WHERE phase NOT IN ('done', 'rolled_back')")
+        .fetch_one(&meta)
+        .await
+        .expect("moves");
+    if left > 0 {
+        shared.fail(format!("{left} moves still in flight after `shards resume`"));
+    }
+}
+
+/// A random range of 64 to 256 logical shards.
+fn random_range(rng: &mut StdRng) -> String {
+    let len = rng.random_range(64..=256u16);
+    let start = rng.random_range(0..4096 - len);
+    format!("{start}-{}", start + len - 1)
+}
+
+/// Polls the metadata shard until `ready` holds (up to 60 s).
+async fn until_move(meta: &sqlx::MySqlPool, sql: &str) -> bool {
+    for _ in 0..1200 {
+        let row: Option<(u64,)> = sqlx::query_as(sql).fetch_optional(meta).await.unwrap_or(None);
+        if row.is_some() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
 }
 
 pub(super) const CLEANER_ENV: [(&str, &str); 1] = [("BAGSTORE_CLEANER__INTERVAL_MS", "200")];
@@ -129,6 +243,51 @@ pub(super) async fn stack_connections(pool: &sqlx::MySqlPool, databases: &[Strin
     ids
 }
 
+/// Starts the next move fault (see [`Fault::Move`]); the command keeps
+/// running in the background.
+async fn inject_move(env: &TestEnv, stack: &mut Stack, shared: &Shared, rng: &mut StdRng) -> String {
+    wait_background_move(stack, shared).await;
+    let n = stack.moves.started;
+    stack.moves.started += 1;
+    let names = ["s0", "s1", "s2"];
+    let to = names[rng.random_range(0..names.len())];
+    let range = random_range(rng);
+    let meta = env.pool(0).await;
+    let newest = "SELECT id FROM bagstore_moves WHERE phase = 'copy' AND rows_copied > 0 ORDER BY id DESC LIMIT 1";
+    let in_cutover = "SELECT id FROM bagstore_moves WHERE phase = 'cutover' ORDER BY id DESC LIMIT 1";
+    let (what, detail) = match n % 4 {
+        0 => (vec!["rebalance"], "a rebalance over s0, s1, s2 started".to_string()),
+        1 => {
+            let mut child = spawn_shards_command(
+                env,
+                &["move", "--logical", &range, "--to", to],
+                &[("BAGSTORE_MOVER__RATE", "300"), ("BAGSTORE_MOVER__BATCH", "50")],
+            );
+            let copying = until_move(&meta, newest).await;
+            child.kill().await.ok();
+            stack.moves.killed_mid_copy += usize::from(copying);
+            (vec!["resume"], format!("a move of {range} to {to} killed -9 mid-copy ({copying}); resuming"))
+        }
+        2 => {
+            let mut child = spawn_shards_command(
+                env,
+                &["move", "--logical", &range, "--to", to],
+                &[("BAGSTORE_MOVER__DRILL_HOLD_MS", "1500")],
+            );
+            let cutting = until_move(&meta, in_cutover).await;
+            // Somewhere in the fence or between the release and the flip.
+            tokio::time::sleep(Duration::from_millis(rng.random_range(0..3000))).await;
+            child.kill().await.ok();
+            stack.moves.killed_mid_cutover += usize::from(cutting);
+            (vec!["resume"], format!("a move of {range} to {to} killed -9 mid-cutover ({cutting}); resuming"))
+        }
+        _ => (vec!["move", "--logical", &range, "--to", to], format!("a move of {range} to {to} started")),
+    };
+    let child = spawn_shards_command(env, &what, &[]);
+    stack.mover = Some(BackgroundMove { what: what.join(" "), child });
+    detail
+}
+
 /// Injects `fault`, heals it, and says what it did.
 pub(super) async fn inject(
     fault: Fault,
@@ -236,5 +395,6 @@ pub(super) async fn inject(
             }
             format!("KILL of {killed} of {} connections on shard {shard}", ids.len())
         }
+        Fault::Move => inject_move(env, stack, shared, rng).await,
     }
 }

@@ -11,7 +11,9 @@
 //! the next: `kill -9` of an indexer then a restart (the group rebalances);
 //! `kill -9` of a writer (relay leadership must move to the other writer)
 //! then a restart; a broker outage; MySQL connections of the stack killed
-//! with `KILL <id>` from a separate session.
+//! with `KILL <id>` from a separate session; online moves of logical
+//! shards, some killed mid-copy or mid-cutover and resumed (these run in
+//! the background, so the next faults land during them).
 //!
 //! Checked while it runs:
 //! - Invariant R: every item of every successful query satisfies the
@@ -65,6 +67,11 @@ pub enum Fault {
     BrokerKill,
     /// `KILL <id>` of up to three of the stack's MySQL connections on one shard.
     MysqlKill,
+    /// An online move of logical shards (`bagstore shards …` in the
+    /// background while the next faults land): in turn a rebalance onto
+    /// the shard added at the start, a move killed mid-copy then resumed,
+    /// a move killed mid-cutover then resumed, a plain move.
+    Move,
 }
 
 /// What one run does; see the module docs for the environment overrides.
@@ -226,18 +233,29 @@ use report::*;
 
 /// Runs the suite; panics (after printing the seed, the fault timeline and
 /// the history of the entities involved) if any check failed.
-pub async fn run(env: &TestEnv, cfg: ChaosConfig) {
+pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
     let kind = if env.kafka.tansu().is_some() { "tansu" } else { "mock" };
     eprintln!(
         "chaos ({kind}) seed {} (replay with BAGSTORE_TEST_SEED={}), {} faults per kind",
         cfg.seed, cfg.seed, cfg.faults_per_kind
     );
     env.migrate().await;
+    if cfg.faults.contains(&Fault::Move) {
+        // A third shard, owning nothing until the first move fault
+        // rebalances onto it during the load.
+        let dsn = env.extra_dsn(env.dsns.len());
+        let (ok, out, err) = env.run(&env.args(&["shards", "add", "s2", &dsn]), &[]).await;
+        assert!(ok, "shards add: {out}{err}");
+        env.dsns.push(dsn);
+    }
+    let env = &*env;
     let mut stack = Stack {
         writers: vec![Some(env.spawn(&["writer"]).await), Some(env.spawn(&["writer"]).await)],
         indexers: vec![Some(env.spawn(&["indexer"]).await), Some(env.spawn(&["indexer"]).await)],
         reader: env.spawn(&["reader"]).await,
         cleaner: Some(env.spawn_env(&["cleaner"], &CLEANER_ENV).await),
+        mover: None,
+        moves: MoveLog::default(),
     };
     let first = until_group_owns_everything(env, &stack.indexers).await;
     assert_eq!(first, None, "two fresh indexers claimed the same partitions");
@@ -290,6 +308,8 @@ pub async fn run(env: &TestEnv, cfg: ChaosConfig) {
             break;
         }
     }
+    // Moves still running finish under load.
+    finish_moves(env, &mut stack, &shared).await;
     // A little load after the last fault, then stop.
     tokio::time::sleep(Duration::from_secs(2)).await;
     check_broker(env).await;
@@ -325,7 +345,7 @@ pub async fn run(env: &TestEnv, cfg: ChaosConfig) {
     check_broker(env).await;
     env.until_caught_up(&STANDARD_TABLES).await;
     let entities = final_entities(&shared, cfg.keys).await;
-    let want = model::expected_rows(&entities, env.dsns.len());
+    let want = model::expected_rows(&entities, &model::Placement::load(env).await);
     for d in model::row_differences(&want, &model::actual_rows(env).await) {
         shared.fail(format!("after catch-up, cleaner stopped: {d}"));
     }
@@ -389,6 +409,9 @@ pub async fn run(env: &TestEnv, cfg: ChaosConfig) {
     }
     writeln!(report, "  max index lag observed: {} events, {} ms", n(&c.max_lag_events), n(&c.max_lag_ms))
         .ok();
+    if stack.moves.started > 0 {
+        writeln!(report, "  {}", stack.moves.summary()).ok();
+    }
     writeln!(
         report,
         "  stale redeliveries on the topic (an event after a newer version of its entity): {} events of {} entities",

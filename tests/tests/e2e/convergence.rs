@@ -80,7 +80,7 @@ async fn indexes_converge_exactly_under_concurrent_writes_indexer_and_cleaner() 
             entities.insert(id(k), body["properties"].clone());
         }
     }
-    let want = expected_rows(&entities, env.dsns.len());
+    let want = expected_rows(&entities, &bagstore_tests::model::Placement::even(env.dsns.len()));
     let have = actual_rows(&env).await;
     let failures = row_differences(&want, &have);
     if !failures.is_empty() {
