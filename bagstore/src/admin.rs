@@ -29,7 +29,11 @@ pub async fn backfill(settings: Settings, table: &str) -> anyhow::Result<()> {
     let printer = Printer::stdout();
     let label = format!("backfill {table}");
     let show = |p: Progress| {
-        printer.show(&label, p.ratio(), &format!("{}/{} rows, {:.0} rows/s", p.rows_done, p.rows_total, p.rate()))
+        printer.show(
+            &label,
+            p.ratio(),
+            &format!("{}/{} rows, {:.0} rows/s", p.rows_done, p.rows_total, p.rate()),
+        )
     };
     let stop = CancellationToken::new();
     let on_signal = stop.clone();

@@ -98,7 +98,8 @@ pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running>
         pipeline.stop.clone(),
     ));
     if roles.cleaner {
-        let m = mover::Mover::new(settings.clone(), shards.clone(), mover::MoverMetrics::register(&registry)?);
+        let m =
+            mover::Mover::new(settings.clone(), shards.clone(), mover::MoverMetrics::register(&registry)?);
         pipeline.tracker.spawn(m.serve(pipeline.stop.clone()));
         let c = cleaner::Cleaner::new(
             settings.clone(),

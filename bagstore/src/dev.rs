@@ -69,12 +69,14 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         }
         let dsns: Vec<Dsn> = servers.iter().map(|m| Dsn(m.dsn(DEV_DATABASE))).collect();
         let probe = schemas::settings::MysqlSettings { shards: dsns.clone(), ..settings.mysql.clone() };
-        let ids = storage::Shards::identities(&probe).await.context("asking the private shards who they are")?;
+        let ids =
+            storage::Shards::identities(&probe).await.context("asking the private shards who they are")?;
         layout = Layout::plan(&ids, wanted);
         settings.mysql.shards = layout.serving.iter().map(|i| dsns[*i].clone()).collect();
         layout.add = layout.add.iter().map(|(i, _)| (*i, dsns[*i].clone())).collect();
         // Servers that are no shard and not wanted (removed earlier) stop.
-        let keep: Vec<usize> = layout.serving.iter().copied().chain(layout.add.iter().map(|(i, _)| *i)).collect();
+        let keep: Vec<usize> =
+            layout.serving.iter().copied().chain(layout.add.iter().map(|(i, _)| *i)).collect();
         let mut kept = Vec::new();
         for (i, m) in servers.into_iter().enumerate() {
             if keep.contains(&i) {
@@ -102,7 +104,12 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     result
 }
 
-async fn serve(mut settings: schemas::Settings, args: &DevArgs, layout: Layout, create_topics: bool) -> anyhow::Result<()> {
+async fn serve(
+    mut settings: schemas::Settings,
+    args: &DevArgs,
+    layout: Layout,
+    create_topics: bool,
+) -> anyhow::Result<()> {
     let (_, shards) = migrate::migrate(&settings, create_topics).await?;
     for (i, dsn) in &layout.add {
         let p = crate::shards::add_shard(&shards, &settings, &format!("s{i}"), dsn).await?;
@@ -117,7 +124,8 @@ async fn serve(mut settings: schemas::Settings, args: &DevArgs, layout: Layout, 
     let dsns: Vec<String> = settings.mysql.shards.iter().map(Dsn::redacted).collect();
     println!("bagstore dev ready: http={url} shards={} kafka={}", dsns.join(","), settings.kafka.brokers);
     if !layout.add.is_empty() || !layout.remove.is_empty() {
-        let (settings, shards, stop) = (settings.clone(), running.shards.clone(), running.pipeline.stop.clone());
+        let (settings, shards, stop) =
+            (settings.clone(), running.shards.clone(), running.pipeline.stop.clone());
         let wanted = layout.wanted_names();
         let remove = layout.remove.clone();
         running.pipeline.tracker.spawn(async move {

@@ -203,12 +203,16 @@ async fn shards_command(command: ShardsCommand) -> anyhow::Result<()> {
         Ok(s)
     };
     match command {
-        ShardsCommand::List { config: Some(config), client } => shards::list(external(&config)?, client.json).await,
+        ShardsCommand::List { config: Some(config), client } => {
+            shards::list(external(&config)?, client.json).await
+        }
         ShardsCommand::List { config: None, client } => client::shards_list(&client).await,
         ShardsCommand::Add { name, dsn, config } => {
             shards::add(external(&config)?, &name, schemas::settings::Dsn(dsn)).await
         }
-        ShardsCommand::Move { logical, to, config } => shards::move_logicals(external(&config)?, &logical, &to).await,
+        ShardsCommand::Move { logical, to, config } => {
+            shards::move_logicals(external(&config)?, &logical, &to).await
+        }
         ShardsCommand::Rebalance { dry_run, shards: names, config } => {
             shards::rebalance(external(&config)?, names, dry_run).await
         }

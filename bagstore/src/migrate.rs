@@ -3,11 +3,11 @@
 
 use anyhow::Context;
 use schemas::index::IndexState;
+use schemas::shard::DEFAULT_LOGICAL_SHARDS;
+use schemas::topology::{PhysicalId, PhysicalShard, Topology};
 use schemas::Settings;
 use service::kafka;
 use std::time::Duration;
-use schemas::shard::DEFAULT_LOGICAL_SHARDS;
-use schemas::topology::{PhysicalId, PhysicalShard, Topology};
 use storage::{catalog, entities, migrate, topology, Shards};
 
 /// What migrate found and did, per index.
@@ -47,7 +47,8 @@ pub async fn migrate(settings: &Settings, kafka: bool) -> anyhow::Result<(Report
         create_cluster(settings, &probe).await.context("creating the cluster's map")?;
         probe.close().await;
     }
-    let shards = Shards::connect(&settings.mysql).await.context("checking the configuration against the cluster")?;
+    let shards =
+        Shards::connect(&settings.mysql).await.context("checking the configuration against the cluster")?;
     shards.try_each(migrate::create_base_tables).await.context("creating base tables")?;
     let l = shards.logical_shards();
     shards.try_each(|shard, pool| migrate::fill_logical(shard, pool, None, l)).await?;

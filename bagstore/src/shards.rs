@@ -72,7 +72,10 @@ pub fn render(doc: &Value) -> String {
                     ]
                 })
                 .collect();
-            out.push(crate::client_commands::table(&["ID", "PHASE", "LOGICAL", "FROM -> TO", "ROWS COPIED"], rows));
+            out.push(crate::client_commands::table(
+                &["ID", "PHASE", "LOGICAL", "FROM -> TO", "ROWS COPIED"],
+                rows,
+            ));
         }
     }
     out.join("\n")
@@ -105,7 +108,12 @@ pub async fn add(settings: Settings, name: &str, dsn: Dsn) -> anyhow::Result<()>
 /// Prepares `dsn` (database, tables, identity) and registers it as the
 /// physical shard `name` of the cluster `shards` belongs to. Idempotent for
 /// the same name and address.
-pub async fn add_shard(shards: &Shards, settings: &Settings, name: &str, dsn: &Dsn) -> anyhow::Result<PhysicalShard> {
+pub async fn add_shard(
+    shards: &Shards,
+    settings: &Settings,
+    name: &str,
+    dsn: &Dsn,
+) -> anyhow::Result<PhysicalShard> {
     anyhow::ensure!(is_valid_identifier(name), "{name:?} is not a valid shard name (use [a-z][a-z0-9_]*)");
     let t = shards.topology();
     let address = storage::shards::address_of(dsn);
@@ -118,10 +126,13 @@ pub async fn add_shard(shards: &Shards, settings: &Settings, name: &str, dsn: &D
     }
     // Running processes reach a shard added online at its address with the
     // metadata shard's account: prove that works before registering.
-    let reachable = Dsn(storage::shards::with_credentials_of(&address, shards.dsn(storage::META_SHARD).expose()));
+    let reachable =
+        Dsn(storage::shards::with_credentials_of(&address, shards.dsn(storage::META_SHARD).expose()));
     // Labels the new shard in errors (and is never the metadata shard's 0).
     let label = t.shards.iter().map(|p| p.id as usize + 1).max().unwrap_or(1);
-    migrate::create_database(label, dsn).await.with_context(|| format!("creating the database at {address}"))?;
+    migrate::create_database(label, dsn)
+        .await
+        .with_context(|| format!("creating the database at {address}"))?;
     let probe = Shards::configured(&MysqlSettings { shards: vec![reachable], ..settings.mysql.clone() })?;
     probe.wait_ready(Duration::from_secs(10)).await.with_context(|| {
         format!(
@@ -216,12 +227,19 @@ impl Run {
             self.wait_idle().await?;
             shards.reload().await?;
             let t = shards.topology();
-            let logicals: Vec<u16> = plan.logicals.iter().copied().filter(|k| t.owner(*k) == plan.from).collect();
+            let logicals: Vec<u16> =
+                plan.logicals.iter().copied().filter(|k| t.owner(*k) == plan.from).collect();
             if logicals.is_empty() {
                 continue;
             }
             let rec = moves::create_move(shards.meta(), &logicals, plan.from, plan.to).await?;
-            println!("move {} recorded: {} from {} to {}", rec.id, format_logicals(&logicals), plan.from, plan.to);
+            println!(
+                "move {} recorded: {} from {} to {}",
+                rec.id,
+                format_logicals(&logicals),
+                plan.from,
+                plan.to
+            );
         }
         self.wait_idle().await
     }
@@ -270,7 +288,8 @@ pub async fn move_logicals(settings: Settings, logicals: &str, to: &str) -> anyh
 /// every registered shard) holds an even share.
 pub async fn rebalance(settings: Settings, names: Option<Vec<String>>, dry_run: bool) -> anyhow::Result<()> {
     let run = Run::new(settings).await?;
-    let names = names.unwrap_or_else(|| run.mover.shards().topology().shards.iter().map(|p| p.name.clone()).collect());
+    let names = names
+        .unwrap_or_else(|| run.mover.shards().topology().shards.iter().map(|p| p.name.clone()).collect());
     // A rebalance resumed after a kill plans again from the map as it is.
     for _ in 0..3 {
         let plans = run.mover.plan_rebalance(&names)?;

@@ -860,10 +860,21 @@ async fn insert_by_shard<T: Send + Sync + 'static>(
     Ok(())
 }
 
-/// Raw rows shaped like bagstore's `entities`, bodies already encoded.
+/// Raw rows shaped like bagstore's `entities` (logical shard included),
+/// bodies already encoded.
 async fn raw_insert(native: Arc<Native>, items: Vec<(String, Vec<u8>)>) -> anyhow::Result<()> {
-    let head = "INSERT INTO entities (id, version, updated, body) VALUES";
-    insert_by_shard(native, items, head, "(?, 1, NOW(6), ?)", |q, body| q.bind(&body[..])).await
+    let items: Vec<(String, (u16, Vec<u8>))> = items
+        .into_iter()
+        .map(|(id, body)| {
+            let logical = schemas::logical_of(&hex16(&id), schemas::shard::DEFAULT_LOGICAL_SHARDS);
+            (id, (logical, body))
+        })
+        .collect();
+    let head = "INSERT INTO entities (id, logical, version, updated, body) VALUES";
+    insert_by_shard(native, items, head, "(?, ?, 1, NOW(6), ?)", |q, (logical, body)| {
+        q.bind(*logical).bind(&body[..])
+    })
+    .await
 }
 
 /// JSON documents into the native table.

@@ -116,7 +116,9 @@ impl Cleaner {
             None => {
                 // Indexed by physical id; a shard not live is done.
                 let bounds = shards
-                    .try_each(|shard, pool| async move { Ok((shard, entities::entity_bounds(shard, pool).await?)) })
+                    .try_each(|shard, pool| async move {
+                        Ok((shard, entities::entity_bounds(shard, pool).await?))
+                    })
                     .await?;
                 let mut c = Cursor { below: vec![0; n], done: vec![true; n] };
                 for (shard, b) in &bounds {

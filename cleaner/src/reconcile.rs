@@ -197,7 +197,8 @@ async fn undo_overtaken(
                 continue;
             }
             let mut tx = topology::begin_owned(shard, shards.pool(shard), &[row.logical]).await?;
-            index_rows::delete_index_row_upto(shard, &mut tx, spec, &row.key, &row.entity, row.version).await?;
+            index_rows::delete_index_row_upto(shard, &mut tx, spec, &row.key, &row.entity, row.version)
+                .await?;
             tx.commit().await.on(shard)?;
             tracing::debug!(index = %spec.table, entity = %row.entity, "undid a repair overtaken by a newer write");
         }

@@ -132,7 +132,8 @@ impl Mover {
             run.outcome.rows_copied += n;
             self.metrics().rows_copied.inc_by(n);
             self.metrics().progressed();
-            run.journal_backlog = if entries.len() < JOURNAL_BATCH { 0 } else { moves::journal_backlog(source, src).await? };
+            run.journal_backlog =
+                if entries.len() < JOURNAL_BATCH { 0 } else { moves::journal_backlog(source, src).await? };
             self.show(run, false);
             if run.journal_backlog <= until {
                 break;
@@ -179,7 +180,11 @@ impl Mover {
         let differs = self.verify(run, None).await?;
         self.catch_up(run, SHORT_JOURNAL).await?;
         let n: usize = differs.values().map(Vec::len).sum();
-        tracing::info!(id = run.rec.id, differing = n, "move verified; differing entities are compared again at the cutover");
+        tracing::info!(
+            id = run.rec.id,
+            differing = n,
+            "move verified; differing entities are compared again at the cutover"
+        );
         Ok(differs)
     }
 
@@ -200,7 +205,10 @@ impl Mover {
             if ids.is_none_or(|ids| !ids.is_empty()) {
                 let a = entities::fingerprints(source, src, step, ids).await?;
                 let b = entities::fingerprints(target, dst, step, ids).await?;
-                let differ = symmetric_difference(a.iter().map(|f| (f.id, f.clone())), b.iter().map(|f| (f.id, f.clone())));
+                let differ = symmetric_difference(
+                    a.iter().map(|f| (f.id, f.clone())),
+                    b.iter().map(|f| (f.id, f.clone())),
+                );
                 if !differ.is_empty() {
                     out.entry(tables::ENTITIES.to_string()).or_default().extend(differ);
                 }

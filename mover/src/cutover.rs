@@ -88,7 +88,8 @@ impl Mover {
         let source_epoch = moves::cluster_epoch(shards.meta()).await? + 1;
         fence.release(source_epoch).await?;
         self.drill_hold().await;
-        moves::flip(shards.meta(), run.rec.id, &logicals, run.rec.source, run.rec.target, source_epoch).await?;
+        moves::flip(shards.meta(), run.rec.id, &logicals, run.rec.source, run.rec.target, source_epoch)
+            .await?;
         let pause = closing.elapsed();
         run.rec.phase = Phase::Cleanup;
         self.metrics().cutover_pause.observe(pause.as_secs_f64());

@@ -35,7 +35,7 @@ use schemas::{IndexSpec, Settings};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use storage::moves::{self, MoveRecord, Phase};
-use storage::{catalog, locks, StoreError, Shards, META_SHARD};
+use storage::{catalog, locks, Shards, StoreError, META_SHARD};
 use tokio_util::sync::CancellationToken;
 
 pub use metrics::MoverMetrics;
@@ -153,7 +153,8 @@ impl Mover {
     /// need none).
     pub fn plan_move(&self, logicals: &[u16], to: &str) -> Result<Vec<MovePlan>> {
         let t = self.shards().topology();
-        let target = t.by_name(to).ok_or_else(|| MoveError::Invalid(format!("no physical shard is named {to:?}")))?;
+        let target =
+            t.by_name(to).ok_or_else(|| MoveError::Invalid(format!("no physical shard is named {to:?}")))?;
         let mut by_source: std::collections::BTreeMap<PhysicalId, Vec<u16>> = Default::default();
         for k in logicals {
             if *k >= t.logical_shards {
@@ -176,11 +177,15 @@ impl Mover {
         let t = self.shards().topology();
         let mut ids = Vec::new();
         for n in names {
-            let p = t.by_name(n).ok_or_else(|| MoveError::Invalid(format!("no physical shard is named {n:?}")))?;
+            let p = t
+                .by_name(n)
+                .ok_or_else(|| MoveError::Invalid(format!("no physical shard is named {n:?}")))?;
             ids.push(p.id);
         }
         if ids.is_empty() {
-            return Err(MoveError::Invalid("a rebalance needs at least one physical shard to hold the data".into()));
+            return Err(MoveError::Invalid(
+                "a rebalance needs at least one physical shard to hold the data".into(),
+            ));
         }
         Ok(t.rebalance_plan(&ids))
     }
@@ -200,7 +205,8 @@ impl Mover {
             // A resumed move may have done part of the plan already.
             self.shards().reload().await?;
             let t = self.shards().topology();
-            let logicals: Vec<u16> = plan.logicals.iter().copied().filter(|k| t.owner(*k) == plan.from).collect();
+            let logicals: Vec<u16> =
+                plan.logicals.iter().copied().filter(|k| t.owner(*k) == plan.from).collect();
             if logicals.is_empty() {
                 continue;
             }
@@ -259,6 +265,7 @@ impl Mover {
             "running move"
         );
         self.metrics().in_flight.set(1);
+        self.metrics().progressed();
         let result = self.drive(&mut run).await;
         self.metrics().in_flight.set(0);
         self.metrics().phase.set(0);
@@ -280,7 +287,8 @@ impl Mover {
                     let differs = self.verify_until_settled(run).await?;
                     let secs = copy_start.elapsed().as_secs_f64();
                     run.outcome.copy_secs += secs;
-                    run.outcome.rows_per_sec = run.outcome.rows_copied as f64 / run.outcome.copy_secs.max(1e-9);
+                    run.outcome.rows_per_sec =
+                        run.outcome.rows_copied as f64 / run.outcome.copy_secs.max(1e-9);
                     self.set_phase(run, Phase::Cutover).await?;
                     match self.cutover(run, &differs).await {
                         Ok(pause) => {
@@ -290,7 +298,12 @@ impl Mover {
                         Err(cutover::Retry::Again(why)) => {
                             attempts += 1;
                             run.outcome.cutover_attempts = attempts;
-                            tracing::warn!(id = run.rec.id, attempt = attempts, why, "cutover did not complete");
+                            tracing::warn!(
+                                id = run.rec.id,
+                                attempt = attempts,
+                                why,
+                                "cutover did not complete"
+                            );
                             self.set_phase(run, Phase::Copy).await?;
                             if attempts >= self.settings().cutover_attempts {
                                 return Err(MoveError::CutoverGaveUp { id: run.rec.id, attempts });
@@ -320,7 +333,13 @@ impl Mover {
     /// by a killed process, is finished here.
     pub async fn serve(self, stop: CancellationToken) {
         let log = |p: &Progress| {
-            tracing::debug!(id = p.move_id, phase = p.phase.as_str(), copied = p.rows_copied, total = p.rows_total, "move progress")
+            tracing::debug!(
+                id = p.move_id,
+                phase = p.phase.as_str(),
+                copied = p.rows_copied,
+                total = p.rows_total,
+                "move progress"
+            )
         };
         loop {
             let mut wait = Duration::from_secs(1);
@@ -360,9 +379,10 @@ impl Mover {
         }
         if rec.phase == Phase::Cutover {
             // Past the release the map must flip: finish instead.
-            let source_owns = moves::owns(rec.source as usize, self.shards().pool(rec.source as usize), &rec.logicals)
-                .await?
-                .len();
+            let source_owns =
+                moves::owns(rec.source as usize, self.shards().pool(rec.source as usize), &rec.logicals)
+                    .await?
+                    .len();
             if source_owns < rec.logicals.len() {
                 return Err(MoveError::TooLateToAbort { id });
             }

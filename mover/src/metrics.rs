@@ -22,7 +22,7 @@ pub struct MoverMetrics {
     pub progress_time: Gauge,
     /// How long writes to the moving logical shards waited in a cutover.
     pub cutover_pause: Histogram,
-    /// Cutover attempts by result: `ok`, `busy` (writes in flight did not
+    /// Cutover attempts by kind of result: `ok`, `busy` (writes in flight did not
     /// finish in time), `outbox` (events did not reach Kafka in time),
     /// `differs` (verification found the copy different).
     pub cutover_attempts: IntCounterVec,
@@ -63,14 +63,17 @@ impl MoverMetrics {
                 .buckets(vec![0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]),
             )?,
             cutover_attempts: IntCounterVec::new(
-                Opts::new("bagstore_move_cutover_attempts_total", "Cutover attempts by result"),
-                &["result"],
+                Opts::new("bagstore_move_cutover_attempts_total", "Cutover attempts by result (kind)"),
+                &["kind"],
             )?,
             throttled_seconds: Gauge::new(
                 "bagstore_move_throttled_seconds_total",
                 "Seconds the copy paused because the source was busy",
             )?,
         };
+        for kind in ["ok", "busy", "outbox", "differs"] {
+            m.cutover_attempts.with_label_values(&[kind]);
+        }
         r.register(Box::new(m.in_flight.clone()))?;
         r.register(Box::new(m.phase.clone()))?;
         r.register(Box::new(m.rows_copied.clone()))?;

@@ -149,7 +149,8 @@ impl Reader {
         }
         let mut out = Vec::new();
         let per_shard = &per_shard;
-        for (_, found) in self.shards().each_with(per_shard, |shard, _, ids| self.fetch_on(shard, ids)).await {
+        for (_, found) in self.shards().each_with(per_shard, |shard, _, ids| self.fetch_on(shard, ids)).await
+        {
             out.extend(found?);
         }
         Ok(out)
@@ -298,7 +299,9 @@ impl Reader {
                         // read as "nothing here").
                         let epoch = match rows.first() {
                             Some(r) => r.shard_epoch,
-                            None => read_on!(self.shards().conns(s.shard), c => topology::shard_epoch(s.shard, c)),
+                            None => {
+                                read_on!(self.shards().conns(s.shard), c => topology::shard_epoch(s.shard, c))
+                            }
                         };
                         if epoch != self.shards().epoch_of(s.shard) {
                             return Err(StoreError::StaleMap { shard: s.shard });
@@ -310,7 +313,9 @@ impl Reader {
                         // Rows of logical shards this shard does not own are
                         // a moved-away copy not yet removed: never answers.
                         let shard = s.shard;
-                        s.buf.extend(rows.into_iter().filter(|r| self.shards().of_logical(r.logical) == shard));
+                        s.buf.extend(
+                            rows.into_iter().filter(|r| self.shards().of_logical(r.logical) == shard),
+                        );
                         Ok::<_, StoreError>(())
                     });
                 for r in futures::future::join_all(refills).await {

@@ -154,7 +154,10 @@ impl Topology {
         }
         let registered: Vec<&str> = self.shards.iter().map(|s| s.name.as_str()).collect();
         if let Some(name) = configured.iter().find(|n| !registered.contains(&n.as_str())) {
-            return Err(TopologyError::UnknownShard { name: name.clone(), registered: registered.join(", ") });
+            return Err(TopologyError::UnknownShard {
+                name: name.clone(),
+                registered: registered.join(", "),
+            });
         }
         if let Some(s) = self.shards.iter().find(|s| !configured.contains(&s.name)) {
             return Err(TopologyError::MissingShard { name: s.name.clone(), address: s.address.clone() });
@@ -209,7 +212,12 @@ mod tests {
 
     fn shards(n: u32) -> Vec<PhysicalShard> {
         (0..n)
-            .map(|id| PhysicalShard { id, name: format!("s{id}"), address: format!("mysql://h{id}/db"), epoch: 1 })
+            .map(|id| PhysicalShard {
+                id,
+                name: format!("s{id}"),
+                address: format!("mysql://h{id}/db"),
+                epoch: 1,
+            })
             .collect()
     }
 

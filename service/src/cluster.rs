@@ -31,11 +31,17 @@ impl MapMetrics {
                 "Map loads (after a write or read found its map stale, or the epoch moved)",
             )?,
             logical_owned: IntGaugeVec::new(
-                Opts::new("bagstore_shard_logical_shards", "Logical shards each physical shard owns, by the map"),
+                Opts::new(
+                    "bagstore_shard_logical_shards",
+                    "Logical shards each physical shard (label: its id) owns, by the map",
+                ),
                 &["shard"],
             )?,
             rows: IntGaugeVec::new(
-                Opts::new("bagstore_shard_entities", "Entity rows on each physical shard (InnoDB's estimate)"),
+                Opts::new(
+                    "bagstore_shard_entities",
+                    "Entity rows on each physical shard (InnoDB's estimate)",
+                ),
                 &["shard"],
             )?,
         };
@@ -57,7 +63,13 @@ pub fn process_id() -> String {
 
 /// Runs until `stop`: refreshes the map, reports this process, exports the
 /// map's series.
-pub async fn watch(shards: Shards, role: String, every: Duration, metrics: MapMetrics, stop: CancellationToken) {
+pub async fn watch(
+    shards: Shards,
+    role: String,
+    every: Duration,
+    metrics: MapMetrics,
+    stop: CancellationToken,
+) {
     let me = process_id();
     let mut reloads_seen = 0;
     let mut tick: u64 = 0;
@@ -76,7 +88,13 @@ pub async fn watch(shards: Shards, role: String, every: Duration, metrics: MapMe
     }
 }
 
-async fn refresh(shards: &Shards, me: &str, role: &str, metrics: &MapMetrics, rows: bool) -> storage::Result<()> {
+async fn refresh(
+    shards: &Shards,
+    me: &str,
+    role: &str,
+    metrics: &MapMetrics,
+    rows: bool,
+) -> storage::Result<()> {
     if moves::cluster_epoch(shards.meta()).await? != shards.epoch() {
         shards.reload().await?;
     }
@@ -85,13 +103,13 @@ async fn refresh(shards: &Shards, me: &str, role: &str, metrics: &MapMetrics, ro
     metrics.epoch.set(t.epoch as i64);
     for (id, n) in t.counts() {
         if let Some(p) = t.shard(id) {
-            metrics.logical_owned.with_label_values(&[&p.name]).set(n as i64);
+            metrics.logical_owned.with_label_values(&[&p.id.to_string()]).set(n as i64);
         }
     }
     if rows {
         for p in &t.shards {
             let n = storage::entities::estimated_rows(p.id as usize, shards.pool(p.id as usize)).await?;
-            metrics.rows.with_label_values(&[&p.name]).set(n as i64);
+            metrics.rows.with_label_values(&[&p.id.to_string()]).set(n as i64);
         }
     }
     Ok(())
@@ -148,7 +166,8 @@ pub async fn report(shards: &Shards) -> storage::Result<ShardsReport> {
             epoch: p.epoch,
             logical: owned.len(),
             ranges: schemas::topology::format_logicals(&owned),
-            entities_estimate: storage::entities::estimated_rows(p.id as usize, shards.pool(p.id as usize)).await?,
+            entities_estimate: storage::entities::estimated_rows(p.id as usize, shards.pool(p.id as usize))
+                .await?,
         });
     }
     let name = |id: u32| t.shard(id).map_or_else(|| id.to_string(), |p| p.name.clone());

@@ -161,7 +161,10 @@ fn entities_sql(n: usize, overwrite: bool) -> String {
         true => " ON DUPLICATE KEY UPDATE version = VALUES(version), updated = VALUES(updated), body = VALUES(body)",
         false => "",
     };
-    format!("INSERT INTO entities (id, logical, version, updated, body) VALUES {}{tail}", vec![tuple; n].join(", "))
+    format!(
+        "INSERT INTO entities (id, logical, version, updated, body) VALUES {}{tail}",
+        vec![tuple; n].join(", ")
+    )
 }
 
 /// Binds `rows` to an [`entities_sql`] statement.
@@ -170,7 +173,12 @@ fn bind_entities<'q>(
     rows: &'q [EntityWrite],
 ) -> Query<'q, MySql, MySqlArguments> {
     for row in rows {
-        q = q.bind(&row.id.0[..]).bind(row.logical).bind(row.version).bind(row.updated_us).bind(row.body.as_deref());
+        q = q
+            .bind(&row.id.0[..])
+            .bind(row.logical)
+            .bind(row.version)
+            .bind(row.updated_us)
+            .bind(row.body.as_deref());
     }
     q
 }
@@ -269,11 +277,7 @@ pub async fn get_entities_at(
 
 /// Entities among `ids` (all on this shard), tombstones included.
 #[tracing::instrument(level = "debug", skip_all, fields(shard))]
-pub async fn read_entities_any(
-    shard: usize,
-    pool: &MySqlPool,
-    ids: &[EntityId],
-) -> Result<Fetched> {
+pub async fn read_entities_any(shard: usize, pool: &MySqlPool, ids: &[EntityId]) -> Result<Fetched> {
     select(shard, pool, Lookup::Ids(ids), false).await
 }
 
@@ -434,7 +438,12 @@ pub async fn copy_entities(shard: usize, conn: &mut MySqlConnection, rows: &[Ent
         );
         let mut q = sqlx::query(&sql);
         for r in chunk {
-            q = q.bind(&r.id.0[..]).bind(r.logical).bind(r.version).bind(r.updated_us).bind(r.body.as_deref());
+            q = q
+                .bind(&r.id.0[..])
+                .bind(r.logical)
+                .bind(r.version)
+                .bind(r.updated_us)
+                .bind(r.body.as_deref());
         }
         q.execute(&mut *conn).await.on(shard)?;
     }

@@ -204,7 +204,12 @@ pub async fn index_rows_of(
     if ids.is_empty() {
         return Ok(Vec::new());
     }
-    let sql = format!("SELECT {} FROM `{}` WHERE entity_id IN ({})", row_columns(spec), spec.table, marks(ids.len()));
+    let sql = format!(
+        "SELECT {} FROM `{}` WHERE entity_id IN ({})",
+        row_columns(spec),
+        spec.table,
+        marks(ids.len())
+    );
     let mut q = sqlx::query(&sql);
     for id in ids {
         q = q.bind(&id.0[..]);
@@ -322,7 +327,12 @@ pub async fn rows_in_logicals(
 /// Writes rows exactly as another shard has them (a move's copy): key,
 /// version and location as given, whatever this shard had for the key.
 #[tracing::instrument(level = "debug", skip_all, fields(table = %spec.table, shard))]
-pub async fn copy_rows(shard: usize, conn: &mut MySqlConnection, spec: &IndexSpec, rows: &[IndexRow]) -> Result<()> {
+pub async fn copy_rows(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    spec: &IndexSpec,
+    rows: &[IndexRow],
+) -> Result<()> {
     let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
     let tuple = format!("({}, ?, ?, ?, ?)", marks(cols.len()));
     for chunk in rows.chunks(500) {
@@ -377,7 +387,12 @@ pub async fn replace_rows_of(
 }
 
 /// How many rows of `logicals` a shard's copy of the index has.
-pub async fn count_in_logicals(shard: usize, pool: &MySqlPool, spec: &IndexSpec, logicals: &[u16]) -> Result<u64> {
+pub async fn count_in_logicals(
+    shard: usize,
+    pool: &MySqlPool,
+    spec: &IndexSpec,
+    logicals: &[u16],
+) -> Result<u64> {
     if logicals.is_empty() {
         return Ok(0);
     }

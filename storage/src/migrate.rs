@@ -65,7 +65,13 @@ fn logical_with_placeholder() -> String {
 
 /// Adds `column` (defined by `definition`) to `table` unless it has it;
 /// true if it was added.
-async fn add_column(shard: usize, pool: &MySqlPool, table: &str, column: &str, definition: &str) -> Result<bool> {
+async fn add_column(
+    shard: usize,
+    pool: &MySqlPool,
+    table: &str,
+    column: &str,
+    definition: &str,
+) -> Result<bool> {
     let (has,): (i64,) = sqlx::query_as(
         "SELECT COUNT(*) FROM information_schema.COLUMNS \
          WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = ?",
@@ -85,7 +91,12 @@ async fn add_column(shard: usize, pool: &MySqlPool, table: &str, column: &str, d
 /// Fills in the `logical` column of rows made before logical shards, in
 /// batches: `entities` from the id, an index table (when `spec` is given)
 /// from the `shard_on` value. Returns how many rows it filled.
-pub async fn fill_logical(shard: usize, pool: &MySqlPool, spec: Option<&IndexSpec>, logical_shards: u16) -> Result<u64> {
+pub async fn fill_logical(
+    shard: usize,
+    pool: &MySqlPool,
+    spec: Option<&IndexSpec>,
+    logical_shards: u16,
+) -> Result<u64> {
     let mut filled = 0;
     loop {
         let n = match spec {

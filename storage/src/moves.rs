@@ -91,7 +91,8 @@ const MOVE_COLUMNS: &str = "id, logicals, source, target, phase, done_logicals, 
 
 fn move_record(r: &sqlx::mysql::MySqlRow) -> Result<MoveRecord> {
     let s = META_SHARD;
-    let bad = |what: &str, e: String| StoreError::BadTopology(format!("unreadable move record ({what}): {e}"));
+    let bad =
+        |what: &str, e: String| StoreError::BadTopology(format!("unreadable move record ({what}): {e}"));
     let phase: String = r.try_get("phase").on(s)?;
     let logicals: String = r.try_get("logicals").on(s)?;
     let copied: String = r.try_get("done_logicals").on(s)?;
@@ -110,11 +111,19 @@ fn move_record(r: &sqlx::mysql::MySqlRow) -> Result<MoveRecord> {
 
 /// Records a new move, unless one is in flight already (one move at a time
 /// per cluster: a rebalance runs its moves one after another).
-pub async fn create_move(meta: &MySqlPool, logicals: &[u16], source: PhysicalId, target: PhysicalId) -> Result<MoveRecord> {
+pub async fn create_move(
+    meta: &MySqlPool,
+    logicals: &[u16],
+    source: PhysicalId,
+    target: PhysicalId,
+) -> Result<MoveRecord> {
     let s = META_SHARD;
     let mut tx = meta.begin().await.on(s)?;
     // The cluster row serializes movers (and map changes).
-    sqlx::query("SELECT epoch FROM bagstore_cluster WHERE id = 1 FOR UPDATE").fetch_one(&mut *tx).await.on(s)?;
+    sqlx::query("SELECT epoch FROM bagstore_cluster WHERE id = 1 FOR UPDATE")
+        .fetch_one(&mut *tx)
+        .await
+        .on(s)?;
     let busy = sqlx::query(&format!(
         "SELECT {MOVE_COLUMNS} FROM bagstore_moves WHERE phase NOT IN ('done', 'rolled_back') LIMIT 1"
     ))
@@ -180,13 +189,15 @@ pub async fn set_phase(meta: &MySqlPool, id: u64, phase: Phase) -> Result<()> {
 
 /// Records copy progress: logical shards fully copied, rows copied so far.
 pub async fn set_copied(meta: &MySqlPool, id: u64, copied: &[u16], rows_copied: u64) -> Result<()> {
-    sqlx::query("UPDATE bagstore_moves SET done_logicals = ?, rows_copied = ?, changed = NOW(6) WHERE id = ?")
-        .bind(format_logicals(copied))
-        .bind(rows_copied)
-        .bind(id)
-        .execute(meta)
-        .await
-        .on(META_SHARD)?;
+    sqlx::query(
+        "UPDATE bagstore_moves SET done_logicals = ?, rows_copied = ?, changed = NOW(6) WHERE id = ?",
+    )
+    .bind(format_logicals(copied))
+    .bind(rows_copied)
+    .bind(id)
+    .execute(meta)
+    .await
+    .on(META_SHARD)?;
     Ok(())
 }
 
@@ -207,9 +218,17 @@ fn journaled<'a>(indexes: &'a [IndexSpec]) -> Vec<(&'a str, &'static str)> {
 /// `bagstore_moving`, then creates the triggers (waiting, as DDL does, for
 /// transactions that already touched those tables; every write after it
 /// returns is journaled). Idempotent.
-pub async fn start_journal(shard: usize, pool: &MySqlPool, logicals: &[u16], indexes: &[IndexSpec]) -> Result<()> {
+pub async fn start_journal(
+    shard: usize,
+    pool: &MySqlPool,
+    logicals: &[u16],
+    indexes: &[IndexSpec],
+) -> Result<()> {
     for chunk in logicals.chunks(1000) {
-        let sql = format!("INSERT IGNORE INTO bagstore_moving (logical) VALUES {}", vec!["(?)"; chunk.len()].join(", "));
+        let sql = format!(
+            "INSERT IGNORE INTO bagstore_moving (logical) VALUES {}",
+            vec!["(?)"; chunk.len()].join(", ")
+        );
         let mut q = sqlx::query(&sql);
         for k in chunk {
             q = q.bind(*k);
@@ -291,7 +310,8 @@ pub async fn trim_journal(shard: usize, pool: &MySqlPool, seq: u64) -> Result<()
 
 /// How many journal entries wait.
 pub async fn journal_backlog(shard: usize, pool: &MySqlPool) -> Result<u64> {
-    let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM bagstore_journal").fetch_one(pool).await.on(shard)?;
+    let (n,): (i64,) =
+        sqlx::query_as("SELECT COUNT(*) FROM bagstore_journal").fetch_one(pool).await.on(shard)?;
     Ok(n as u64)
 }
 
@@ -324,11 +344,26 @@ impl Fence {
     /// Waits up to `wait_secs` for writes in flight to the moving logical
     /// shards to commit, and holds off new ones. Fails with a lock wait
     /// timeout (nothing changed) if they do not finish in time.
-    pub async fn close(shard: usize, mut conn: MySqlConnection, logicals: &[u16], wait_secs: u32) -> Result<Fence> {
-        sqlx::query("SET SESSION innodb_lock_wait_timeout = ?").bind(wait_secs.max(1)).execute(&mut conn).await.on(shard)?;
-        sqlx::query("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED").execute(&mut conn).await.on(shard)?;
+    pub async fn close(
+        shard: usize,
+        mut conn: MySqlConnection,
+        logicals: &[u16],
+        wait_secs: u32,
+    ) -> Result<Fence> {
+        sqlx::query("SET SESSION innodb_lock_wait_timeout = ?")
+            .bind(wait_secs.max(1))
+            .execute(&mut conn)
+            .await
+            .on(shard)?;
+        sqlx::query("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            .execute(&mut conn)
+            .await
+            .on(shard)?;
         conn.execute("BEGIN").await.on(shard)?;
-        let sql = format!("SELECT logical FROM bagstore_owned WHERE logical IN ({}) FOR UPDATE", marks(logicals.len()));
+        let sql = format!(
+            "SELECT logical FROM bagstore_owned WHERE logical IN ({}) FOR UPDATE",
+            marks(logicals.len())
+        );
         let mut q = sqlx::query(&sql);
         for k in logicals {
             q = q.bind(*k);
@@ -386,7 +421,11 @@ pub async fn outbox_pending_in(
     logicals: &[u16],
     logical_shards: u16,
 ) -> Result<u64> {
-    let rows = sqlx::query("SELECT entity_id FROM outbox WHERE seq <= ?").bind(seq).fetch_all(pool).await.on(shard)?;
+    let rows = sqlx::query("SELECT entity_id FROM outbox WHERE seq <= ?")
+        .bind(seq)
+        .fetch_all(pool)
+        .await
+        .on(shard)?;
     let mut n = 0;
     for r in &rows {
         let id = id_column(shard, r, "entity_id")?;
@@ -419,7 +458,10 @@ pub async fn owns(shard: usize, pool: &MySqlPool, logicals: &[u16]) -> Result<Ve
     }
     let mut out = Vec::new();
     for chunk in logicals.chunks(1000) {
-        let sql = format!("SELECT logical FROM bagstore_owned WHERE logical IN ({}) ORDER BY logical", marks(chunk.len()));
+        let sql = format!(
+            "SELECT logical FROM bagstore_owned WHERE logical IN ({}) ORDER BY logical",
+            marks(chunk.len())
+        );
         let mut q = sqlx::query_as::<_, (u16,)>(&sql);
         for k in chunk {
             q = q.bind(*k);
@@ -443,8 +485,10 @@ pub async fn flip(
 ) -> Result<u64> {
     let s = META_SHARD;
     let mut tx = meta.begin().await.on(s)?;
-    let (epoch,): (u64,) =
-        sqlx::query_as("SELECT epoch FROM bagstore_cluster WHERE id = 1 FOR UPDATE").fetch_one(&mut *tx).await.on(s)?;
+    let (epoch,): (u64,) = sqlx::query_as("SELECT epoch FROM bagstore_cluster WHERE id = 1 FOR UPDATE")
+        .fetch_one(&mut *tx)
+        .await
+        .on(s)?;
     let new_epoch = epoch.max(source_epoch) + 1;
     for chunk in logicals.chunks(1000) {
         let sql = format!("UPDATE bagstore_map SET physical = ? WHERE logical IN ({})", marks(chunk.len()));
@@ -460,7 +504,11 @@ pub async fn flip(
         .execute(&mut *tx)
         .await
         .on(s)?;
-    sqlx::query("UPDATE bagstore_cluster SET epoch = ? WHERE id = 1").bind(new_epoch).execute(&mut *tx).await.on(s)?;
+    sqlx::query("UPDATE bagstore_cluster SET epoch = ? WHERE id = 1")
+        .bind(new_epoch)
+        .execute(&mut *tx)
+        .await
+        .on(s)?;
     sqlx::query("UPDATE bagstore_moves SET phase = 'cleanup', changed = NOW(6) WHERE id = ?")
         .bind(move_id)
         .execute(&mut *tx)
@@ -472,8 +520,10 @@ pub async fn flip(
 
 /// The cluster's current epoch (a cheap check for a changed map).
 pub async fn cluster_epoch(meta: &MySqlPool) -> Result<u64> {
-    let (e,): (u64,) =
-        sqlx::query_as("SELECT epoch FROM bagstore_cluster WHERE id = 1").fetch_one(meta).await.on(META_SHARD)?;
+    let (e,): (u64,) = sqlx::query_as("SELECT epoch FROM bagstore_cluster WHERE id = 1")
+        .fetch_one(meta)
+        .await
+        .on(META_SHARD)?;
     Ok(e)
 }
 

@@ -107,7 +107,9 @@ impl Shards {
 
     fn set_slot(&self, id: usize, name: &str, dsn: Dsn) -> Result<()> {
         if id >= MAX_PHYSICAL {
-            return Err(StoreError::BadTopology(format!("physical shard id {id} is over the limit of {MAX_PHYSICAL}")));
+            return Err(StoreError::BadTopology(format!(
+                "physical shard id {id} is over the limit of {MAX_PHYSICAL}"
+            )));
         }
         let s = &self.inner.settings;
         let opts = connect_options(&dsn)?;
@@ -155,7 +157,8 @@ impl Shards {
         }
         if shards.inner.slots[META_SHARD].get().is_none() {
             return Err(StoreError::BadTopology(
-                "the configuration lacks the metadata shard (physical shard 0, the first of the cluster)".into(),
+                "the configuration lacks the metadata shard (physical shard 0, the first of the cluster)"
+                    .into(),
             ));
         }
         let t = topology::load(shards.meta()).await?.ok_or_else(|| {
@@ -425,8 +428,10 @@ pub fn address_of(dsn: &Dsn) -> String {
     let user = s[start..at].split(':').next().unwrap_or("");
     // Query-string passwords go too.
     let (base, query) = s.split_once('?').unwrap_or((s, ""));
-    let kept: Vec<&str> =
-        query.split('&').filter(|kv| !kv.is_empty() && !kv.to_ascii_lowercase().starts_with("password=")).collect();
+    let kept: Vec<&str> = query
+        .split('&')
+        .filter(|kv| !kv.is_empty() && !kv.to_ascii_lowercase().starts_with("password="))
+        .collect();
     let base = format!("{}{user}{}", &base[..start], &base[at..]);
     if kept.is_empty() {
         base

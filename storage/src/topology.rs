@@ -71,15 +71,18 @@ pub async fn holds_map(shard: usize, pool: &MySqlPool) -> Result<bool> {
     if n == 0 {
         return Ok(false);
     }
-    let (rows,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM bagstore_cluster").fetch_one(pool).await.on(shard)?;
+    let (rows,): (i64,) =
+        sqlx::query_as("SELECT COUNT(*) FROM bagstore_cluster").fetch_one(pool).await.on(shard)?;
     Ok(rows > 0)
 }
 
 /// The map, from the metadata shard; `None` before the cluster exists.
 pub async fn load(meta: &MySqlPool) -> Result<Option<Topology>> {
     let s = META_SHARD;
-    let Some(cluster) =
-        sqlx::query("SELECT logical_shards, epoch FROM bagstore_cluster WHERE id = 1").fetch_optional(meta).await.on(s)?
+    let Some(cluster) = sqlx::query("SELECT logical_shards, epoch FROM bagstore_cluster WHERE id = 1")
+        .fetch_optional(meta)
+        .await
+        .on(s)?
     else {
         return Ok(None);
     };
@@ -126,7 +129,10 @@ pub async fn create(meta: &MySqlPool, t: &Topology) -> Result<()> {
         insert_physical(&mut tx, p).await?;
     }
     for chunk in (0..t.logical_shards).collect::<Vec<u16>>().chunks(1000) {
-        let sql = format!("INSERT INTO bagstore_map (logical, physical) VALUES {}", vec!["(?, ?)"; chunk.len()].join(", "));
+        let sql = format!(
+            "INSERT INTO bagstore_map (logical, physical) VALUES {}",
+            vec!["(?, ?)"; chunk.len()].join(", ")
+        );
         let mut q = sqlx::query(&sql);
         for k in chunk {
             q = q.bind(*k).bind(t.owner(*k));
@@ -153,15 +159,23 @@ async fn insert_physical(conn: &mut MySqlConnection, p: &PhysicalShard) -> Resul
 pub async fn register(meta: &MySqlPool, name: &str, address: &str) -> Result<PhysicalShard> {
     let s = META_SHARD;
     let mut tx = meta.begin().await.on(s)?;
-    let (epoch,): (u64,) =
-        sqlx::query_as("SELECT epoch FROM bagstore_cluster WHERE id = 1 FOR UPDATE").fetch_one(&mut *tx).await.on(s)?;
-    let (next,): (u32,) = sqlx::query_as("SELECT CAST(COALESCE(MAX(id) + 1, 0) AS UNSIGNED) FROM bagstore_physical")
+    let (epoch,): (u64,) = sqlx::query_as("SELECT epoch FROM bagstore_cluster WHERE id = 1 FOR UPDATE")
         .fetch_one(&mut *tx)
         .await
         .on(s)?;
-    let p = PhysicalShard { id: next, name: name.to_string(), address: address.to_string(), epoch: epoch + 1 };
+    let (next,): (u32,) =
+        sqlx::query_as("SELECT CAST(COALESCE(MAX(id) + 1, 0) AS UNSIGNED) FROM bagstore_physical")
+            .fetch_one(&mut *tx)
+            .await
+            .on(s)?;
+    let p =
+        PhysicalShard { id: next, name: name.to_string(), address: address.to_string(), epoch: epoch + 1 };
     insert_physical(&mut tx, &p).await?;
-    sqlx::query("UPDATE bagstore_cluster SET epoch = ? WHERE id = 1").bind(epoch + 1).execute(&mut *tx).await.on(s)?;
+    sqlx::query("UPDATE bagstore_cluster SET epoch = ? WHERE id = 1")
+        .bind(epoch + 1)
+        .execute(&mut *tx)
+        .await
+        .on(s)?;
     tx.commit().await.on(s)?;
     Ok(p)
 }
@@ -170,19 +184,33 @@ pub async fn register(meta: &MySqlPool, name: &str, address: &str) -> Result<Phy
 pub async fn unregister(meta: &MySqlPool, id: PhysicalId) -> Result<()> {
     let s = META_SHARD;
     let mut tx = meta.begin().await.on(s)?;
-    let (owned,): (i64,) =
-        sqlx::query_as("SELECT COUNT(*) FROM bagstore_map WHERE physical = ?").bind(id).fetch_one(&mut *tx).await.on(s)?;
+    let (owned,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM bagstore_map WHERE physical = ?")
+        .bind(id)
+        .fetch_one(&mut *tx)
+        .await
+        .on(s)?;
     if owned > 0 {
-        return Err(StoreError::BadTopology(format!("physical shard {id} still owns {owned} logical shards")));
+        return Err(StoreError::BadTopology(format!(
+            "physical shard {id} still owns {owned} logical shards"
+        )));
     }
     sqlx::query("DELETE FROM bagstore_physical WHERE id = ?").bind(id).execute(&mut *tx).await.on(s)?;
-    sqlx::query("UPDATE bagstore_cluster SET epoch = epoch + 1 WHERE id = 1").execute(&mut *tx).await.on(s)?;
+    sqlx::query("UPDATE bagstore_cluster SET epoch = epoch + 1 WHERE id = 1")
+        .execute(&mut *tx)
+        .await
+        .on(s)?;
     tx.commit().await.on(s)
 }
 
 /// Makes a database physical shard `physical` named `name` (idempotent for
 /// the same name; refuses a database that is another shard already).
-pub async fn claim_identity(shard: usize, pool: &MySqlPool, name: &str, physical: PhysicalId, epoch: u64) -> Result<()> {
+pub async fn claim_identity(
+    shard: usize,
+    pool: &MySqlPool,
+    name: &str,
+    physical: PhysicalId,
+    epoch: u64,
+) -> Result<()> {
     for ddl in [crate::ddl::shard_identity(), crate::ddl::owned()] {
         sqlx::query(&ddl).execute(pool).await.on(shard)?;
     }
@@ -216,7 +244,10 @@ pub async fn forget_identity(shard: usize, pool: &MySqlPool) -> Result<()> {
 pub async fn grant(shard: usize, pool: &MySqlPool, logicals: &[u16], epoch: u64) -> Result<()> {
     let mut tx = pool.begin().await.on(shard)?;
     for chunk in logicals.chunks(1000) {
-        let sql = format!("INSERT IGNORE INTO bagstore_owned (logical) VALUES {}", vec!["(?)"; chunk.len()].join(", "));
+        let sql = format!(
+            "INSERT IGNORE INTO bagstore_owned (logical) VALUES {}",
+            vec!["(?)"; chunk.len()].join(", ")
+        );
         let mut q = sqlx::query(&sql);
         for k in chunk {
             q = q.bind(*k);
@@ -233,8 +264,10 @@ pub async fn grant(shard: usize, pool: &MySqlPool, logicals: &[u16], epoch: u64)
 
 /// The logical shards a shard's database says it owns.
 pub async fn owned(shard: usize, pool: &MySqlPool) -> Result<Vec<u16>> {
-    let rows: Vec<(u16,)> =
-        sqlx::query_as("SELECT logical FROM bagstore_owned ORDER BY logical").fetch_all(pool).await.on(shard)?;
+    let rows: Vec<(u16,)> = sqlx::query_as("SELECT logical FROM bagstore_owned ORDER BY logical")
+        .fetch_all(pool)
+        .await
+        .on(shard)?;
     Ok(rows.into_iter().map(|r| r.0).collect())
 }
 
@@ -249,7 +282,10 @@ pub async fn check_owned(shard: usize, conn: &mut MySqlConnection, logicals: &[u
     if wanted.is_empty() {
         return Ok(());
     }
-    let sql = format!("SELECT logical FROM bagstore_owned WHERE logical IN ({}) LOCK IN SHARE MODE", marks(wanted.len()));
+    let sql = format!(
+        "SELECT logical FROM bagstore_owned WHERE logical IN ({}) LOCK IN SHARE MODE",
+        marks(wanted.len())
+    );
     let mut q = sqlx::query(&sql);
     for k in &wanted {
         q = q.bind(*k);
@@ -282,7 +318,8 @@ pub const SHARD_EPOCH: &str = "(SELECT epoch FROM bagstore_shard WHERE id = 1)";
 /// A shard's epoch as its database has it: what a read compares with the
 /// epoch its map gives that shard.
 pub async fn shard_epoch(shard: usize, conn: impl sqlx::MySqlExecutor<'_>) -> Result<u64> {
-    let (epoch,): (u64,) = sqlx::query_as("SELECT epoch FROM bagstore_shard WHERE id = 1").fetch_one(conn).await.on(shard)?;
+    let (epoch,): (u64,) =
+        sqlx::query_as("SELECT epoch FROM bagstore_shard WHERE id = 1").fetch_one(conn).await.on(shard)?;
     Ok(epoch)
 }
 

@@ -104,13 +104,21 @@ impl Placement {
     /// The map as the cluster has it now.
     pub async fn load(env: &TestEnv) -> Placement {
         let meta = env.pool(0).await;
-        let physical: Vec<(u32, String)> =
-            sqlx::query_as("SELECT id, address FROM bagstore_physical").fetch_all(&meta).await.expect("physical");
+        let physical: Vec<(u32, String)> = sqlx::query_as("SELECT id, address FROM bagstore_physical")
+            .fetch_all(&meta)
+            .await
+            .expect("physical");
         let map: Vec<(u16, u32)> =
-            sqlx::query_as("SELECT logical, physical FROM bagstore_map ORDER BY logical").fetch_all(&meta).await.expect("map");
+            sqlx::query_as("SELECT logical, physical FROM bagstore_map ORDER BY logical")
+                .fetch_all(&meta)
+                .await
+                .expect("map");
         let position = |id: u32| {
             let address = &physical.iter().find(|p| p.0 == id).expect("a registered shard").1;
-            env.dsns.iter().position(|d| d == address).unwrap_or_else(|| panic!("{address} is not one of the env's DSNs"))
+            env.dsns
+                .iter()
+                .position(|d| d == address)
+                .unwrap_or_else(|| panic!("{address} is not one of the env's DSNs"))
         };
         Placement { owners: map.into_iter().map(|(_, p)| position(p)).collect() }
     }
@@ -126,7 +134,10 @@ fn hex_bytes(s: &str) -> Vec<u8> {
 
 /// The rows of every standard index, derived from live entities' properties
 /// (entity id → properties), without bagstore's index code.
-pub fn expected_rows(entities: &HashMap<String, Value>, placement: &Placement) -> HashMap<&'static str, Rows> {
+pub fn expected_rows(
+    entities: &HashMap<String, Value>,
+    placement: &Placement,
+) -> HashMap<&'static str, Rows> {
     let shard = |bytes: &[u8]| placement.of(bytes);
     let mut out: HashMap<&'static str, Rows> = STANDARD_TABLES.iter().map(|t| (*t, Rows::new())).collect();
     let mut add = |table: &'static str, row| {

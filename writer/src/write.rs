@@ -102,7 +102,11 @@ impl Writer {
     }
 
     /// One attempt at the items `todo` of `items`; results in `todo`'s order.
-    async fn put_batch_once(&self, items: &[(EntityId, Bag)], todo: &[usize]) -> Vec<Result<Outcome, WriteError>> {
+    async fn put_batch_once(
+        &self,
+        items: &[(EntityId, Bag)],
+        todo: &[usize],
+    ) -> Vec<Result<Outcome, WriteError>> {
         let mut per_shard: Vec<Vec<usize>> = vec![Vec::new(); self.shards().slots_len()];
         for &i in todo {
             per_shard[self.shards().of_id(&items[i].0)].push(i);
@@ -125,7 +129,11 @@ impl Writer {
             .await;
         let mut by_item: std::collections::HashMap<usize, Result<Outcome, WriteError>> = HashMap::new();
         for (shard, result) in done {
-            by_item.extend(per_shard[shard].iter().copied().zip(per_item(shard, result, per_shard[shard].len())));
+            by_item.extend(per_shard[shard].iter().copied().zip(per_item(
+                shard,
+                result,
+                per_shard[shard].len(),
+            )));
         }
         todo.iter().map(|i| by_item.remove(i).expect("every item belongs to one shard")).collect()
     }

@@ -13,8 +13,8 @@ mod sections;
 
 pub use secrets::{is_secret_kafka_option, Dsn, Secret};
 pub use sections::{
-    AuthSettings, CleanerSettings, HttpSettings, IndexerSettings, KafkaSettings, MoverSettings, MysqlSettings,
-    ReaderSettings, WriterSettings,
+    AuthSettings, CleanerSettings, HttpSettings, IndexerSettings, KafkaSettings, MoverSettings,
+    MysqlSettings, ReaderSettings, WriterSettings,
 };
 
 #[derive(Debug, thiserror::Error)]

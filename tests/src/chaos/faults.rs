@@ -39,7 +39,8 @@ impl MoveLog {
         };
         let rates: Vec<String> =
             self.done.iter().filter_map(|l| field(l, "(", " rows/s")).map(|r| format!("{r:.0}")).collect();
-        let mut pauses: Vec<f64> = self.done.iter().filter_map(|l| field(l, "writes paused", " ms")).collect();
+        let mut pauses: Vec<f64> =
+            self.done.iter().filter_map(|l| field(l, "writes paused", " ms")).collect();
         pauses.sort_by(f64::total_cmp);
         format!(
             "moves: {} started ({} killed mid-copy, {} killed mid-cutover, each resumed), {} finished by a command; \
@@ -93,13 +94,15 @@ pub(super) async fn finish_moves(env: &TestEnv, stack: &mut Stack, shared: &Shar
         return;
     }
     wait_background_move(stack, shared).await;
-    stack.mover = Some(BackgroundMove { what: "resume".into(), child: spawn_shards_command(env, &["resume"], &[]) });
+    stack.mover =
+        Some(BackgroundMove { what: "resume".into(), child: spawn_shards_command(env, &["resume"], &[]) });
     wait_background_move(stack, shared).await;
     let meta = env.pool(0).await;
-    let (left,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM bagstore_moves WHERE phase NOT IN ('done', 'rolled_back')")
-        .fetch_one(&meta)
-        .await
-        .expect("moves");
+    let (left,): (i64,) =
+        sqlx::query_as("SELECT COUNT(*) FROM bagstore_moves WHERE phase NOT IN ('done', 'rolled_back')")
+            .fetch_one(&meta)
+            .await
+            .expect("moves");
     if left > 0 {
         shared.fail(format!("{left} moves still in flight after `shards resume`"));
     }
@@ -253,7 +256,8 @@ async fn inject_move(env: &TestEnv, stack: &mut Stack, shared: &Shared, rng: &mu
     let to = names[rng.random_range(0..names.len())];
     let range = random_range(rng);
     let meta = env.pool(0).await;
-    let newest = "SELECT id FROM bagstore_moves WHERE phase = 'copy' AND rows_copied > 0 ORDER BY id DESC LIMIT 1";
+    let newest =
+        "SELECT id FROM bagstore_moves WHERE phase = 'copy' AND rows_copied > 0 ORDER BY id DESC LIMIT 1";
     let in_cutover = "SELECT id FROM bagstore_moves WHERE phase = 'cutover' ORDER BY id DESC LIMIT 1";
     let (what, detail) = match n % 4 {
         0 => (vec!["rebalance"], "a rebalance over s0, s1, s2 started".to_string()),

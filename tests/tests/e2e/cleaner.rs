@@ -225,9 +225,10 @@ async fn the_continuous_cleaner_repairs_missing_and_dangling_rows_within_seconds
     for (u, e) in &dangling {
         let shard = schemas::shard::initial_position_of(&hexb(u), env.dsns.len());
         let pool = env.pool(shard).await;
-        sqlx::query("INSERT INTO index_user_id (user_id, entity_id, version) VALUES (?, ?, 1)")
+        sqlx::query("INSERT INTO index_user_id (user_id, entity_id, version, logical) VALUES (?, ?, 1, ?)")
             .bind(hexb(u))
             .bind(hexb(e))
+            .bind(schemas::logical_of(&hexb(u), 4096))
             .execute(&pool)
             .await
             .unwrap();

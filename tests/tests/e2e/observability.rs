@@ -289,6 +289,28 @@ tests:
         alertname: BagstoreOutboxStale
         exp_alerts: [{exp_labels: {shard: "0", severity: critical}}]
       - {eval_time: 5m, alertname: BagstoreOutboxNoRelayLeader, exp_alerts: []}
+  # A move in flight whose progress time stops at 60 s; then one that moves.
+  - interval: 1m
+    input_series:
+      - {series: 'bagstore_move_in_flight{instance="c"}', values: '1x30'}
+      - {series: 'bagstore_move_progress_timestamp_seconds{instance="c"}', values: '0 60x30'}
+    alert_rule_test:
+      - {eval_time: 14m, alertname: BagstoreMoveStalled, exp_alerts: []}
+      - eval_time: 17m
+        alertname: BagstoreMoveStalled
+        exp_alerts: [{exp_labels: {severity: warning}}]
+  - interval: 1m
+    input_series:
+      - {series: 'bagstore_move_in_flight{instance="c"}', values: '1x30'}
+      - {series: 'bagstore_move_progress_timestamp_seconds{instance="c"}', values: '0+60x30'}
+      - {series: 'bagstore_map_reloads_total{job="bagstore-writer",instance="w"}', values: '0+600x30'}
+      - {series: 'bagstore_map_reloads_total{job="bagstore-reader",instance="r"}', values: '0+6x30'}
+    alert_rule_test:
+      - {eval_time: 20m, alertname: BagstoreMoveStalled, exp_alerts: []}
+      - {eval_time: 8m, alertname: BagstoreMapReloadStorm, exp_alerts: []}
+      - eval_time: 20m
+        alertname: BagstoreMapReloadStorm
+        exp_alerts: [{exp_labels: {job: bagstore-writer, instance: w, severity: warning}}]
   # a: stuck at 40%; b: advancing; c: done.
   - interval: 1m
     input_series:
@@ -451,9 +473,10 @@ async fn every_metric_the_dashboard_and_the_alerts_use_is_exported_by_a_live_sta
     // Drift: an index row no entity produces.
     let hexb = |s: &str| schemas::EntityId::parse(s).unwrap().0.to_vec();
     let pool = env.pool(schemas::shard::initial_position_of(&hexb(&uid(999)), env.dsns.len())).await;
-    sqlx::query("INSERT INTO index_user_id (user_id, entity_id, version) VALUES (?, ?, 1)")
+    sqlx::query("INSERT INTO index_user_id (user_id, entity_id, version, logical) VALUES (?, ?, 1, ?)")
         .bind(hexb(&uid(999)))
         .bind(hexb(&entity(999)))
+        .bind(schemas::logical_of(&hexb(&uid(999)), 4096))
         .execute(&pool)
         .await
         .unwrap();

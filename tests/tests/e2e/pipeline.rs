@@ -159,10 +159,11 @@ async fn hand_made_index_rows_never_reach_query_results() {
     let shard = schemas::shard::initial_position_of(&user_bytes, env.dsns.len());
     let pool = env.pool(shard).await;
     for (entity, version) in [(hex(elsewhere), 1u64), (hex("30000000000000000000000000000003"), 9)] {
-        sqlx::query("INSERT INTO index_user_id (user_id, entity_id, version) VALUES (?, ?, ?)")
+        sqlx::query("INSERT INTO index_user_id (user_id, entity_id, version, logical) VALUES (?, ?, ?, ?)")
             .bind(&user_bytes)
             .bind(&entity)
             .bind(version)
+            .bind(schemas::logical_of(&user_bytes, 4096))
             .execute(&pool)
             .await
             .unwrap();
@@ -171,9 +172,10 @@ async fn hand_made_index_rows_never_reach_query_results() {
     let name_shard = schemas::shard::initial_position_of(b"A", env.dsns.len());
     let name_pool = env.pool(name_shard).await;
     sqlx::query(
-        "INSERT INTO index_user_name (first_name, last_name, entity_id, version) VALUES ('A', 'Z', ?, 1)",
+        "INSERT INTO index_user_name (first_name, last_name, entity_id, version, logical) VALUES ('A', 'Z', ?, 1, ?)",
     )
     .bind(hex(real))
+    .bind(schemas::logical_of(b"A", 4096))
     .execute(&name_pool)
     .await
     .unwrap();

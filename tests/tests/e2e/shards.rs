@@ -41,13 +41,22 @@ async fn snapshot(pools: &[MySqlPool]) -> Vec<(Vec<String>, Vec<i64>, u64)> {
         .unwrap();
         let tables: Vec<String> = tables.into_iter().map(|t| t.0).collect();
         let mut counts = Vec::new();
-        for t in ["entities", "outbox", "bagstore_owned", "bagstore_physical", "bagstore_map", "bagstore_processes"] {
+        for t in [
+            "entities",
+            "outbox",
+            "bagstore_owned",
+            "bagstore_physical",
+            "bagstore_map",
+            "bagstore_processes",
+        ] {
             if tables.iter().any(|x| x == t) {
-                let (n,): (i64,) = sqlx::query_as(&format!("SELECT COUNT(*) FROM {t}")).fetch_one(pool).await.unwrap();
+                let (n,): (i64,) =
+                    sqlx::query_as(&format!("SELECT COUNT(*) FROM {t}")).fetch_one(pool).await.unwrap();
                 counts.push(n);
             }
         }
-        let (epoch,): (u64,) = sqlx::query_as("SELECT epoch FROM bagstore_shard").fetch_one(pool).await.unwrap();
+        let (epoch,): (u64,) =
+            sqlx::query_as("SELECT epoch FROM bagstore_shard").fetch_one(pool).await.unwrap();
         out.push((tables, counts, epoch));
     }
     out
@@ -62,7 +71,12 @@ async fn a_configuration_that_disagrees_with_the_cluster_is_refused_before_anyth
     let stranger = env.extra_dsn(2);
     let cases = [
         ("lacks", vec![env.dsns[0].clone()], "", "but the configuration lacks it"),
-        ("unknown", vec![env.dsns[0].clone(), env.dsns[1].clone(), stranger.clone()], "", "is not a shard of a bagstore cluster"),
+        (
+            "unknown",
+            vec![env.dsns[0].clone(), env.dsns[1].clone(), stranger.clone()],
+            "",
+            "is not a shard of a bagstore cluster",
+        ),
         ("logical", env.dsns.clone(), "logical_shards = 1024", "mysql.logical_shards = 1024"),
     ];
     for (name, dsns, extra, want) in cases {
@@ -79,7 +93,12 @@ async fn a_configuration_that_disagrees_with_the_cluster_is_refused_before_anyth
     assert_eq!(snapshot(&pools).await, before, "a refused process wrote something");
     let (db, server) = storage::shards::split_database(&schemas::settings::Dsn(stranger)).unwrap();
     let server = MySqlPool::connect(server.expose()).await.unwrap();
-    let made: Vec<(String,)> = sqlx::query_as("SELECT SCHEMA_NAME FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = ?").bind(&db).fetch_all(&server).await.unwrap();
+    let made: Vec<(String,)> =
+        sqlx::query_as("SELECT SCHEMA_NAME FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = ?")
+            .bind(&db)
+            .fetch_all(&server)
+            .await
+            .unwrap();
     assert!(made.is_empty(), "the unknown shard's database was created");
 
     // The order of the list is not the layout.
@@ -112,7 +131,13 @@ type Acked = Arc<Mutex<BTreeMap<String, (u64, Value)>>>;
 
 /// Writes until `stop`, over `keys` ids and 16 users, recording every
 /// acknowledged write.
-fn write_loop(api: Api, keys: Vec<String>, users: Vec<String>, acked: Acked, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<u64> {
+fn write_loop(
+    api: Api,
+    keys: Vec<String>,
+    users: Vec<String>,
+    acked: Acked,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<u64> {
     tokio::spawn(async move {
         let mut n = 0u64;
         while !stop.load(Ordering::Relaxed) {
@@ -141,8 +166,11 @@ async fn check_acked(api: &Api, acked: &Acked) {
 async fn entity_count(pool: &MySqlPool, ids: &[&String]) -> i64 {
     let mut n = 0;
     for id in ids {
-        let (c,): (i64,) =
-            sqlx::query_as("SELECT COUNT(*) FROM entities WHERE id = UNHEX(?)").bind(id).fetch_one(pool).await.unwrap();
+        let (c,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM entities WHERE id = UNHEX(?)")
+            .bind(id)
+            .fetch_one(pool)
+            .await
+            .unwrap();
         n += c;
     }
     n
@@ -169,7 +197,8 @@ async fn logical_shards_move_online_to_a_shard_added_while_serving() {
         (acked.lock().unwrap().len() >= 100).then_some(())
     })
     .await;
-    let (ok, out, err) = env.run(&env.args(&["shards", "move", "--logical", "0-1365", "--to", "s2"]), &[]).await;
+    let (ok, out, err) =
+        env.run(&env.args(&["shards", "move", "--logical", "0-1365", "--to", "s2"]), &[]).await;
     assert!(ok, "{out}{err}");
     assert!(out.contains("done:") && out.contains("writes paused"), "{out}");
     stop.store(true, Ordering::Relaxed);
@@ -192,12 +221,17 @@ async fn logical_shards_move_online_to_a_shard_added_while_serving() {
     // Where the rows are: every moved entity on s2 only (the sources'
     // copies are gone), every other one where it was.
     let acked_now = acked.lock().unwrap().clone();
-    let (moved, stayed): (Vec<&String>, Vec<&String>) = acked_now.keys().partition(|id| logical_of_hex(id) <= 1365);
+    let (moved, stayed): (Vec<&String>, Vec<&String>) =
+        acked_now.keys().partition(|id| logical_of_hex(id) <= 1365);
     let s2 = MySqlPool::connect(&env.dsns[2]).await.unwrap();
     assert_eq!(entity_count(&s2, &moved).await, moved.len() as i64);
     assert_eq!(entity_count(&s2, &stayed).await, 0);
     let (s0, s1) = (env.pool(0).await, env.pool(1).await);
-    assert_eq!(entity_count(&s0, &moved).await + entity_count(&s1, &moved).await, 0, "a source kept its copy");
+    assert_eq!(
+        entity_count(&s0, &moved).await + entity_count(&s1, &moved).await,
+        0,
+        "a source kept its copy"
+    );
 
     // Queries equal the truth once the indexes caught up.
     env.until_caught_up(&["index_user_id"]).await;
@@ -208,10 +242,15 @@ async fn logical_shards_move_online_to_a_shard_added_while_serving() {
             .map(|(id, _)| id.as_str())
             .collect();
         want.sort_unstable();
-        bagstore_tests::until_query_is(&api, &json!({"where": {"user_id": user}, "limit": 1000}), &want).await;
+        bagstore_tests::until_query_is(&api, &json!({"where": {"user_id": user}, "limit": 1000}), &want)
+            .await;
     }
     let text = api.metrics().await;
-    assert_eq!(metric_sum(&text, "bagstore_shard_logical_shards", &[("shard", "s2")]), 1366.0, "dev did not pick up s2");
+    assert_eq!(
+        metric_sum(&text, "bagstore_shard_logical_shards", &[("shard", "2")]),
+        1366.0,
+        "dev did not pick up s2"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -223,7 +262,9 @@ async fn a_frozen_writer_with_the_old_map_cannot_commit_to_the_old_owner() {
     assert!(ok, "{out}{err}");
     env.dsns.push(dsn2);
     // A writer that never refreshes its map on its own.
-    let w = env.spawn_env(&["writer", "--http", "127.0.0.1:0"], &[("BAGSTORE_MYSQL__MAP_REFRESH_MS", "3600000")]).await;
+    let w = env
+        .spawn_env(&["writer", "--http", "127.0.0.1:0"], &[("BAGSTORE_MYSQL__MAP_REFRESH_MS", "3600000")])
+        .await;
     let id = id_in(7..=7);
     let (status, body) = w.api().put(&id, &json!({"v": 1})).await;
     assert_eq!(status, 201, "{body}");
@@ -241,8 +282,12 @@ async fn a_frozen_writer_with_the_old_map_cannot_commit_to_the_old_owner() {
     // The cutover completes while it is frozen (it holds no lock: frozen
     // between requests), and the source's copy goes once it stops
     // counting as live.
-    let (ok, out, err) =
-        env.run(&env.args(&["shards", "move", "--logical", "7", "--to", "s2"]), &[("BAGSTORE_MOVER__PROCESS_TTL_SECS", "2")]).await;
+    let (ok, out, err) = env
+        .run(
+            &env.args(&["shards", "move", "--logical", "7", "--to", "s2"]),
+            &[("BAGSTORE_MOVER__PROCESS_TTL_SECS", "2")],
+        )
+        .await;
     assert!(signal("-CONT").success());
     assert!(ok, "{out}{err}");
 
@@ -328,23 +373,28 @@ async fn a_move_killed_mid_copy_resumes_and_one_not_yet_flipped_rolls_back() {
     let owned_by_s2 = || async {
         let (_, doc) = read.shards().await;
         assert_eq!(doc["moves"], json!([]), "{doc}");
-        doc["shards"].as_array().unwrap().iter().find(|s| s["name"] == "s2").unwrap()["logical"].as_u64().unwrap()
+        doc["shards"].as_array().unwrap().iter().find(|s| s["name"] == "s2").unwrap()["logical"]
+            .as_u64()
+            .unwrap()
     };
     // `resume` finishes the move in flight (the range's part from s0);
     // running the command again does the rest (the part from s1).
     let (ok, out, err) = env.run(&env.args(&["shards", "resume"]), &[]).await;
     assert!(ok && out.contains(&format!("move {first} done")), "{out}{err}");
     assert_eq!(owned_by_s2().await, 1024);
-    let (ok, out, err) = env.run(&env.args(&["shards", "move", "--logical", "0-2047", "--to", "s2"]), &[]).await;
+    let (ok, out, err) =
+        env.run(&env.args(&["shards", "move", "--logical", "0-2047", "--to", "s2"]), &[]).await;
     assert!(ok && out.contains("done:"), "{out}{err}");
     assert_eq!(owned_by_s2().await, 2048);
 
     let second = kill_mid_copy("2048-4095").await;
-    let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM entities WHERE logical >= 2048").fetch_one(&s2).await.unwrap();
+    let (n,): (i64,) =
+        sqlx::query_as("SELECT COUNT(*) FROM entities WHERE logical >= 2048").fetch_one(&s2).await.unwrap();
     assert!(n > 0, "the killed copy left nothing to roll back");
     let (ok, out, err) = env.run(&env.args(&["shards", "abort", &second.to_string()]), &[]).await;
     assert!(ok && out.contains("rolled back"), "{out}{err}");
-    let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM entities WHERE logical >= 2048").fetch_one(&s2).await.unwrap();
+    let (n,): (i64,) =
+        sqlx::query_as("SELECT COUNT(*) FROM entities WHERE logical >= 2048").fetch_one(&s2).await.unwrap();
     assert_eq!(n, 0, "the rolled-back copy is still on the target");
     for pool in [&meta, &env.pool(1).await] {
         let (triggers,): (i64,) = sqlx::query_as(
@@ -355,8 +405,11 @@ async fn a_move_killed_mid_copy_resumes_and_one_not_yet_flipped_rolls_back() {
         .unwrap();
         assert_eq!(triggers, 0, "a source kept its journal triggers");
     }
-    let (phase,): (String,) =
-        sqlx::query_as("SELECT phase FROM bagstore_moves WHERE id = ?").bind(second).fetch_one(&meta).await.unwrap();
+    let (phase,): (String,) = sqlx::query_as("SELECT phase FROM bagstore_moves WHERE id = ?")
+        .bind(second)
+        .fetch_one(&meta)
+        .await
+        .unwrap();
     assert_eq!(phase, "rolled_back");
 
     for (id, (version, _)) in &acked {
@@ -365,8 +418,10 @@ async fn a_move_killed_mid_copy_resumes_and_one_not_yet_flipped_rolls_back() {
     }
     env.until_caught_up(&["index_user_id"]).await;
     for user in &users {
-        let want: Vec<&str> = acked.iter().filter(|(_, (_, u))| u == user).map(|(id, _)| id.as_str()).collect();
-        bagstore_tests::until_query_is(&read, &json!({"where": {"user_id": user}, "limit": 1000}), &want).await;
+        let want: Vec<&str> =
+            acked.iter().filter(|(_, (_, u))| u == user).map(|(id, _)| id.as_str()).collect();
+        bagstore_tests::until_query_is(&read, &json!({"where": {"user_id": user}, "limit": 1000}), &want)
+            .await;
     }
 }
 
@@ -427,9 +482,13 @@ async fn bagstore_dev_grows_from_two_private_shards_to_three_and_back_while_serv
         check_acked(&api, &acked).await;
         let truth = acked.lock().unwrap().clone();
         for user in &users {
-            let want: Vec<&str> =
-                truth.iter().filter(|(_, (_, b))| b["user_id"] == json!(user)).map(|(id, _)| id.as_str()).collect();
-            bagstore_tests::until_query_is(&api, &json!({"where": {"user_id": user}, "limit": 1000}), &want).await;
+            let want: Vec<&str> = truth
+                .iter()
+                .filter(|(_, (_, b))| b["user_id"] == json!(user))
+                .map(|(id, _)| id.as_str())
+                .collect();
+            bagstore_tests::until_query_is(&api, &json!({"where": {"user_id": user}, "limit": 1000}), &want)
+                .await;
         }
         let log = std::fs::read_to_string(&dev.log).unwrap();
         assert!(log.contains("private shards balanced"), "no rebalance in the log");
