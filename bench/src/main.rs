@@ -19,7 +19,9 @@
 //! entities (bagstore's online backfill against `ALTER TABLE … ADD INDEX` on
 //! a new generated column) while a steady writer measures its latency;
 //! write throughput (raw, json, bagstore; single and batch); index lag
-//! commit→applied at 50% and 90% of bagstore's maximum single-put rate.
+//! commit→applied at 50% and 90% of bagstore's maximum single-put rate;
+//! moving a third of the entities onto a new shard while the steady writer
+//! writes (`moves.rs`).
 //!
 //! Prints one Markdown table (absolute figures and ratios) and writes the
 //! same to `target/bench.json`. `--quick` is the CI smoke run: small N,
@@ -40,6 +42,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use storage::conns::Conns;
+
+mod moves;
 
 const USAGE: &str =
     "usage: bench [--quick] [--entities N] [--phase-secs S] [--clients C] [--steady-rate R]\n\
@@ -675,7 +679,12 @@ impl World {
     }
 
     fn config(&self, with_new_index: bool) -> PathBuf {
-        let shards: Vec<String> = self.bag_dsns.iter().map(|d| format!("{d:?}")).collect();
+        self.config_file("bagstore.toml", &self.bag_dsns, with_new_index)
+    }
+
+    /// A config naming `dsns` as bagstore's shards, written to `file`.
+    fn config_file(&self, file: &str, dsns: &[String], with_new_index: bool) -> PathBuf {
+        let shards: Vec<String> = dsns.iter().map(|d| format!("{d:?}")).collect();
         let mut toml = format!(
             "[mysql]\nshards = [{}]\nmax_connections = 32\n\n[kafka]\nbrokers = {:?}\ntopic = {:?}\npartitions = {PARTITIONS}\n\n\
              [http]\naddr = \"127.0.0.1:0\"\n\n\
@@ -689,7 +698,7 @@ impl World {
                 "\n[[indexes]]\ntable = \"{INDEX_NEW}\"\nproperties = [{{ name = \"link\", type = \"string\", max_len = 200 }}]\n"
             ));
         }
-        let p = self.dir.path().join("bagstore.toml");
+        let p = self.dir.path().join(file);
         std::fs::write(&p, toml).expect("config");
         p
     }
@@ -1567,9 +1576,15 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         metric_sum(&m, "bagstore_indexer_events_applied_total", &[]) > 0.0,
         "the indexer applied nothing"
     );
+
+    // ---- Moving a third of the logical shards onto a new physical shard.
+    let (h, wb) = (http.clone(), wbase.clone());
+    let third =
+        moves::move_phase(opts, world, report, move || bag_put(h.clone(), wb.clone(), fresh())).await?;
     writer.terminate().await;
     indexer.terminate().await;
     reader.terminate().await;
+    let _ = third.stop().await;
     Ok(())
 }
 

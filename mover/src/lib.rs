@@ -168,7 +168,22 @@ impl Mover {
                 by_source.entry(owner).or_default().push(*k);
             }
         }
-        Ok(by_source.into_iter().map(|(from, logicals)| MovePlan { logicals, from, to: target.id }).collect())
+        let plans = by_source.into_iter().map(|(from, logicals)| MovePlan { logicals, from, to: target.id });
+        Ok(self.chunked(plans.collect()))
+    }
+
+    /// `plans` split into moves of at most `mover.logicals_per_move`.
+    fn chunked(&self, plans: Vec<MovePlan>) -> Vec<MovePlan> {
+        let size = self.settings().logicals_per_move.max(1);
+        plans
+            .into_iter()
+            .flat_map(|p| {
+                p.logicals
+                    .chunks(size)
+                    .map(|c| MovePlan { logicals: c.to_vec(), from: p.from, to: p.to })
+                    .collect::<Vec<_>>()
+            })
+            .collect()
     }
 
     /// The moves that leave each shard named in `names` an even share and
@@ -187,7 +202,7 @@ impl Mover {
                 "a rebalance needs at least one physical shard to hold the data".into(),
             ));
         }
-        Ok(t.rebalance_plan(&ids))
+        Ok(self.chunked(t.rebalance_plan(&ids)))
     }
 
     /// Runs `plans` one after another (after finishing any move already in

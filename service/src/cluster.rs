@@ -107,6 +107,7 @@ async fn refresh(
         }
     }
     if rows {
+        topology::forget_old_processes(shards.meta()).await?;
         for p in &t.shards {
             let n = storage::entities::estimated_rows(p.id as usize, shards.pool(p.id as usize)).await?;
             metrics.rows.with_label_values(&[&p.id.to_string()]).set(n as i64);

@@ -29,12 +29,8 @@ pub async fn create_base_tables(shard: usize, pool: &MySqlPool) -> Result<()> {
     for stmt in ddl::shard_tables() {
         sqlx::query(&stmt).execute(pool).await.on(shard)?;
     }
-    if add_column(shard, pool, "entities", "logical", &logical_with_placeholder()).await? {
-        sqlx::query("ALTER TABLE entities ADD KEY entities_logical (logical, added_id)")
-            .execute(pool)
-            .await
-            .on(shard)?;
-    }
+    add_column(shard, pool, "entities", "logical", &logical_with_placeholder()).await?;
+    add_key(shard, pool, "entities", "entities_logical", "logical, added_id").await?;
     if shard == META_SHARD {
         for stmt in ddl::meta_tables() {
             sqlx::query(&stmt).execute(pool).await.on(shard)?;
@@ -52,8 +48,24 @@ pub async fn create_base_tables(shard: usize, pool: &MySqlPool) -> Result<()> {
 pub async fn create_index_table(shard: usize, pool: &MySqlPool, spec: &IndexSpec) -> Result<()> {
     sqlx::query(&ddl::index_table(spec)).execute(pool).await.on(shard)?;
     add_column(shard, pool, &spec.table, "entity_added_id", ddl::LOCATION_COLUMN).await?;
-    if add_column(shard, pool, &spec.table, "logical", &logical_with_placeholder()).await? {
-        let sql = format!("ALTER TABLE `{t}` ADD KEY `{t}_logical` (logical)", t = spec.table);
+    add_column(shard, pool, &spec.table, "logical", &logical_with_placeholder()).await?;
+    add_key(shard, pool, &spec.table, &format!("{}_logical", spec.table), "logical").await?;
+    Ok(())
+}
+
+/// Adds key `key` on `columns` to `table` unless a key of that name exists.
+async fn add_key(shard: usize, pool: &MySqlPool, table: &str, key: &str, columns: &str) -> Result<()> {
+    let (has,): (i64,) = sqlx::query_as(
+        "SELECT COUNT(*) FROM information_schema.STATISTICS \
+         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND INDEX_NAME = ?",
+    )
+    .bind(table)
+    .bind(key)
+    .fetch_one(pool)
+    .await
+    .on(shard)?;
+    if has == 0 {
+        let sql = format!("ALTER TABLE `{table}` ADD KEY `{key}` ({columns})");
         sqlx::query(&sql).execute(pool).await.on(shard)?;
     }
     Ok(())

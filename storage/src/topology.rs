@@ -338,6 +338,15 @@ pub async fn heartbeat(meta: &MySqlPool, id: &str, role: &str, epoch: u64) -> Re
     Ok(())
 }
 
+/// Forgets processes not seen for a day (each start is a new process).
+pub async fn forget_old_processes(meta: &MySqlPool) -> Result<u64> {
+    let done = sqlx::query("DELETE FROM bagstore_processes WHERE seen < NOW(6) - INTERVAL 1 DAY")
+        .execute(meta)
+        .await
+        .on(META_SHARD)?;
+    Ok(done.rows_affected())
+}
+
 /// The lowest map epoch among processes seen within `within_secs`, and how
 /// many such processes there are.
 pub async fn oldest_live_epoch(meta: &MySqlPool, within_secs: u32) -> Result<(Option<u64>, u64)> {

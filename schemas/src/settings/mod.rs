@@ -127,9 +127,13 @@ impl Settings {
                 "cleaner batch sizes and concurrency must be positive".into(),
             ));
         }
-        if self.mover.batch == 0 || self.mover.cutover_attempts == 0 || self.mysql.map_refresh_ms == 0 {
+        if self.mover.batch == 0
+            || self.mover.logicals_per_move == 0
+            || self.mover.cutover_attempts == 0
+            || self.mysql.map_refresh_ms == 0
+        {
             return Err(SettingsError::Invalid(
-                "mover.batch, mover.cutover_attempts and mysql.map_refresh_ms must be positive".into(),
+                "mover.batch, mover.logicals_per_move, mover.cutover_attempts and mysql.map_refresh_ms must be positive".into(),
             ));
         }
         if self.indexer.batch_max == 0 || self.reader.max_limit == 0 || self.reader.max_in == 0 {

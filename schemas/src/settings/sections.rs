@@ -270,6 +270,10 @@ pub struct MoverSettings {
     pub rate: u64,
     /// Rows per copy statement.
     pub batch: usize,
+    /// A rebalance or a move of more logical shards than this runs as
+    /// several moves of at most this many: each cutover then holds fewer
+    /// writes, and a failure redoes less.
+    pub logicals_per_move: usize,
     /// How long the cutover waits for writes in flight before it gives up
     /// and tries again later (writes meanwhile wait, they do not fail).
     pub fence_wait_ms: u64,
@@ -297,6 +301,7 @@ impl Default for MoverSettings {
         MoverSettings {
             rate: 0,
             batch: 2000,
+            logicals_per_move: 256,
             fence_wait_ms: 1000,
             outbox_wait_ms: 1000,
             cutover_attempts: 20,

@@ -495,3 +495,84 @@ async fn bagstore_dev_grows_from_two_private_shards_to_three_and_back_while_serv
         assert_eq!(dev.terminate().await, Some(0));
     }
 }
+
+/// A cluster from before logical shards: what `migrate` made then (no
+/// `logical` columns, no map, no shard identities), with data in it.
+async fn downgrade_to_before_logical_shards(env: &TestEnv) {
+    for s in 0..env.dsns.len() {
+        let pool = env.pool(s).await;
+        let tables: Vec<(String,)> = sqlx::query_as(
+            "SELECT TABLE_NAME FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() \
+             AND TABLE_NAME IN ('bagstore_shard', 'bagstore_owned', 'bagstore_moving', 'bagstore_journal', \
+             'bagstore_cluster', 'bagstore_physical', 'bagstore_map', 'bagstore_moves', 'bagstore_processes')",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        for (t,) in tables {
+            sqlx::query(&format!("DROP TABLE {t}")).execute(&pool).await.unwrap();
+        }
+        sqlx::query("ALTER TABLE entities DROP KEY entities_logical, DROP COLUMN logical")
+            .execute(&pool)
+            .await
+            .unwrap();
+        for t in ["index_user_id", "index_user_name", "index_foo", "index_tag"] {
+            sqlx::query(&format!("ALTER TABLE {t} DROP KEY {t}_logical, DROP COLUMN logical"))
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+        pool.close().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_from_before_logical_shards_is_upgraded_in_place_by_migrate() {
+    let env = TestEnv::new("upgrade", STANDARD_INDEXES).await;
+    let dev = env.dev().await;
+    let users: Vec<String> = (0..6).map(|_| id_in(0..=L - 1)).collect();
+    let mut truth = BTreeMap::new();
+    for i in 0..120 {
+        let id = id_in(0..=L - 1);
+        let body = json!({"user_id": users[i % users.len()], "tags": ["t"], "i": i});
+        assert_eq!(dev.api().put(&id, &body).await.0, 201);
+        truth.insert(id, body);
+    }
+    env.until_caught_up(&["index_user_id", "index_tag"]).await;
+    assert_eq!(dev.terminate().await, Some(0));
+    downgrade_to_before_logical_shards(&env).await;
+
+    let out = env.migrate().await;
+    assert!(out.contains("migrate done: 2 shards"), "{out}");
+    // The map reproduces hash mod 2: every row stays where it was, and the
+    // shard it is on owns its logical shard.
+    let placement = bagstore_tests::model::Placement::load(&env).await;
+    for s in 0..2 {
+        let pool = env.pool(s).await;
+        let rows: Vec<(Vec<u8>, u16)> =
+            sqlx::query_as("SELECT id, logical FROM entities").fetch_all(&pool).await.unwrap();
+        for (id, logical) in rows {
+            assert_eq!(logical, schemas::logical_of(&id, L), "the logical column was not filled in");
+            assert_eq!(placement.of(&id), s, "an entity is on a shard that does not own it");
+        }
+        let (unfilled,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM index_user_id WHERE logical = 65535")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(unfilled, 0);
+    }
+    let dev = env.dev().await;
+    let api = dev.api();
+    for (id, body) in &truth {
+        let (status, got) = api.get(id).await;
+        assert_eq!((status, &got["properties"]), (200, body), "{id}");
+    }
+    for user in &users {
+        let want: Vec<&str> =
+            truth.iter().filter(|(_, b)| b["user_id"] == json!(user)).map(|(id, _)| id.as_str()).collect();
+        bagstore_tests::until_query_is(&api, &json!({"where": {"user_id": user}, "limit": 1000}), &want)
+            .await;
+    }
+    let (_, doc) = api.shards().await;
+    assert_eq!((doc["logical_shards"].clone(), doc["shards"].as_array().unwrap().len()), (json!(4096), 2));
+}
