@@ -88,11 +88,12 @@ async fn create_cluster(settings: &Settings, probe: &Shards) -> anyhow::Result<(
     let n = settings.mysql.shards.len();
     let had_entities = probe.try_each(entities::has_entities).await?.into_iter().any(|has| has);
     let default = DEFAULT_LOGICAL_SHARDS;
-    let l = settings.mysql.logical_shards.unwrap_or(if had_entities && default as usize % n != 0 {
-        default - default % n as u16
-    } else {
-        default
-    });
+    let l =
+        settings.mysql.logical_shards.unwrap_or(if had_entities && !(default as usize).is_multiple_of(n) {
+            default - default % n as u16
+        } else {
+            default
+        });
     anyhow::ensure!(l as usize >= n, "{n} shards need at least {n} logical shards, not {l}");
     let physical: Vec<PhysicalShard> = settings
         .mysql

@@ -208,7 +208,7 @@ fn trigger_name(op: char, table: &str) -> String {
 }
 
 /// The tables a move journals: entities, then each index table.
-fn journaled<'a>(indexes: &'a [IndexSpec]) -> Vec<(&'a str, &'static str)> {
+fn journaled(indexes: &[IndexSpec]) -> Vec<(&str, &'static str)> {
     let mut out = vec![(tables::ENTITIES, "id")];
     out.extend(indexes.iter().map(|s| (s.table.as_str(), "entity_id")));
     out
