@@ -57,8 +57,12 @@ impl Mover {
     pub(crate) async fn roll_back(&self, run: &mut Running<'_>) -> Result<()> {
         let shards = self.shards().clone();
         let (source, target) = (run.rec.source as usize, run.rec.target as usize);
+        // Fence off any earlier run still copying, then undo.
+        moves::claim_incoming(target, shards.pool(target), &run.rec.logicals, run.token).await?;
         moves::revoke(target, shards.pool(target), &run.rec.logicals).await?;
         moves::stop_journal(source, shards.pool(source), &run.indexes).await?;
-        self.forget_copy(run, target).await
+        self.forget_copy(run, target).await?;
+        moves::drop_incoming(target, shards.pool(target), &run.rec.logicals).await?;
+        Ok(())
     }
 }

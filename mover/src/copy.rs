@@ -30,11 +30,14 @@ impl Mover {
         let (source, target) = (run.rec.source as usize, run.rec.target as usize);
         let shards = self.shards().clone();
         let (src, dst) = (shards.pool(source), shards.pool(target));
-        moves::start_journal(source, src, &run.rec.logicals, &run.indexes).await?;
         migrate::create_base_tables(target, dst).await?;
         for spec in &run.indexes {
             migrate::create_index_table(target, dst, spec).await?;
         }
+        // From here on only this run writes the copy (a run that lost the
+        // move, frozen or cut off, finds its token replaced).
+        moves::claim_incoming(target, dst, &run.rec.logicals, run.token).await?;
+        moves::start_journal(source, src, &run.rec.logicals, &run.indexes).await?;
         let done: BTreeSet<u16> = run.rec.copied.iter().copied().collect();
         let todo: Vec<u16> = run.rec.logicals.iter().copied().filter(|k| !done.contains(k)).collect();
         run.rows_total = run.rec.rows_copied + self.count_rows(source, &todo, run).await?;
@@ -47,8 +50,9 @@ impl Mover {
                 let rows = entities::scan_logicals(source, src, step, cursor, self.settings().batch).await?;
                 let Some(last) = rows.last() else { break };
                 cursor = Some(LogicalCursor { logical: last.logical, added_id: last.added_id });
-                let mut conn = dst.acquire().await.on(target)?;
-                entities::copy_entities(target, &mut conn, &rows).await?;
+                let mut tx = moves::begin_incoming(target, dst, step, run.token).await?;
+                entities::copy_entities(target, &mut tx, &rows).await?;
+                tx.commit().await.on(target)?;
                 self.copied(run, rows.len() as u64, &mut copied_here);
                 if rows.len() < self.settings().batch {
                     break;
@@ -57,8 +61,9 @@ impl Mover {
             for spec in run.indexes.clone() {
                 self.throttle(run, source, copied_here, start).await?;
                 let rows = index_rows::rows_in_logicals(source, src, &spec, step).await?;
-                let mut conn = dst.acquire().await.on(target)?;
-                index_rows::copy_rows(target, &mut conn, &spec, &rows).await?;
+                let mut tx = moves::begin_incoming(target, dst, step, run.token).await?;
+                index_rows::copy_rows(target, &mut tx, &spec, &rows).await?;
+                tx.commit().await.on(target)?;
                 self.copied(run, rows.len() as u64, &mut copied_here);
             }
             run.rec.copied.extend_from_slice(step);
@@ -151,8 +156,9 @@ impl Mover {
         for (table, ids) in moves::by_table(entries) {
             if table == tables::ENTITIES {
                 let rows = entities::read_entities_any(source, src, &ids).await?.records;
-                let mut conn = dst.acquire().await.on(target)?;
-                entities::copy_entities(target, &mut conn, &rows).await?;
+                let mut tx = moves::begin_incoming(target, dst, &run.rec.logicals, run.token).await?;
+                entities::copy_entities(target, &mut tx, &rows).await?;
+                tx.commit().await.on(target)?;
                 written += rows.len() as u64;
             } else if let Some(spec) = run.indexes.iter().find(|s| s.table == table) {
                 let logicals = &run.rec.logicals;
@@ -161,7 +167,7 @@ impl Mover {
                     .into_iter()
                     .filter(|r| logicals.binary_search(&r.logical).is_ok())
                     .collect();
-                let mut tx = dst.begin().await.on(target)?;
+                let mut tx = moves::begin_incoming(target, dst, logicals, run.token).await?;
                 index_rows::replace_rows_of(target, &mut tx, spec, logicals, &ids, &rows).await?;
                 tx.commit().await.on(target)?;
                 written += rows.len() as u64;

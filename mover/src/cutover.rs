@@ -82,8 +82,9 @@ impl Mover {
             }
         }
         // The hand-over, in the order a kill can interrupt safely (see
-        // `recover_cutover`): target owns, source gives up, map flips.
-        topology::grant(target, dst, &logicals, 0).await?;
+        // `recover_cutover`): target owns (if this run still holds the
+        // move), source gives up, map flips.
+        moves::take_over(target, dst, &logicals, run.token).await?;
         self.drill_hold().await;
         let source_epoch = moves::cluster_epoch(shards.meta()).await? + 1;
         fence.release(source_epoch).await?;

@@ -119,6 +119,9 @@ pub(crate) struct Running<'a> {
     pub report: Report<'a>,
     pub stop: &'a CancellationToken,
     pub started: Instant,
+    /// This run's token: the target accepts copies only from the run that
+    /// claimed its incoming rows last (see `storage::moves::claim_incoming`).
+    pub token: u64,
     pub rows_total: u64,
     pub rows_caught_up: u64,
     pub journal_backlog: u64,
@@ -265,6 +268,7 @@ impl Mover {
             report,
             stop,
             started: Instant::now(),
+            token: run_token(),
             rows_total: 0,
             rows_caught_up: 0,
             journal_backlog: 0,
@@ -460,6 +464,14 @@ impl Mover {
             _ = run.stop.cancelled() => Err(MoveError::Stopped),
         }
     }
+}
+
+/// A token no other run of the mover has: the time in nanoseconds and the
+/// process id.
+fn run_token() -> u64 {
+    let nanos =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+    (nanos as u64) ^ (u64::from(std::process::id()) << 40)
 }
 
 fn phase_code(p: Phase) -> i64 {

@@ -22,6 +22,9 @@ pub mod tables {
     pub const MOVING: &str = "bagstore_moving";
     /// Changes to moving logical shards, for the move's catch-up, on every shard.
     pub const JOURNAL: &str = "bagstore_journal";
+    /// The logical shards a move is copying to this shard, and which run of
+    /// the mover may write them, on every shard.
+    pub const INCOMING: &str = "bagstore_incoming";
     /// The cluster's number of logical shards and map epoch (metadata shard).
     pub const CLUSTER: &str = "bagstore_cluster";
     /// The physical shards (metadata shard).
@@ -42,6 +45,7 @@ pub const RESERVED_TABLES: &[&str] = &[
     tables::OWNED,
     tables::MOVING,
     tables::JOURNAL,
+    tables::INCOMING,
     tables::INDEX_CATALOG,
     tables::INDEX_PROGRESS,
     tables::CLUSTER,

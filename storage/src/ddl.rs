@@ -179,6 +179,22 @@ pub fn journal() -> String {
     )
 }
 
+/// The logical shards a move is copying to this shard, with the token of
+/// the mover run that may write them: every copy transaction checks its
+/// token, and a run taking the move over (or the cutover granting
+/// ownership) replaces or removes the rows, so a mover that lost the move
+/// (frozen, partitioned) can no longer write.
+pub fn incoming() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    logical SMALLINT UNSIGNED NOT NULL,
+    token BIGINT UNSIGNED NOT NULL,
+    PRIMARY KEY (logical)
+) ENGINE=InnoDB",
+        tables::INCOMING
+    )
+}
+
 /// The cluster (metadata shard, one row): its number of logical shards and
 /// the map's epoch.
 pub fn cluster() -> String {
@@ -257,8 +273,8 @@ pub fn processes() -> String {
 }
 
 /// What every physical shard has.
-pub fn shard_tables() -> [String; 6] {
-    [entities(), outbox(), shard_identity(), owned(), moving(), journal()]
+pub fn shard_tables() -> [String; 7] {
+    [entities(), outbox(), shard_identity(), owned(), moving(), journal(), incoming()]
 }
 
 /// What only the metadata shard has.

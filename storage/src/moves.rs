@@ -451,6 +451,104 @@ pub async fn revoke(shard: usize, pool: &MySqlPool, logicals: &[u16]) -> Result<
     Ok(())
 }
 
+/// Makes the mover run `token` the one that may copy `logicals` into this
+/// (target) shard. Waits for copy transactions of an earlier run in flight;
+/// their later ones fail ([`begin_incoming`]).
+pub async fn claim_incoming(shard: usize, pool: &MySqlPool, logicals: &[u16], token: u64) -> Result<()> {
+    for chunk in logicals.chunks(1000) {
+        let sql = format!(
+            "INSERT INTO bagstore_incoming (logical, token) VALUES {} ON DUPLICATE KEY UPDATE token = VALUES(token)",
+            vec!["(?, ?)"; chunk.len()].join(", ")
+        );
+        let mut q = sqlx::query(&sql);
+        for k in chunk {
+            q = q.bind(*k).bind(token);
+        }
+        q.execute(pool).await.on(shard)?;
+    }
+    Ok(())
+}
+
+/// Checks, inside `conn`'s transaction and with a shared lock held to its
+/// end, that run `token` still may copy `logicals` into this shard.
+async fn check_incoming(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    logicals: &[u16],
+    token: u64,
+    lock: &str,
+) -> Result<()> {
+    let mut held = 0;
+    for chunk in logicals.chunks(1000) {
+        let sql = format!(
+            "SELECT logical FROM bagstore_incoming WHERE logical IN ({}) AND token = ? {lock}",
+            marks(chunk.len())
+        );
+        let mut q = sqlx::query(&sql);
+        for k in chunk {
+            q = q.bind(*k);
+        }
+        held += q.bind(token).fetch_all(&mut *conn).await.on(shard)?.len();
+    }
+    if held == logicals.len() {
+        return Ok(());
+    }
+    Err(StoreError::BadTopology(format!(
+        "another run of the mover took this move over (physical shard {shard} no longer accepts this run's copy)"
+    )))
+}
+
+/// Begins a copy transaction into a target shard: fails unless run
+/// `token` still may write `logicals` there.
+pub async fn begin_incoming(
+    shard: usize,
+    pool: &MySqlPool,
+    logicals: &[u16],
+    token: u64,
+) -> Result<sqlx::Transaction<'static, sqlx::MySql>> {
+    let mut tx = pool.begin().await.on(shard)?;
+    check_incoming(shard, &mut tx, logicals, token, "LOCK IN SHARE MODE").await?;
+    Ok(tx)
+}
+
+/// The target's half of a cutover, in one transaction: run `token` still
+/// holds the incoming rows, which go, and the shard owns `logicals`.
+pub async fn take_over(shard: usize, pool: &MySqlPool, logicals: &[u16], token: u64) -> Result<()> {
+    let mut tx = pool.begin().await.on(shard)?;
+    check_incoming(shard, &mut tx, logicals, token, "FOR UPDATE").await?;
+    for chunk in logicals.chunks(1000) {
+        let sql = format!("DELETE FROM bagstore_incoming WHERE logical IN ({})", marks(chunk.len()));
+        let mut q = sqlx::query(&sql);
+        for k in chunk {
+            q = q.bind(*k);
+        }
+        q.execute(&mut *tx).await.on(shard)?;
+        let sql = format!(
+            "INSERT IGNORE INTO bagstore_owned (logical) VALUES {}",
+            vec!["(?)"; chunk.len()].join(", ")
+        );
+        let mut q = sqlx::query(&sql);
+        for k in chunk {
+            q = q.bind(*k);
+        }
+        q.execute(&mut *tx).await.on(shard)?;
+    }
+    tx.commit().await.on(shard)
+}
+
+/// Forgets the incoming rows of `logicals` (a rolled-back move).
+pub async fn drop_incoming(shard: usize, pool: &MySqlPool, logicals: &[u16]) -> Result<()> {
+    for chunk in logicals.chunks(1000) {
+        let sql = format!("DELETE FROM bagstore_incoming WHERE logical IN ({})", marks(chunk.len()));
+        let mut q = sqlx::query(&sql);
+        for k in chunk {
+            q = q.bind(*k);
+        }
+        q.execute(pool).await.on(shard)?;
+    }
+    Ok(())
+}
+
 /// Which of `logicals` a shard's database owns.
 pub async fn owns(shard: usize, pool: &MySqlPool, logicals: &[u16]) -> Result<Vec<u16>> {
     if logicals.is_empty() {

@@ -377,11 +377,11 @@ async fn a_move_killed_mid_copy_resumes_and_one_not_yet_flipped_rolls_back() {
             .as_u64()
             .unwrap()
     };
-    // `resume` finishes the move in flight (the range's part from s0);
-    // running the command again does the rest (the part from s1).
+    // `resume` finishes the move in flight (the first 256 logical shards:
+    // `mover.logicals_per_move`); running the command again does the rest.
     let (ok, out, err) = env.run(&env.args(&["shards", "resume"]), &[]).await;
     assert!(ok && out.contains(&format!("move {first} done")), "{out}{err}");
-    assert_eq!(owned_by_s2().await, 1024);
+    assert_eq!(owned_by_s2().await, 256);
     let (ok, out, err) =
         env.run(&env.args(&["shards", "move", "--logical", "0-2047", "--to", "s2"]), &[]).await;
     assert!(ok && out.contains("done:"), "{out}{err}");
@@ -575,4 +575,28 @@ async fn a_cluster_from_before_logical_shards_is_upgraded_in_place_by_migrate() 
     }
     let (_, doc) = api.shards().await;
     assert_eq!((doc["logical_shards"].clone(), doc["shards"].as_array().unwrap().len()), (json!(4096), 2));
+}
+
+/// A mover run that lost its move (frozen, or cut off from the metadata
+/// shard, while another run took over) can no longer write the copy, nor
+/// grant the target ownership.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mover_run_that_lost_the_move_cannot_write_the_copy() {
+    let env = TestEnv::new("staletoken", "").await;
+    env.migrate().await;
+    let target = env.pool(1).await;
+    let logicals: Vec<u16> = vec![10, 12, 14];
+    storage::moves::claim_incoming(1, &target, &logicals, 111).await.unwrap();
+    let tx = storage::moves::begin_incoming(1, &target, &logicals, 111).await.unwrap();
+    tx.rollback().await.unwrap();
+    // Another run takes the move over.
+    storage::moves::claim_incoming(1, &target, &logicals, 222).await.unwrap();
+    let err = storage::moves::begin_incoming(1, &target, &logicals, 111).await.unwrap_err();
+    assert!(err.to_string().contains("took this move over"), "{err}");
+    assert!(storage::moves::take_over(1, &target, &logicals, 111).await.is_err());
+    assert!(storage::moves::owns(1, &target, &logicals).await.unwrap().is_empty());
+    storage::moves::take_over(1, &target, &logicals, 222).await.unwrap();
+    assert_eq!(storage::moves::owns(1, &target, &logicals).await.unwrap(), logicals);
+    // After the cutover no run may copy into it any more.
+    assert!(storage::moves::begin_incoming(1, &target, &logicals, 222).await.is_err());
 }
