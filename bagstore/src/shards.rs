@@ -198,12 +198,15 @@ impl Run {
                 self.printer.finish();
                 for o in outcomes {
                     println!(
-                        "move {} done: {} logical shards, {} rows copied in {:.1}s ({:.0} rows/s), writes paused {:.0} ms at the cutover",
+                        "move {} done: {} logical shards, {} rows copied in {:.1}s ({:.0} rows/s; the first copy {:.1} s, \
+                         catch-up and verification {:.1} s), writes paused {:.0} ms at the cutover",
                         o.move_id,
                         o.logicals,
                         o.rows_copied,
                         o.copy_secs,
                         o.rows_per_sec,
+                        o.first_copy_secs,
+                        o.copy_secs - o.first_copy_secs,
                         o.pause_secs * 1000.0
                     );
                 }

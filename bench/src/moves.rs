@@ -10,10 +10,12 @@ use super::*;
 struct Done {
     rows: f64,
     copy_secs: f64,
+    first_copy_secs: f64,
     pause_ms: f64,
 }
 
-/// `move N done: L logical shards, R rows copied in Ss (X rows/s), writes paused P ms at the cutover`
+/// `move N done: L logical shards, R rows copied in Ss (X rows/s; the first
+/// copy F s, catch-up and verification V s), writes paused P ms at the cutover`
 fn parse_done(line: &str) -> Option<Done> {
     let between = |a: &str, b: &str| -> Option<f64> {
         let start = line.find(a)? + a.len();
@@ -23,6 +25,7 @@ fn parse_done(line: &str) -> Option<Done> {
     Some(Done {
         rows: between("logical shards, ", " rows copied")?,
         copy_secs: between("rows copied in ", "s (")?,
+        first_copy_secs: between("the first copy ", " s,")?,
         pause_ms: between("writes paused ", " ms")?,
     })
 }
@@ -56,11 +59,16 @@ where
     world.procs.watch("mariadbd shard 2", third.pid());
     let dsn = third.dsn("bench_bag");
     let run = |args: Vec<String>| async move {
-        let out = tokio::process::Command::new(bagstore_tests::bagstore_bin())
+        let child = tokio::process::Command::new(bagstore_tests::bagstore_bin())
             .args(&args)
             .env("RUST_LOG", "warn")
-            .output()
-            .await?;
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()?;
+        if let Some(pid) = child.id() {
+            world.procs.watch(&format!("bagstore {}", args[..2].join(" ")), pid);
+        }
+        let out = child.wait_with_output().await?;
         let text = String::from_utf8_lossy(&out.stdout).to_string();
         ensure!(
             out.status.success(),
@@ -79,8 +87,11 @@ where
     let stop = Arc::new(AtomicBool::new(false));
     let steady = tokio::spawn(open_loop(rate, stop.clone(), bag_steady));
     let t = Instant::now();
+    let before = world.usage().await;
     let out = run(vec!["shards".into(), "rebalance".into(), "--config".into(), cfg3]).await;
     let secs = t.elapsed().as_secs_f64();
+    let mut spent = Usage::default();
+    spent.add(&world.usage().await, &before);
     stop.store(true, Ordering::Relaxed);
     let during = steady.await?;
     let out = out?;
@@ -105,6 +116,7 @@ where
 
     let rows: f64 = done.iter().map(|d| d.rows).sum();
     let copy_secs: f64 = done.iter().map(|d| d.copy_secs).sum();
+    let first_secs: f64 = done.iter().map(|d| d.first_copy_secs).sum();
     let mut pauses: Vec<f64> = done.iter().map(|d| d.pause_ms / 1e3).collect();
     let pause = latency(&mut pauses);
     report.line(
@@ -117,6 +129,13 @@ where
             share * 100.0
         ),
     );
+    report.line(
+        "move_first_copy",
+        "move: the first copy alone (before catch-up and verification)",
+        format!("{:.0} rows/s", rows / first_secs.max(1e-9)),
+        format!("{first_secs:.1} s; catch-up and verification {:.1} s", copy_secs - first_secs),
+    );
+    report.line("move_cpu", "CPU, during the moves", String::new(), spent.busy(secs));
     report.line(
         "move_pause",
         "move: writes paused at each cutover",
@@ -133,7 +152,7 @@ where
     );
     report.value(
         "move",
-        json!({"rows": rows, "copy_secs": copy_secs, "total_secs": secs, "moves": done.len(),
+        json!({"rows": rows, "copy_secs": copy_secs, "first_copy_secs": first_secs, "total_secs": secs, "moves": done.len(),
                "pause_ms": {"p50": pause.p50, "p99": pause.p99, "max": pause.max},
                "entities_on_new_shard": on_new, "entities": total}),
     );

@@ -2,7 +2,7 @@
 //! remove the source's copy. And the rollback of a move that did not flip.
 
 use std::time::{Duration, Instant};
-use storage::{entities, index_rows, moves, topology};
+use storage::{entities, index_rows, journal, moves, topology};
 
 use crate::{Mover, Result, Running};
 
@@ -29,7 +29,7 @@ impl Mover {
             self.pause(run, Duration::from_millis(100)).await?;
         }
         let source = run.rec.source as usize;
-        moves::stop_journal(source, shards.pool(source), &run.indexes).await?;
+        journal::stop_journal(source, shards.pool(source), &run.indexes).await?;
         self.forget_copy(run, source).await
     }
 
@@ -60,7 +60,7 @@ impl Mover {
         // Fence off any earlier run still copying, then undo.
         moves::claim_incoming(target, shards.pool(target), &run.rec.logicals, run.token).await?;
         moves::revoke(target, shards.pool(target), &run.rec.logicals).await?;
-        moves::stop_journal(source, shards.pool(source), &run.indexes).await?;
+        journal::stop_journal(source, shards.pool(source), &run.indexes).await?;
         self.forget_copy(run, target).await?;
         moves::drop_incoming(target, shards.pool(target), &run.rec.logicals).await?;
         Ok(())

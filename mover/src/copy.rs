@@ -2,22 +2,46 @@
 
 use schemas::names::tables;
 use schemas::EntityId;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 use storage::entities::{self, LogicalCursor};
-use storage::moves::{self, JournalEntry};
-use storage::{index_rows, migrate, server, OnShard};
+use storage::journal::{self, JournalEntry};
+use storage::moves;
+use storage::{checksums, index_rows, migrate, server, EntityRecord, IndexRow, OnShard};
+use tokio_util::sync::CancellationToken;
 
-use crate::{MoveError, Mover, Result, Running};
+use crate::{pause, MoveError, Mover, Result, Running};
 
 /// Logical shards copied per step (progress is saved after each step).
 const LOGICALS_PER_STEP: usize = 16;
 /// Logical shards compared per verification step.
-const LOGICALS_PER_VERIFY: usize = 64;
+const LOGICALS_PER_VERIFY: usize = 256;
 /// Journal entries applied per catch-up round.
 const JOURNAL_BATCH: usize = 2000;
 /// The catch-up before verification stops once the journal is this short.
 const SHORT_JOURNAL: u64 = 200;
+
+/// Batches read from the source, in flight to the target at most.
+const READ_AHEAD: usize = 2;
+
+/// Copy transactions in flight on the target at most.
+const WRITERS: usize = 2;
+
+/// A write in flight, or the end of a step behind it.
+enum Pending<'t> {
+    Write(tokio::task::JoinHandle<Result<u64>>),
+    StepDone(&'t [u16]),
+}
+
+/// What the copy's reader hands its writer.
+enum Batch<'t> {
+    /// Entity rows of a step's logical shards.
+    Entities(&'t [u16], Vec<EntityRecord>),
+    /// Rows of the index `.1` (its place in `Running::indexes`).
+    Index(&'t [u16], usize, Vec<IndexRow>),
+    /// Every row of the step has been sent: save progress once written.
+    StepDone(&'t [u16]),
+}
 
 /// Entities whose rows differed between source and target, by table
 /// (`entities` or an index table).
@@ -25,11 +49,12 @@ pub type Differs = BTreeMap<String, Vec<EntityId>>;
 
 impl Mover {
     /// Turns the source's journal on, then copies every logical shard not
-    /// yet copied, saving progress after each step.
+    /// yet copied, saving progress after each step. Reading the next batch
+    /// from the source overlaps writing the last one to the target.
     pub(crate) async fn copy(&self, run: &mut Running<'_>) -> Result<()> {
         let (source, target) = (run.rec.source as usize, run.rec.target as usize);
         let shards = self.shards().clone();
-        let (src, dst) = (shards.pool(source), shards.pool(target));
+        let dst = shards.pool(target);
         migrate::create_base_tables(target, dst).await?;
         for spec in &run.indexes {
             migrate::create_index_table(target, dst, spec).await?;
@@ -37,45 +62,135 @@ impl Mover {
         // From here on only this run writes the copy (a run that lost the
         // move, frozen or cut off, finds its token replaced).
         moves::claim_incoming(target, dst, &run.rec.logicals, run.token).await?;
-        moves::start_journal(source, src, &run.rec.logicals, &run.indexes).await?;
+        journal::start_journal(source, shards.pool(source), &run.rec.logicals, &run.indexes).await?;
         let done: BTreeSet<u16> = run.rec.copied.iter().copied().collect();
         let todo: Vec<u16> = run.rec.logicals.iter().copied().filter(|k| !done.contains(k)).collect();
         run.rows_total = run.rec.rows_copied + self.count_rows(source, &todo, run).await?;
-        let start = Instant::now();
-        let mut copied_here = 0u64;
-        for step in todo.chunks(LOGICALS_PER_STEP) {
-            let mut cursor: Option<LogicalCursor> = None;
-            loop {
-                self.throttle(run, source, copied_here, start).await?;
-                let rows = entities::scan_logicals(source, src, step, cursor, self.settings().batch).await?;
-                let Some(last) = rows.last() else { break };
-                cursor = Some(LogicalCursor { logical: last.logical, added_id: last.added_id });
-                let mut tx = moves::begin_incoming(target, dst, step, run.token).await?;
-                entities::copy_entities(target, &mut tx, &rows).await?;
-                tx.commit().await.on(target)?;
-                self.copied(run, rows.len() as u64, &mut copied_here);
-                if rows.len() < self.settings().batch {
-                    break;
+
+        let (batches, next) = tokio::sync::mpsc::channel::<Batch<'_>>(READ_AHEAD);
+        let indexes = run.indexes.clone();
+        let read = self.read_batches(source, &todo, &indexes, run.stop, batches);
+        let write = async {
+            // Owned here, so a failed write closes the channel.
+            let mut next = next;
+            // Writes in flight, oldest first; a step's progress is saved
+            // once every write before its marker has committed.
+            let mut pending: VecDeque<Pending> = VecDeque::new();
+            let result = async {
+                while let Some(batch) = next.recv().await {
+                    pending.push_back(match batch {
+                        Batch::Entities(step, rows) => {
+                            let (pool, step, token) = (dst.clone(), step.to_vec(), run.token);
+                            Pending::Write(tokio::spawn(async move {
+                                let mut tx = moves::begin_incoming(target, &pool, &step, token).await?;
+                                entities::copy_entities(target, &mut tx, &rows).await?;
+                                tx.commit().await.on(target)?;
+                                Ok(rows.len() as u64)
+                            }))
+                        }
+                        Batch::Index(step, spec, rows) => {
+                            let (pool, step, token) = (dst.clone(), step.to_vec(), run.token);
+                            let spec = indexes[spec].clone();
+                            Pending::Write(tokio::spawn(async move {
+                                let mut tx = moves::begin_incoming(target, &pool, &step, token).await?;
+                                index_rows::copy_rows(target, &mut tx, &spec, &rows).await?;
+                                tx.commit().await.on(target)?;
+                                Ok(rows.len() as u64)
+                            }))
+                        }
+                        Batch::StepDone(step) => Pending::StepDone(step),
+                    });
+                    while pending.iter().filter(|p| matches!(p, Pending::Write(_))).count() >= WRITERS {
+                        self.settle_oldest(run, &mut pending).await?;
+                    }
+                }
+                while !pending.is_empty() {
+                    self.settle_oldest(run, &mut pending).await?;
+                }
+                Ok::<_, MoveError>(())
+            }
+            .await;
+            for p in pending {
+                if let Pending::Write(task) = p {
+                    task.abort();
                 }
             }
-            for spec in run.indexes.clone() {
-                self.throttle(run, source, copied_here, start).await?;
-                let rows = index_rows::rows_in_logicals(source, src, &spec, step).await?;
-                let mut tx = moves::begin_incoming(target, dst, step, run.token).await?;
-                index_rows::copy_rows(target, &mut tx, &spec, &rows).await?;
-                tx.commit().await.on(target)?;
-                self.copied(run, rows.len() as u64, &mut copied_here);
+            result
+        };
+        let (read, write) = tokio::join!(read, write);
+        // A failed write ends the reader too (its sends fail): the write's
+        // error is the one to report.
+        write?;
+        read
+    }
+
+    /// Waits for the oldest write in flight and counts it, or saves the
+    /// progress of a step whose rows have all been written.
+    async fn settle_oldest(&self, run: &mut Running<'_>, pending: &mut VecDeque<Pending<'_>>) -> Result<()> {
+        match pending.pop_front() {
+            Some(Pending::Write(task)) => {
+                let n = task.await.map_err(|e| MoveError::Task(e.to_string()))??;
+                self.copied(run, n);
             }
-            run.rec.copied.extend_from_slice(step);
-            moves::set_copied(shards.meta(), run.rec.id, &run.rec.copied, run.rec.rows_copied).await?;
-            self.metrics().progressed();
-            self.show(run, false);
+            Some(Pending::StepDone(step)) => {
+                run.rec.copied.extend_from_slice(step);
+                moves::set_copied(self.shards().meta(), run.rec.id, &run.rec.copied, run.rec.rows_copied)
+                    .await?;
+                self.metrics().progressed();
+                self.show(run, false);
+            }
+            None => {}
         }
         Ok(())
     }
 
-    fn copied(&self, run: &mut Running<'_>, n: u64, copied_here: &mut u64) {
-        *copied_here += n;
+    /// Reads the logical shards of `todo` from the source, a step at a time
+    /// (entities in batches, then each index's rows), and sends them to the
+    /// writer, throttled.
+    async fn read_batches<'t>(
+        &self,
+        source: usize,
+        todo: &'t [u16],
+        indexes: &[schemas::index::IndexSpec],
+        stop: &tokio_util::sync::CancellationToken,
+        out: tokio::sync::mpsc::Sender<Batch<'t>>,
+    ) -> Result<()> {
+        let src = self.shards().pool(source);
+        let batch = self.settings().batch;
+        let start = Instant::now();
+        let mut read = 0u64;
+        let send = |b: Batch<'t>| {
+            let out = out.clone();
+            async move { out.send(b).await.map_err(|_| MoveError::Stopped) }
+        };
+        for step in todo.chunks(LOGICALS_PER_STEP) {
+            let mut cursor: Option<LogicalCursor> = None;
+            loop {
+                self.throttle(stop, source, read, start).await?;
+                let rows = entities::scan_logicals(source, src, step, cursor, batch).await?;
+                let Some(last) = rows.last() else { break };
+                cursor = Some(LogicalCursor { logical: last.logical, added_id: last.added_id });
+                let full = rows.len() == batch;
+                read += rows.len() as u64;
+                send(Batch::Entities(step, rows)).await?;
+                if !full {
+                    break;
+                }
+            }
+            for (i, spec) in indexes.iter().enumerate() {
+                self.throttle(stop, source, read, start).await?;
+                let rows = index_rows::rows_in_logicals(source, src, spec, step).await?;
+                read += rows.len() as u64;
+                if !rows.is_empty() {
+                    send(Batch::Index(step, i, rows)).await?;
+                }
+            }
+            send(Batch::StepDone(step)).await?;
+        }
+        Ok(())
+    }
+
+    fn copied(&self, run: &mut Running<'_>, n: u64) {
         run.rec.rows_copied += n;
         run.outcome.rows_copied += n;
         self.metrics().rows_copied.inc_by(n);
@@ -93,15 +208,21 @@ impl Mover {
 
     /// Keeps the copy under `mover.rate` rows/s, and pauses it while the
     /// source is busier than `mover.max_threads_running`.
-    async fn throttle(&self, run: &Running<'_>, source: usize, copied: u64, start: Instant) -> Result<()> {
-        if run.stop.is_cancelled() {
+    async fn throttle(
+        &self,
+        stop: &CancellationToken,
+        source: usize,
+        copied: u64,
+        start: Instant,
+    ) -> Result<()> {
+        if stop.is_cancelled() {
             return Err(MoveError::Stopped);
         }
         let rate = self.settings().rate;
         if rate > 0 {
             let due = Duration::from_secs_f64(copied as f64 / rate as f64);
             if let Some(wait) = due.checked_sub(start.elapsed()) {
-                self.pause(run, wait).await?;
+                pause(stop, wait).await?;
             }
         }
         let max = u64::from(self.settings().max_threads_running);
@@ -110,7 +231,7 @@ impl Mover {
             let mut waited = Instant::now();
             // Our own statement counts as one running thread.
             while server::threads_running(source, pool).await? > max {
-                self.pause(run, Duration::from_millis(100)).await?;
+                pause(stop, Duration::from_millis(100)).await?;
                 self.metrics().throttled_seconds.add(waited.elapsed().as_secs_f64());
                 waited = Instant::now();
             }
@@ -128,17 +249,17 @@ impl Mover {
             if run.stop.is_cancelled() {
                 return Err(MoveError::Stopped);
             }
-            let entries = moves::read_journal(source, src, JOURNAL_BATCH).await?;
+            let entries = journal::read_journal(source, src, JOURNAL_BATCH).await?;
             let Some(last) = entries.last().map(|e| e.seq) else { break };
             let n = self.apply(run, &entries).await?;
-            moves::trim_journal(source, src, last).await?;
+            journal::trim_journal(source, src, last).await?;
             applied += entries.len() as u64;
             run.rows_caught_up += n;
             run.outcome.rows_copied += n;
             self.metrics().rows_copied.inc_by(n);
             self.metrics().progressed();
             run.journal_backlog =
-                if entries.len() < JOURNAL_BATCH { 0 } else { moves::journal_backlog(source, src).await? };
+                if entries.len() < JOURNAL_BATCH { 0 } else { journal::journal_backlog(source, src).await? };
             self.show(run, false);
             if run.journal_backlog <= until {
                 break;
@@ -153,7 +274,7 @@ impl Mover {
         let (source, target) = (run.rec.source as usize, run.rec.target as usize);
         let (src, dst) = (self.shards().pool(source), self.shards().pool(target));
         let mut written = 0;
-        for (table, ids) in moves::by_table(entries) {
+        for (table, ids) in journal::by_table(entries) {
             if table == tables::ENTITIES {
                 let rows = entities::read_entities_any(source, src, &ids).await?.records;
                 let mut tx = moves::begin_incoming(target, dst, &run.rec.logicals, run.token).await?;
@@ -182,67 +303,117 @@ impl Mover {
     /// differed: a change the journal will bring, or a copy that went wrong;
     /// the cutover compares them again once writes are held.
     pub(crate) async fn verify_until_settled(&self, run: &mut Running<'_>) -> Result<Differs> {
+        let t = Instant::now();
         self.catch_up(run, SHORT_JOURNAL).await?;
+        let caught_up = t.elapsed();
         let differs = self.verify(run, None).await?;
+        let verified = t.elapsed() - caught_up;
         self.catch_up(run, SHORT_JOURNAL).await?;
         let n: usize = differs.values().map(Vec::len).sum();
         tracing::info!(
             id = run.rec.id,
             differing = n,
+            catch_up_secs = (t.elapsed() - verified).as_secs_f64(),
+            verify_secs = verified.as_secs_f64(),
             "move verified; differing entities are compared again at the cutover"
         );
         Ok(differs)
     }
 
-    /// Compares source and target: every row of the moving logical shards,
-    /// or (with `only`) the rows of those entities.
+    /// Compares source and target: every row of the moving logical shards
+    /// (by checksums, then row by row where those differ), or (with `only`)
+    /// the rows of those entities. Source and target are read at once.
     pub(crate) async fn verify(&self, run: &Running<'_>, only: Option<&Differs>) -> Result<Differs> {
-        let (source, target) = (run.rec.source as usize, run.rec.target as usize);
-        let (src, dst) = (self.shards().pool(source), self.shards().pool(target));
-        let logicals = &run.rec.logicals;
+        if only.is_some() {
+            return self.compare_rows(run, &run.rec.logicals, only).await;
+        }
         let mut out = Differs::new();
-        let steps: Vec<&[u16]> =
-            if only.is_some() { vec![&logicals[..]] } else { logicals.chunks(LOGICALS_PER_VERIFY).collect() };
-        for step in steps {
+        for step in run.rec.logicals.chunks(LOGICALS_PER_VERIFY) {
             if run.stop.is_cancelled() {
                 return Err(MoveError::Stopped);
             }
-            let ids = only.map(|d| d.get(tables::ENTITIES).map_or(&[][..], Vec::as_slice));
-            if ids.is_none_or(|ids| !ids.is_empty()) {
-                let a = entities::fingerprints(source, src, step, ids).await?;
-                let b = entities::fingerprints(target, dst, step, ids).await?;
-                let differ = symmetric_difference(
-                    a.iter().map(|f| (f.id, f.clone())),
-                    b.iter().map(|f| (f.id, f.clone())),
-                );
-                if !differ.is_empty() {
-                    out.entry(tables::ENTITIES.to_string()).or_default().extend(differ);
+            let differing = self.differing_logicals(run, step).await?;
+            if !differing.is_empty() {
+                for (table, ids) in self.compare_rows(run, &differing, None).await? {
+                    out.entry(table).or_default().extend(ids);
                 }
             }
-            for spec in &run.indexes {
-                let (a, b) = match only {
-                    None => (
-                        index_rows::rows_in_logicals(source, src, spec, step).await?,
-                        index_rows::rows_in_logicals(target, dst, spec, step).await?,
-                    ),
-                    Some(d) => {
-                        let Some(ids) = d.get(&spec.table).filter(|ids| !ids.is_empty()) else { continue };
-                        let keep = |rows: Vec<storage::IndexRow>| -> Vec<storage::IndexRow> {
-                            rows.into_iter().filter(|r| step.binary_search(&r.logical).is_ok()).collect()
-                        };
-                        (
-                            keep(index_rows::index_rows_of(source, src, spec, ids).await?),
-                            keep(index_rows::index_rows_of(target, dst, spec, ids).await?),
-                        )
-                    }
-                };
-                let fp = |rows: &[storage::IndexRow]| -> Vec<(EntityId, _)> {
-                    rows.iter().map(|r| (r.entity, index_rows::row_fingerprint(r))).collect()
-                };
-                let differ = symmetric_difference(fp(&a).into_iter(), fp(&b).into_iter());
-                if !differ.is_empty() {
-                    out.entry(spec.table.clone()).or_default().extend(differ);
+        }
+        // An entity's index rows may lie in logical shards of several steps.
+        for ids in out.values_mut() {
+            ids.sort_unstable();
+            ids.dedup();
+        }
+        Ok(out)
+    }
+
+    /// The logical shards of `step` whose checksums differ between source
+    /// and target, in any table.
+    async fn differing_logicals(&self, run: &Running<'_>, step: &[u16]) -> Result<Vec<u16>> {
+        let (source, target) = (run.rec.source as usize, run.rec.target as usize);
+        let (src, dst) = (self.shards().pool(source), self.shards().pool(target));
+        let (a, b) =
+            tokio::try_join!(checksums::entities(source, src, step), checksums::entities(target, dst, step))?;
+        let mut out: BTreeSet<u16> = checksums::differing(&a, &b).into_iter().collect();
+        for spec in &run.indexes {
+            let (a, b) = tokio::try_join!(
+                checksums::index_rows(source, src, spec, step),
+                checksums::index_rows(target, dst, spec, step)
+            )?;
+            out.extend(checksums::differing(&a, &b));
+        }
+        Ok(out.into_iter().collect())
+    }
+
+    /// Compares the rows of `logicals` (or, with `only`, of those entities
+    /// among them) one by one.
+    async fn compare_rows(
+        &self,
+        run: &Running<'_>,
+        logicals: &[u16],
+        only: Option<&Differs>,
+    ) -> Result<Differs> {
+        let (source, target) = (run.rec.source as usize, run.rec.target as usize);
+        let (src, dst) = (self.shards().pool(source), self.shards().pool(target));
+        let mut out = Differs::new();
+        let ids = only.map(|d| d.get(tables::ENTITIES).map_or(&[][..], Vec::as_slice));
+        if ids.is_none_or(|ids| !ids.is_empty()) {
+            let (a, b) = tokio::try_join!(
+                entities::fingerprints(source, src, logicals, ids),
+                entities::fingerprints(target, dst, logicals, ids)
+            )?;
+            let differ = symmetric_difference(
+                a.iter().map(|f| (f.id, f.clone())),
+                b.iter().map(|f| (f.id, f.clone())),
+            );
+            if !differ.is_empty() {
+                out.entry(tables::ENTITIES.to_string()).or_default().extend(differ);
+            }
+        }
+        for spec in &run.indexes {
+            let (a, b) = match only {
+                None => tokio::try_join!(
+                    index_rows::rows_in_logicals(source, src, spec, logicals),
+                    index_rows::rows_in_logicals(target, dst, spec, logicals)
+                )?,
+                Some(d) => {
+                    let Some(ids) = d.get(&spec.table).filter(|ids| !ids.is_empty()) else { continue };
+                    let keep = |rows: Vec<IndexRow>| -> Vec<IndexRow> {
+                        rows.into_iter().filter(|r| logicals.binary_search(&r.logical).is_ok()).collect()
+                    };
+                    let (a, b) = tokio::try_join!(
+                        index_rows::index_rows_of(source, src, spec, ids),
+                        index_rows::index_rows_of(target, dst, spec, ids)
+                    )?;
+                    (keep(a), keep(b))
                 }
+            };
+            let fp = |rows: &[IndexRow]| -> Vec<(EntityId, _)> {
+                rows.iter().map(|r| (r.entity, index_rows::row_fingerprint(r))).collect()
+            };
+            let differ = symmetric_difference(fp(&a).into_iter(), fp(&b).into_iter());
+            if !differ.is_empty() {
+                out.entry(spec.table.clone()).or_default().extend(differ);
             }
         }
         for ids in out.values_mut() {

@@ -57,6 +57,8 @@ pub enum MoveError {
     CutoverGaveUp { id: u64, attempts: u32 },
     #[error("move {id} has flipped the map already; it can only be finished, not rolled back")]
     TooLateToAbort { id: u64 },
+    #[error("a copy task failed: {0}")]
+    Task(String),
 }
 
 pub type Result<T, E = MoveError> = std::result::Result<T, E>;
@@ -85,7 +87,11 @@ pub struct Outcome {
     pub move_id: u64,
     pub logicals: usize,
     pub rows_copied: u64,
+    /// The copy phase: first copy, catch-up and verification.
     pub copy_secs: f64,
+    /// Of which the first copy.
+    pub first_copy_secs: f64,
+    /// Rows copied per second of the copy phase.
     pub rows_per_sec: f64,
     /// How long writes to the moved logical shards waited at the cutover.
     pub pause_secs: f64,
@@ -303,6 +309,14 @@ impl Mover {
                 Phase::Copy => {
                     let copy_start = Instant::now();
                     self.copy(run).await?;
+                    let first = copy_start.elapsed().as_secs_f64();
+                    run.outcome.first_copy_secs += first;
+                    tracing::info!(
+                        id = run.rec.id,
+                        rows = run.rec.rows_copied,
+                        secs = first,
+                        "first copy done; catching up and verifying"
+                    );
                     let differs = self.verify_until_settled(run).await?;
                     let secs = copy_start.elapsed().as_secs_f64();
                     run.outcome.copy_secs += secs;
@@ -459,10 +473,15 @@ impl Mover {
 
     /// Sleeps unless stopped.
     pub(crate) async fn pause(&self, run: &Running<'_>, d: Duration) -> Result<()> {
-        tokio::select! {
-            _ = tokio::time::sleep(d) => Ok(()),
-            _ = run.stop.cancelled() => Err(MoveError::Stopped),
-        }
+        pause(run.stop, d).await
+    }
+}
+
+/// Waits `d`, unless the run is stopped first.
+pub(crate) async fn pause(stop: &CancellationToken, d: Duration) -> Result<()> {
+    tokio::select! {
+        _ = tokio::time::sleep(d) => Ok(()),
+        _ = stop.cancelled() => Err(MoveError::Stopped),
     }
 }
 

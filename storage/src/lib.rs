@@ -16,7 +16,9 @@
 //! - [`index_scan`]: ordered, keyset-paged index scans for queries.
 //! - [`catalog`]: index definitions, states and progress (metadata shard).
 //! - [`locks`]: named locks: one relay per shard, one backfiller per index.
-//! - [`moves`]: moving logical shards: journal, fence, flip.
+//! - [`moves`]: moving logical shards: the move record, fence, flip.
+//! - [`journal`]: what changed on a move's source while it copied.
+//! - [`checksums`]: per-logical-shard digests a move's verify compares.
 //! - [`topology`]: the map in the database; the ownership a write proves,
 //!   the epoch a read checks.
 //! - [`server`]: statements about a server itself (private dev servers).
@@ -27,12 +29,14 @@
 //! only from validated specs (`schemas::names`); every value is bound.
 
 pub mod catalog;
+pub mod checksums;
 pub mod conns;
 pub mod ddl;
 pub mod entities;
 pub mod error;
 pub mod index_rows;
 pub mod index_scan;
+pub mod journal;
 pub mod locks;
 pub mod migrate;
 pub mod moves;

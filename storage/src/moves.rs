@@ -3,24 +3,16 @@
 //! reports progress; this module only says what each step does to the
 //! databases.
 //!
-//! While a move runs, the source records which of its rows change: the
-//! moving logical shards are listed in `bagstore_moving`, and triggers on
-//! `entities` and every index table append `(logical, table, entity_id)` to
-//! `bagstore_journal` in the same transaction as the change (inserts,
-//! updates and deletes alike, so deleted index rows are caught too). The
-//! triggers exist only while a move runs, so a cluster that is not moving
-//! pays nothing for them. Catching up is then: for each journaled entity,
-//! make the target's rows equal to the source's current rows.
+//! While a move runs, the source journals which of its rows change
+//! ([`crate::journal`]); catching up makes the target's rows of those
+//! entities equal to the source's.
 //!
 //! The cutover ([`Fence`]) takes the moving logical shards' `bagstore_owned`
 //! rows on the source exclusively: every write to them holds those rows
 //! shared for its whole transaction, so the fence waits for writes in flight
 //! to commit, and writes that come later wait behind it (they do not fail).
 
-use schemas::index::IndexSpec;
-use schemas::names::tables;
 use schemas::topology::{format_logicals, parse_logicals, PhysicalId};
-use schemas::EntityId;
 use sqlx::mysql::MySqlPool;
 use sqlx::{Executor, MySqlConnection, Row};
 use std::collections::BTreeMap;
@@ -199,133 +191,6 @@ pub async fn set_copied(meta: &MySqlPool, id: u64, copied: &[u16], rows_copied: 
     .await
     .on(META_SHARD)?;
     Ok(())
-}
-
-/// The name of one of the journal triggers of `table`: short and fixed
-/// whatever the table's name (a trigger name has 64 characters at most).
-fn trigger_name(op: char, table: &str) -> String {
-    format!("bagstore_journal_{op}_{:016x}", xxhash_rust::xxh3::xxh3_64(table.as_bytes()))
-}
-
-/// The tables a move journals: entities, then each index table.
-fn journaled(indexes: &[IndexSpec]) -> Vec<(&str, &'static str)> {
-    let mut out = vec![(tables::ENTITIES, "id")];
-    out.extend(indexes.iter().map(|s| (s.table.as_str(), "entity_id")));
-    out
-}
-
-/// Starts journaling changes to `logicals` on the source: lists them in
-/// `bagstore_moving`, then creates the triggers (waiting, as DDL does, for
-/// transactions that already touched those tables; every write after it
-/// returns is journaled). Idempotent.
-pub async fn start_journal(
-    shard: usize,
-    pool: &MySqlPool,
-    logicals: &[u16],
-    indexes: &[IndexSpec],
-) -> Result<()> {
-    for chunk in logicals.chunks(1000) {
-        let sql = format!(
-            "INSERT IGNORE INTO bagstore_moving (logical) VALUES {}",
-            vec!["(?)"; chunk.len()].join(", ")
-        );
-        let mut q = sqlx::query(&sql);
-        for k in chunk {
-            q = q.bind(*k);
-        }
-        q.execute(pool).await.on(shard)?;
-    }
-    for (table, id_col) in journaled(indexes) {
-        for (op, event, row) in [('i', "INSERT", "NEW"), ('u', "UPDATE", "NEW"), ('d', "DELETE", "OLD")] {
-            // Sent as text (CREATE TRIGGER cannot be prepared); every name in
-            // it is a validated identifier.
-            let ddl = format!(
-                "CREATE TRIGGER IF NOT EXISTS `{name}` AFTER {event} ON `{table}` FOR EACH ROW \
-                 INSERT INTO bagstore_journal (logical, tbl, entity_id) \
-                 SELECT m.logical, '{table}', {row}.{id_col} FROM bagstore_moving m WHERE m.logical = {row}.logical",
-                name = trigger_name(op, table),
-            );
-            pool.execute(ddl.as_str()).await.on(shard)?;
-        }
-    }
-    Ok(())
-}
-
-/// Stops journaling on a shard: drops the triggers, empties
-/// `bagstore_moving` and the journal. Idempotent.
-pub async fn stop_journal(shard: usize, pool: &MySqlPool, indexes: &[IndexSpec]) -> Result<()> {
-    for (table, _) in journaled(indexes) {
-        for op in ['i', 'u', 'd'] {
-            let ddl = format!("DROP TRIGGER IF EXISTS `{}`", trigger_name(op, table));
-            pool.execute(ddl.as_str()).await.on(shard)?;
-        }
-    }
-    // Triggers of index tables dropped since (their names are ours).
-    let left: Vec<(String,)> = sqlx::query_as(
-        "SELECT TRIGGER_NAME FROM information_schema.TRIGGERS \
-         WHERE TRIGGER_SCHEMA = DATABASE() AND TRIGGER_NAME LIKE 'bagstore\\_journal\\_%'",
-    )
-    .fetch_all(pool)
-    .await
-    .on(shard)?;
-    for (name,) in left {
-        pool.execute(format!("DROP TRIGGER IF EXISTS `{name}`").as_str()).await.on(shard)?;
-    }
-    sqlx::query("DELETE FROM bagstore_moving").execute(pool).await.on(shard)?;
-    sqlx::query("DELETE FROM bagstore_journal").execute(pool).await.on(shard)?;
-    Ok(())
-}
-
-/// One journaled change: some row of `table` for `entity` changed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct JournalEntry {
-    pub seq: u64,
-    pub table: String,
-    pub entity: EntityId,
-}
-
-/// Up to `limit` journal entries, oldest first.
-pub async fn read_journal(shard: usize, pool: &MySqlPool, limit: usize) -> Result<Vec<JournalEntry>> {
-    let rows = sqlx::query("SELECT seq, tbl, entity_id FROM bagstore_journal ORDER BY seq LIMIT ?")
-        .bind(limit as u64)
-        .fetch_all(pool)
-        .await
-        .on(shard)?;
-    rows.iter()
-        .map(|r| {
-            Ok(JournalEntry {
-                seq: r.try_get("seq").on(shard)?,
-                table: r.try_get("tbl").on(shard)?,
-                entity: id_column(shard, r, "entity_id")?,
-            })
-        })
-        .collect()
-}
-
-/// Forgets journal entries up to `seq` (they have been applied).
-pub async fn trim_journal(shard: usize, pool: &MySqlPool, seq: u64) -> Result<()> {
-    sqlx::query("DELETE FROM bagstore_journal WHERE seq <= ?").bind(seq).execute(pool).await.on(shard)?;
-    Ok(())
-}
-
-/// How many journal entries wait.
-pub async fn journal_backlog(shard: usize, pool: &MySqlPool) -> Result<u64> {
-    let (n,): (i64,) =
-        sqlx::query_as("SELECT COUNT(*) FROM bagstore_journal").fetch_one(pool).await.on(shard)?;
-    Ok(n as u64)
-}
-
-/// Groups entries by table: what one catch-up round applies.
-pub fn by_table(entries: &[JournalEntry]) -> BTreeMap<String, Vec<EntityId>> {
-    let mut out: BTreeMap<String, Vec<EntityId>> = BTreeMap::new();
-    for e in entries {
-        out.entry(e.table.clone()).or_default().push(e.entity);
-    }
-    for ids in out.values_mut() {
-        ids.sort_unstable();
-        ids.dedup();
-    }
-    out
 }
 
 /// The cutover's hold on the source: its `bagstore_owned` rows of the
