@@ -412,6 +412,15 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
     if stack.moves.started > 0 {
         writeln!(report, "  {}", stack.moves.summary()).ok();
     }
+    // The move fault must have done what it is for: three moves or more,
+    // one killed mid-copy and one killed mid-cutover, each then finished.
+    let m = &stack.moves;
+    if cfg.faults.contains(&Fault::Move)
+        && cfg.faults_per_kind >= 3
+        && (m.started < 3 || m.killed_mid_copy == 0 || m.killed_mid_cutover == 0 || m.done.len() < 3)
+    {
+        shared.fail(format!("the move fault fell short of its plan: {}", m.summary()));
+    }
     writeln!(
         report,
         "  stale redeliveries on the topic (an event after a newer version of its entity): {} events of {} entities",

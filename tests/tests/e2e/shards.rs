@@ -1,6 +1,7 @@
 //! Logical shards and online moves: the topology guard, a move under
 //! writes onto a shard added while serving, a writer frozen with the old
-//! map across a cutover, a killed move resumed and another rolled back.
+//! map across a cutover, a killed move resumed and another rolled back,
+//! the checksums a move verifies with.
 
 use bagstore_tests::{eventually, metric_sum, Api, TestEnv, STANDARD_INDEXES};
 use rand::Rng;
@@ -599,4 +600,118 @@ async fn a_mover_run_that_lost_the_move_cannot_write_the_copy() {
     assert_eq!(storage::moves::owns(1, &target, &logicals).await.unwrap(), logicals);
     // After the cutover no run may copy into it any more.
     assert!(storage::moves::begin_incoming(1, &target, &logicals, 222).await.is_err());
+}
+
+/// A move's verify trusts equal checksums: they must tell apart every
+/// change a copy could get wrong (a body, a version, a missing row, an
+/// index key, a float in its last bit), and ignore what may differ (the
+/// rows' `added_id` on each side).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_logical_checksums_tell_every_changed_row_apart() {
+    use storage::checksums::{self, differing};
+    let indexes = r#"
+[[indexes]]
+table = "index_mix"
+properties = [{ name = "score", type = "float" }, { name = "tag", type = "string" }, { name = "flag", type = "bool" }]
+"#;
+    let env = TestEnv::new("checksums", indexes).await;
+    env.migrate().await;
+    let spec: schemas::index::IndexSpec = serde_json::from_value(json!({
+        "table": "index_mix",
+        "properties": [{"name": "score", "type": "float"}, {"name": "tag", "type": "string"}, {"name": "flag", "type": "bool"}],
+    }))
+    .unwrap();
+    let (a, b) = (env.pool(0).await, env.pool(1).await);
+    let id = |n: u8| vec![n; 16];
+    // The same rows on both sides, inserted in another order on b (so
+    // every added_id differs).
+    let rows: Vec<(Vec<u8>, u16, u64, Option<&str>)> =
+        vec![(id(1), 7, 1, Some("abc")), (id(2), 7, 2, None), (id(3), 9, 1, Some("zz"))];
+    for (pool, order) in [(&a, [0, 1, 2]), (&b, [2, 0, 1])] {
+        sqlx::query(
+            "INSERT INTO entities (added_id, id, logical, version, body) VALUES (1000, X'00', 1, 1, NULL)",
+        )
+        .execute(pool)
+        .await
+        .unwrap();
+        for i in order {
+            let (id, logical, version, body) = &rows[i];
+            sqlx::query("INSERT INTO entities (id, logical, version, body) VALUES (?, ?, ?, ?)")
+                .bind(id)
+                .bind(logical)
+                .bind(version)
+                .bind(body)
+                .execute(pool)
+                .await
+                .unwrap();
+            sqlx::query(
+                "INSERT INTO index_mix (score, tag, flag, entity_id, version, entity_added_id, logical) \
+                 SELECT 0.3, 'x', TRUE, id, version, added_id, logical FROM entities WHERE id = ?",
+            )
+            .bind(id)
+            .execute(pool)
+            .await
+            .unwrap();
+        }
+    }
+    let logicals = [1u16, 7, 9];
+    let compare = || async {
+        let e = differing(
+            &checksums::entities(0, &a, &logicals).await.unwrap(),
+            &checksums::entities(1, &b, &logicals).await.unwrap(),
+        );
+        let i = differing(
+            &checksums::index_rows(0, &a, &spec, &logicals).await.unwrap(),
+            &checksums::index_rows(1, &b, &spec, &logicals).await.unwrap(),
+        );
+        (e, i)
+    };
+    assert_eq!(compare().await, (vec![], vec![]), "equal rows, other added_ids");
+    let none: Vec<u16> = vec![];
+    // Each change on b, checked, then undone.
+    let changes: Vec<(&str, &str, (Vec<u16>, Vec<u16>))> = vec![
+        (
+            "UPDATE entities SET body = 'abd' WHERE id = X'01010101010101010101010101010101'",
+            "UPDATE entities SET body = 'abc' WHERE id = X'01010101010101010101010101010101'",
+            (vec![7], none.clone()),
+        ),
+        (
+            "UPDATE entities SET body = '' WHERE id = X'02020202020202020202020202020202'",
+            "UPDATE entities SET body = NULL WHERE id = X'02020202020202020202020202020202'",
+            (vec![7], none.clone()),
+        ),
+        (
+            "UPDATE entities SET version = 2 WHERE logical = 9",
+            "UPDATE entities SET version = 1 WHERE logical = 9",
+            (vec![9], none.clone()),
+        ),
+        (
+            "DELETE FROM index_mix WHERE logical = 9",
+            "INSERT INTO index_mix (score, tag, flag, entity_id, version, entity_added_id, logical) \
+             SELECT 0.3, 'x', TRUE, id, version, added_id, logical FROM entities WHERE logical = 9",
+            (none.clone(), vec![9]),
+        ),
+        (
+            "UPDATE index_mix SET tag = 'y' WHERE logical = 7",
+            "UPDATE index_mix SET tag = 'x' WHERE logical = 7",
+            (none.clone(), vec![7]),
+        ),
+        (
+            "UPDATE index_mix SET flag = FALSE WHERE logical = 7",
+            "UPDATE index_mix SET flag = TRUE WHERE logical = 7",
+            (none.clone(), vec![7]),
+        ),
+        // 0.30000000000000004, one bit away from 0.3.
+        (
+            "UPDATE index_mix SET score = 0.1e0 + 0.2e0 WHERE logical = 9",
+            "UPDATE index_mix SET score = 0.3 WHERE logical = 9",
+            (none.clone(), vec![9]),
+        ),
+    ];
+    for (change, undo, expected) in changes {
+        sqlx::query(change).execute(&b).await.unwrap();
+        assert_eq!(compare().await, expected, "after {change}");
+        sqlx::query(undo).execute(&b).await.unwrap();
+        assert_eq!(compare().await, (vec![], vec![]), "after {undo}");
+    }
 }
