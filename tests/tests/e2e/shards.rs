@@ -602,6 +602,9 @@ async fn a_mover_run_that_lost_the_move_cannot_write_the_copy() {
     assert!(storage::moves::begin_incoming(1, &target, &logicals, 222).await.is_err());
 }
 
+/// Logical shards whose checksums differ: of entities, of index rows.
+type Differing = (Vec<u16>, Vec<u16>);
+
 /// A move's verify trusts equal checksums: they must tell apart every
 /// change a copy could get wrong (a body, a version, a missing row, an
 /// index key, a float in its last bit), and ignore what may differ (the
@@ -669,7 +672,7 @@ properties = [{ name = "score", type = "float" }, { name = "tag", type = "string
     assert_eq!(compare().await, (vec![], vec![]), "equal rows, other added_ids");
     let none: Vec<u16> = vec![];
     // Each change on b, checked, then undone.
-    let changes: Vec<(&str, &str, (Vec<u16>, Vec<u16>))> = vec![
+    let changes: Vec<(&str, &str, Differing)> = vec![
         (
             "UPDATE entities SET body = 'abd' WHERE id = X'01010101010101010101010101010101'",
             "UPDATE entities SET body = 'abc' WHERE id = X'01010101010101010101010101010101'",
