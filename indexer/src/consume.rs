@@ -209,6 +209,7 @@ impl IndexConsumer {
                     // A move took a logical shard away (or is cutting it
                     // over): reload the map and apply again, at once.
                     tracing::debug!(index = %table, error = %e, "stale shard map; reloading");
+                    self.metrics.stale_map_retries.with_label_values(&[table]).inc();
                     if let Err(e) = self.shards.reload().await {
                         tracing::warn!(error = %e, "cannot reload the shard map");
                     }

@@ -9,6 +9,9 @@ pub struct Metrics {
     pub applied: IntCounterVec,
     /// Apply attempts that failed on the database (retried; offsets held).
     pub failed: IntCounterVec,
+    /// Apply attempts that found a shard no longer owns a logical shard
+    /// (a move cut over): the map is reloaded and the batch applied again.
+    pub stale_map_retries: IntCounterVec,
     pub dead_lettered: IntCounterVec,
     pub apply_seconds: HistogramVec,
     /// Per event: from the write's commit to its index rows' commit.
@@ -29,6 +32,13 @@ impl Metrics {
                 Opts::new(
                     "bagstore_indexer_apply_failures_total",
                     "Batch applies that failed and were retried",
+                ),
+                &["index"],
+            )?,
+            stale_map_retries: IntCounterVec::new(
+                Opts::new(
+                    "bagstore_indexer_stale_map_retries_total",
+                    "Batch applies retried on a reloaded shard map (a move took a logical shard away)",
                 ),
                 &["index"],
             )?,
@@ -75,6 +85,7 @@ impl Metrics {
         };
         r.register(Box::new(m.applied.clone()))?;
         r.register(Box::new(m.failed.clone()))?;
+        r.register(Box::new(m.stale_map_retries.clone()))?;
         r.register(Box::new(m.dead_lettered.clone()))?;
         r.register(Box::new(m.apply_seconds.clone()))?;
         r.register(Box::new(m.event_lag_seconds.clone()))?;
