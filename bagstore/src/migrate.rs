@@ -65,7 +65,20 @@ pub async fn migrate(settings: &Settings, kafka: bool) -> anyhow::Result<(Report
         report.indexes.push((spec.table.clone(), state));
     }
     if kafka {
-        kafka::ensure_topics(&settings.kafka).await.context("creating the Kafka topics")?;
+        let k = &settings.kafka;
+        if !kafka::topics_exist(k).await.context("reading the Kafka topics")? {
+            // Said here, before any topic is made: brokers may not (Kafka
+            // refuses, some Kafka-protocol brokers ignore replicas).
+            let brokers = kafka::broker_count(k).await.context("reading the Kafka cluster's brokers")?;
+            anyhow::ensure!(
+                brokers >= k.replication_factor as usize,
+                "the Kafka cluster has {brokers} broker(s), fewer than kafka.replication_factor = {} \
+                 (the default, for production); set kafka.replication_factor to the replicas the cluster \
+                 can hold (1 for a single broker)",
+                k.replication_factor
+            );
+        }
+        kafka::ensure_topics(k).await.context("creating the Kafka topics")?;
     }
     // A CREATING index has not been scanned yet, so its consumer group may
     // start at the end of the topic: the backfill covers everything older.

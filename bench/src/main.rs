@@ -686,7 +686,7 @@ impl World {
     fn config_file(&self, file: &str, dsns: &[String], with_new_index: bool) -> PathBuf {
         let shards: Vec<String> = dsns.iter().map(|d| format!("{d:?}")).collect();
         let mut toml = format!(
-            "[mysql]\nshards = [{}]\nmax_connections = 32\n\n[kafka]\nbrokers = {:?}\ntopic = {:?}\npartitions = {PARTITIONS}\n\n\
+            "[mysql]\nshards = [{}]\nmax_connections = 32\n\n[kafka]\nbrokers = {:?}\ntopic = {:?}\npartitions = {PARTITIONS}\nreplication_factor = 1\n\n\
              [http]\naddr = \"127.0.0.1:0\"\n\n\
              [[indexes]]\ntable = \"{INDEX_MAIN}\"\nproperties = [{{ name = \"user_id\", type = \"uuid\" }}, {{ name = \"published\", type = \"int\" }}]\nshard_on = \"user_id\"\n",
             shards.join(", "),

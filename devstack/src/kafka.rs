@@ -15,6 +15,8 @@ pub type EmbeddedKafka = MockCluster<'static, DefaultProducerContext>;
 pub fn start(k: &mut KafkaSettings) -> anyhow::Result<EmbeddedKafka> {
     let c = MockCluster::new(1)?;
     k.brokers = c.bootstrap_servers();
+    // One broker: one replica (production's default is 3).
+    k.replication_factor = 1;
     c.create_topic(&k.topic, k.partitions, 1)?;
     c.create_topic(&k.dlq_topic(), 1, 1)?;
     Ok(c)

@@ -106,7 +106,7 @@ async fn topic_exists(k: &KafkaSettings, topic: &str) -> Result<bool, KafkaError
 
 /// Creates the change topic and its dead-letter topic if missing.
 pub async fn ensure_topics(k: &KafkaSettings) -> Result<(), KafkaError> {
-    if topic_exists(k, &k.topic).await? && topic_exists(k, &k.dlq_topic()).await? {
+    if topics_exist(k).await? {
         return Ok(());
     }
     let admin: AdminClient<DefaultClientContext> = create(&base_config(k))?;
@@ -126,6 +126,22 @@ pub async fn ensure_topics(k: &KafkaSettings) -> Result<(), KafkaError> {
         }
     }
     Ok(())
+}
+
+/// Whether the change topic and its dead-letter topic both exist.
+pub async fn topics_exist(k: &KafkaSettings) -> Result<bool, KafkaError> {
+    Ok(topic_exists(k, &k.topic).await? && topic_exists(k, &k.dlq_topic()).await?)
+}
+
+/// How many brokers the cluster's metadata lists.
+pub async fn broker_count(k: &KafkaSettings) -> Result<usize, KafkaError> {
+    let cfg = base_config(k);
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = create(&cfg)?;
+        Ok(consumer.fetch_metadata(None, Duration::from_secs(10))?.brokers().len())
+    })
+    .await
+    .map_err(|_| KafkaError::Canceled)?
 }
 
 /// A consumer that speaks for `group` (reads and commits its offsets)

@@ -152,7 +152,7 @@ impl TestEnv {
         let shards: Vec<String> = dsns.iter().map(|d| format!("{d:?}")).collect();
         format!(
             "[mysql]\nshards = [{}]\nmax_connections = 8\n{mysql_extra}\n\n[kafka]\nbrokers = {:?}\ntopic = {:?}\npartitions = 4\n\
-             session_timeout_ms = 6000\nmessage_timeout_ms = 3000\n\n[writer]\nrelay_poll_ms = 100\n\n[http]\n\
+             replication_factor = 1\nsession_timeout_ms = 6000\nmessage_timeout_ms = 3000\n\n[writer]\nrelay_poll_ms = 100\n\n[http]\n\
              addr = \"127.0.0.1:0\"\nshutdown_grace_ms = 3000\n{}",
             shards.join(", "),
             self.brokers(),

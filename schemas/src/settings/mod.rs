@@ -112,6 +112,17 @@ impl Settings {
         if self.kafka.partitions < 1 {
             return Err(SettingsError::Invalid("kafka.partitions must be at least 1".into()));
         }
+        if self.kafka.replication_factor < 1 {
+            return Err(SettingsError::Invalid("kafka.replication_factor must be at least 1".into()));
+        }
+        // Kafka's rule for group ids is "any string"; ours keeps them
+        // printable and short enough for logs, metrics and tools.
+        let prefix = &self.kafka.group_prefix;
+        if prefix.len() > 100 || !prefix.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)) {
+            return Err(SettingsError::Invalid(format!(
+                "kafka.group_prefix {prefix:?}: use at most 100 of the characters a-z, A-Z, 0-9, '.', '_' and '-'"
+            )));
+        }
         if self.writer.max_body_bytes == 0
             || self.writer.max_batch == 0
             || self.writer.relay_batch == 0
@@ -192,6 +203,22 @@ pub(crate) mod tests {
         assert_eq!(s.mysql.shards.len(), 2);
         assert_eq!(s.indexes[1].match_on["m"], serde_json::json!("right"));
         assert_eq!(s.kafka.dlq_topic(), "bagstore.entity-changes.dlq");
+    }
+
+    #[test]
+    fn production_kafka_defaults_and_the_group_prefix() {
+        let s = Settings::from_toml_and_env(EXAMPLE, env(&[])).unwrap();
+        assert_eq!(s.kafka.replication_factor, 3);
+        assert_eq!(s.kafka.group_for("index_foo"), "bagstore-index-index_foo");
+        let s = Settings::from_toml_and_env(EXAMPLE, env(&[("BAGSTORE_KAFKA__GROUP_PREFIX", "staging.")]))
+            .unwrap();
+        assert_eq!(s.kafka.group_for("index_foo"), "staging.bagstore-index-index_foo");
+        for bad in ["with space", "tab\t", "ünïcode", &"x".repeat(101)] {
+            let err = Settings::from_toml_and_env(EXAMPLE, env(&[("BAGSTORE_KAFKA__GROUP_PREFIX", bad)]));
+            assert!(err.is_err_and(|e| e.to_string().contains("kafka.group_prefix")), "{bad:?} accepted");
+        }
+        let err = Settings::from_toml_and_env(EXAMPLE, env(&[("BAGSTORE_KAFKA__REPLICATION_FACTOR", "0")]));
+        assert!(err.is_err_and(|e| e.to_string().contains("kafka.replication_factor")));
     }
 
     #[test]

@@ -68,7 +68,13 @@ pub struct KafkaSettings {
     pub topic: String,
     /// Partitions `bagstore migrate` creates the topic with.
     pub partitions: i32,
+    /// Replicas `bagstore migrate` creates the topics with: 3, what a
+    /// production Kafka cluster needs to lose a broker without losing
+    /// events; a single-broker cluster (`dev`, the example compose) sets 1.
     pub replication_factor: i32,
+    /// Put before every consumer group id (`<prefix>bagstore-index-<table>`),
+    /// so environments that share a Kafka cluster keep their groups apart.
+    pub group_prefix: String,
     /// Consumer session timeout: how long a dead indexer holds its partitions.
     pub session_timeout_ms: u64,
     /// How long the relay lets librdkafka retry one event before it gives up
@@ -88,6 +94,7 @@ impl fmt::Debug for KafkaSettings {
             topic,
             partitions,
             replication_factor,
+            group_prefix,
             session_timeout_ms,
             message_timeout_ms,
             options,
@@ -101,6 +108,7 @@ impl fmt::Debug for KafkaSettings {
             .field("topic", topic)
             .field("partitions", partitions)
             .field("replication_factor", replication_factor)
+            .field("group_prefix", group_prefix)
             .field("session_timeout_ms", session_timeout_ms)
             .field("message_timeout_ms", message_timeout_ms)
             .field("options", &options)
@@ -113,8 +121,9 @@ impl KafkaSettings {
         format!("{}.dlq", self.topic)
     }
 
+    /// The consumer group of an index's indexers.
     pub fn group_for(&self, table: &str) -> String {
-        format!("bagstore-index-{table}")
+        format!("{}bagstore-index-{table}", self.group_prefix)
     }
 }
 
@@ -124,7 +133,8 @@ impl Default for KafkaSettings {
             brokers: String::new(),
             topic: "bagstore.entity-changes".into(),
             partitions: 8,
-            replication_factor: 1,
+            replication_factor: 3,
+            group_prefix: String::new(),
             session_timeout_ms: 10_000,
             message_timeout_ms: 10_000,
             options: Default::default(),

@@ -113,3 +113,105 @@ fn docker_compose_is_consistent() {
     let typo = vec![("BAGSTORE_KAFKA__BROKER".to_string(), "x".to_string())];
     assert!(schemas::Settings::from_toml_and_env(&base, typo).is_err());
 }
+
+/// Production's default is 3 replicas. Against a cluster with fewer
+/// brokers `migrate` says which setting to change and exits non-zero
+/// before it makes a topic. (The topics themselves are made through the
+/// admin API by the tansu suites' `migrate`, with 1 replica.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_names_the_replication_factor_a_small_cluster_cannot_hold() {
+    let env = bagstore_tests::TestEnv::new("replication", "").await;
+    let fresh = format!("{}-fresh", env.topic);
+    let toml = env
+        .config_toml()
+        .replace("replication_factor = 1\n", "")
+        .replace(&format!("topic = {:?}", env.topic), &format!("topic = {fresh:?}"));
+    assert!(toml.contains(&fresh) && !toml.contains("replication_factor"), "{toml}");
+    let path = env.dir.path().join("default-replication.toml");
+    std::fs::write(&path, toml).unwrap();
+    let args: Vec<String> = vec!["migrate".into(), "--config".into(), path.display().to_string()];
+    let (ok, out, err) = env.run(&args, &[]).await;
+    assert!(!ok, "migrate succeeded with 3 replicas on one broker: {out}");
+    assert!(
+        err.contains("1 broker(s), fewer than kafka.replication_factor = 3")
+            && err.contains("1 for a single broker"),
+        "{err}"
+    );
+    // The env's own topics exist: the same check does not stand in the way.
+    let (ok, out, err) =
+        env.run(&env.args(&["migrate"]), &[("BAGSTORE_KAFKA__REPLICATION_FACTOR", "3")]).await;
+    assert!(ok, "{out}{err}");
+}
+
+/// Indexers of an environment with `kafka.group_prefix` consume and commit
+/// under their own groups, leaving the unprefixed ones untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_prefix_keeps_an_environments_consumer_groups_apart() {
+    let env = bagstore_tests::TestEnv::new("groupprefix", bagstore_tests::STANDARD_INDEXES).await;
+    env.migrate().await;
+    let writer = env.spawn(&["writer"]).await;
+    let _indexer = env.spawn_env(&["indexer"], &[("BAGSTORE_KAFKA__GROUP_PREFIX", "env-a.")]).await;
+    for i in 0..5u32 {
+        let id = format!("{:032x}", 0xabc000 + i);
+        let (status, body) =
+            writer.api().put(&id, &serde_json::json!({"user_id": format!("{:032x}", i)})).await;
+        assert_eq!(status, 201, "{body}");
+    }
+    let kafka = env.kafka_settings();
+    bagstore_tests::eventually(
+        "the prefixed group committed every event",
+        std::time::Duration::from_secs(60),
+        || {
+            let kafka = kafka.clone();
+            async move {
+                let parts =
+                    service::kafka::group_lag(&kafka, "env-a.bagstore-index-index_user_id").await.ok()?;
+                let events: i64 = parts.iter().map(|p| p.high_watermark).sum();
+                (events >= 5
+                    && parts.iter().all(|p| p.lag() == 0 && (p.committed.is_some() || p.high_watermark == 0)))
+                .then_some(())
+            }
+        },
+    )
+    .await;
+    let plain = service::kafka::group_lag(&kafka, "bagstore-index-index_user_id").await.unwrap();
+    assert!(plain.iter().all(|p| p.committed.is_none()), "the unprefixed group committed: {plain:?}");
+}
+
+/// The image, checked statically (no Docker engine here): a build stage and
+/// a runtime stage, the runtime running as a numeric non-root user, OCI
+/// labels with the license Cargo.toml declares, and a `.dockerignore` that
+/// keeps build output and history out of the context.
+#[test]
+fn the_image_builds_in_two_stages_and_runs_as_a_non_root_user() {
+    let text = std::fs::read_to_string(repo("deploy/Dockerfile")).unwrap();
+    let lines: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.starts_with('#')).collect();
+    let stages: Vec<usize> = (0..lines.len()).filter(|&i| lines[i].starts_with("FROM ")).collect();
+    assert_eq!(stages.len(), 2, "expected a build and a runtime stage");
+    let runtime = &lines[*stages.last().unwrap()..];
+    assert!(
+        runtime.iter().any(|l| l.starts_with("COPY --from=build ")),
+        "the runtime stage copies the build's binary"
+    );
+    let user =
+        runtime.iter().rev().find_map(|l| l.strip_prefix("USER ")).expect("the runtime stage sets USER");
+    let uid = user.split(':').next().unwrap();
+    assert!(
+        uid.parse::<u32>().is_ok_and(|u| u != 0),
+        "USER {user}: a numeric non-root uid (runAsNonRoot can check it)"
+    );
+    let manifest = std::fs::read_to_string(repo("Cargo.toml")).unwrap();
+    let license = manifest.lines().find_map(|l| l.strip_prefix("license = ")).unwrap().trim_matches('"');
+    for label in ["org.opencontainers.image.title=", "org.opencontainers.image.description="] {
+        assert!(text.contains(label), "missing label {label}");
+    }
+    assert!(
+        text.contains(&format!("org.opencontainers.image.licenses=\"{license}\"")),
+        "license label ≠ {license}"
+    );
+    assert!(repo("LICENSE").exists(), "LICENSE file");
+    let ignore = std::fs::read_to_string(repo(".dockerignore")).expect(".dockerignore");
+    for entry in ["target/", ".git/"] {
+        assert!(ignore.lines().any(|l| l.trim() == entry), ".dockerignore lacks {entry}");
+    }
+}

@@ -226,7 +226,7 @@ async fn migrate(dir: &Path, dsns: &[String]) -> Output {
     kafka.create_topic(&format!("{topic}.dlq"), 1, 1).expect("dlq topic");
     let shards: Vec<String> = dsns.iter().map(|d| format!("{d:?}")).collect();
     let config = format!(
-        "[mysql]\nshards = [{}]\nconnect_timeout_ms = 5000\n\n[kafka]\nbrokers = {:?}\ntopic = {:?}\npartitions = 2\n\n\
+        "[mysql]\nshards = [{}]\nconnect_timeout_ms = 5000\n\n[kafka]\nbrokers = {:?}\ntopic = {:?}\npartitions = 2\nreplication_factor = 1\n\n\
          [[indexes]]\ntable = \"index_user_id\"\nproperties = [{{ name = \"user_id\", type = \"uuid\" }}]\n",
         shards.join(", "),
         kafka.bootstrap_servers(),
@@ -390,8 +390,12 @@ impl ConsumerContext for Captured {}
 
 /// Kafka settings as an operator would write them for a TLS cluster.
 fn tls_kafka(brokers: &str, ca: &Path) -> KafkaSettings {
-    let mut k =
-        KafkaSettings { brokers: brokers.into(), topic: "bagstore.tls-test".into(), ..Default::default() };
+    let mut k = KafkaSettings {
+        brokers: brokers.into(),
+        topic: "bagstore.tls-test".into(),
+        replication_factor: 1,
+        ..Default::default()
+    };
     k.options.insert("security.protocol".into(), "ssl".into());
     k.options.insert("ssl.ca.location".into(), ca.display().to_string());
     k
