@@ -26,7 +26,7 @@ pub async fn backfill(settings: Settings, table: &str) -> anyhow::Result<()> {
         })?;
     let registry = prometheus::Registry::new();
     let cleaner = Cleaner::new(settings, shards.clone(), CleanerMetrics::register(&registry)?);
-    let printer = Printer::stdout();
+    let printer = Printer::stderr();
     let label = format!("backfill {table}");
     let show = |p: Progress| {
         printer.show(

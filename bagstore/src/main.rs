@@ -185,15 +185,51 @@ fn load(path: Option<&PathBuf>) -> anyhow::Result<Settings> {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    // A usage error exits 2 here (clap).
     let cli = Cli::parse();
     logging::init();
     match run(cli).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("bagstore: error: {e:#}");
-            std::process::ExitCode::FAILURE
+            let code = exit_code(&e);
+            if std::env::args().any(|a| a == "--json") {
+                let problem =
+                    e.chain().find_map(|c| c.downcast_ref::<::client::ApiError>()).map(|a| &a.problem);
+                let doc =
+                    serde_json::json!({"error": format!("{e:#}"), "exit_code": code, "problem": problem});
+                eprintln!("{doc}");
+            } else {
+                eprintln!("bagstore: error: {e:#}");
+            }
+            std::process::ExitCode::from(code)
         }
     }
+}
+
+/// The exit code of a failed command (README, "Exit codes"): 2 a usage
+/// error (bad arguments, input that is not JSON, a request the server
+/// refused as malformed), 3 not found, 4 a conflict (a version precondition
+/// failed, the entity exists), 5 unavailable (no answer, or 502/503/504),
+/// 1 anything else.
+fn exit_code(e: &anyhow::Error) -> u8 {
+    for cause in e.chain() {
+        if let Some(api) = cause.downcast_ref::<::client::ApiError>() {
+            return match api.status {
+                400 | 413 | 415 | 422 => 2,
+                404 => 3,
+                409 | 412 => 4,
+                502..=504 => 5,
+                _ => 1,
+            };
+        }
+        if cause.downcast_ref::<::client::TransportError>().is_some() {
+            return 5;
+        }
+        if cause.downcast_ref::<serde_json::Error>().is_some() {
+            return 2;
+        }
+    }
+    1
 }
 
 async fn shards_command(command: ShardsCommand) -> anyhow::Result<()> {

@@ -1,5 +1,6 @@
-//! Progress of a long command on stdout: a bar redrawn in place on a
-//! terminal, a plain line every two seconds otherwise (logs, CI).
+//! Progress of a long command on stderr (stdout keeps the results a script
+//! reads): a bar redrawn in place on a terminal, a plain line every two
+//! seconds otherwise (logs, CI).
 
 use std::io::{IsTerminal, Write};
 use std::sync::Mutex;
@@ -12,15 +13,15 @@ pub struct Printer {
 }
 
 impl Printer {
-    pub fn stdout() -> Printer {
-        Printer { tty: std::io::stdout().is_terminal(), last: Mutex::new(None) }
+    pub fn stderr() -> Printer {
+        Printer { tty: std::io::stderr().is_terminal(), last: Mutex::new(None) }
     }
 
     /// `label`, a bar at `ratio` (0 to 1), then `detail`.
     pub fn show(&self, label: &str, ratio: f64, detail: &str) {
         let ratio = ratio.clamp(0.0, 1.0);
         let mut last = self.last.lock().expect("not poisoned");
-        let mut out = std::io::stdout().lock();
+        let mut out = std::io::stderr().lock();
         if self.tty {
             let width = 30;
             let filled = (ratio * width as f64).round() as usize;
@@ -36,7 +37,7 @@ impl Printer {
     /// Ends the line a bar was drawn on.
     pub fn finish(&self) {
         if self.tty {
-            println!();
+            eprintln!();
         }
         *self.last.lock().expect("not poisoned") = None;
     }

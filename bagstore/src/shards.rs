@@ -177,7 +177,7 @@ impl Run {
             service::serve::signal().await;
             on_signal.cancel();
         });
-        Ok(Run { mover, printer: Printer::stdout(), stop })
+        Ok(Run { mover, printer: Printer::stderr(), stop })
     }
 
     fn show(&self, p: &Progress) {
