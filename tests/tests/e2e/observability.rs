@@ -186,10 +186,28 @@ fn promtool_accepts_the_prometheus_config_and_the_alert_rules() {
     let rules = read("deploy/prometheus/alerts.yml");
     let alerts: Vec<&str> = rules.split("- alert:").skip(1).collect();
     assert!(alerts.len() >= 5, "expected the issue's alerts, found {}", alerts.len());
+    // Every alert says what it means and has a runbook: its section in
+    // deploy/runbooks.md (a heading with the alert's name, whose anchor is
+    // the lowercased name), and every runbook section is an alert's.
+    let runbooks = read("deploy/runbooks.md");
+    let sections: Vec<&str> = runbooks.lines().filter_map(|l| l.strip_prefix("## ")).collect();
+    let mut names = Vec::new();
     for a in &alerts {
         let name = a.lines().next().unwrap_or_default().trim();
+        names.push(name);
         for key in ["severity:", "summary:", "description:"] {
             assert!(a.contains(key), "alert {name} has no {key}");
+        }
+        let want = format!("runbook_url: \"deploy/runbooks.md#{}\"", name.to_lowercase());
+        assert!(a.contains(&want), "alert {name} has no {want}");
+        assert!(sections.contains(&name), "deploy/runbooks.md has no section {name}");
+    }
+    for s in &sections {
+        assert!(names.contains(s), "runbook section {s} is no alert's");
+    }
+    for section in runbooks.split("\n## ").skip(1) {
+        for part in ["**Means.**", "**Confirm.**", "**Do.**"] {
+            assert!(section.contains(part), "runbook {} lacks {part}", section.lines().next().unwrap());
         }
     }
     // Every compose service that serves /metrics is scraped.
@@ -322,6 +340,22 @@ tests:
       - eval_time: 14m
         alertname: BagstoreBackfillStalled
         exp_alerts: [{exp_labels: {index: a, severity: warning}}]
+  # a: missing rows found at 5m; b: its first dangling row (a new series) at
+  # 30m; c: only `location` drift (normal after a move), never an alert.
+  - interval: 1m
+    input_series:
+      - {series: 'bagstore_cleaner_drift_found_total{instance="c",index="a",kind="missing"}', values: '0x4 3x40'}
+      - {series: 'bagstore_cleaner_drift_found_total{instance="c",index="b",kind="dangling"}', values: '_x29 1x15'}
+      - {series: 'bagstore_cleaner_drift_found_total{instance="c",index="c",kind="location"}', values: '0+50x40'}
+    alert_rule_test:
+      - {eval_time: 4m, alertname: BagstoreDriftFound, exp_alerts: []}
+      - eval_time: 6m
+        alertname: BagstoreDriftFound
+        exp_alerts: [{exp_labels: {index: a, kind: missing, severity: warning}}]
+      - {eval_time: 25m, alertname: BagstoreDriftFound, exp_alerts: []}
+      - eval_time: 32m
+        alertname: BagstoreDriftFound
+        exp_alerts: [{exp_labels: {index: b, kind: dangling, severity: warning}}]
 "#;
 
 #[test]
