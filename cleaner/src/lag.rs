@@ -106,6 +106,7 @@ impl Cleaner {
                 let _ = m.lag_events.remove_label_values(&[table]);
                 let _ = m.applied_through.remove_label_values(&[table]);
                 let _ = m.consumers.remove_label_values(&[table]);
+                let _ = m.lag_probe.remove_label_values(&[table]);
                 continue;
             }
             let applied = catalog::index_progress(shards, table).await?;
@@ -131,6 +132,9 @@ impl Cleaner {
                             sum += p.lag();
                         }
                         m.lag_events.with_label_values(&[table]).set(sum);
+                        m.lag_probe
+                            .with_label_values(&[table])
+                            .set(schemas::clock::now_micros() as f64 / 1e6);
                         events_behind = Some(sum);
                     }
                     Err(e) => tracing::debug!(index = table, error = %e, "cannot read consumer-group lag"),

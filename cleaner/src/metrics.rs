@@ -31,6 +31,9 @@ pub struct CleanerMetrics {
     pub applied_through: GaugeVec,
     /// Live members of the index's consumer group.
     pub consumers: IntGaugeVec,
+    /// When the group's offsets were last read from Kafka: the lag gauges
+    /// keep their last values while the probe fails, this one shows it.
+    pub lag_probe: GaugeVec,
 }
 
 impl CleanerMetrics {
@@ -106,6 +109,13 @@ impl CleanerMetrics {
                 Opts::new("bagstore_index_consumers", "Live members of the index's consumer group"),
                 &["index"],
             )?,
+            lag_probe: GaugeVec::new(
+                Opts::new(
+                    "bagstore_index_lag_probe_timestamp_seconds",
+                    "When the index's consumer-group lag was last read from Kafka",
+                ),
+                &["index"],
+            )?,
         };
         r.register(Box::new(m.drift_found.clone()))?;
         r.register(Box::new(m.drift_fixed.clone()))?;
@@ -120,6 +130,7 @@ impl CleanerMetrics {
         r.register(Box::new(m.lag_seconds.clone()))?;
         r.register(Box::new(m.applied_through.clone()))?;
         r.register(Box::new(m.consumers.clone()))?;
+        r.register(Box::new(m.lag_probe.clone()))?;
         Ok(m)
     }
 }

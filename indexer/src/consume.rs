@@ -65,6 +65,7 @@ impl IndexConsumer {
         let t = [spec.table.as_str()];
         metrics.applied.with_label_values(&t);
         metrics.failed.with_label_values(&t);
+        metrics.stale_map_retries.with_label_values(&t);
         metrics.dead_lettered.with_label_values(&t);
         metrics.assigned_partitions.with_label_values(&t);
         metrics.event_lag_seconds.with_label_values(&t);

@@ -340,6 +340,48 @@ tests:
       - eval_time: 14m
         alertname: BagstoreBackfillStalled
         exp_alerts: [{exp_labels: {index: a, severity: warning}}]
+  # a's lag probe stops at 5m (300 s); b's keeps up; c's stops but c is
+  # being dropped.
+  - interval: 1m
+    input_series:
+      - {series: 'bagstore_index_lag_probe_timestamp_seconds{instance="c",index="a"}', values: '0+60x5 300x20'}
+      - {series: 'bagstore_index_lag_probe_timestamp_seconds{instance="c",index="b"}', values: '0+60x25'}
+      - {series: 'bagstore_index_lag_probe_timestamp_seconds{instance="c",index="c"}', values: '0x25'}
+      - {series: 'bagstore_index_state{instance="c",index="c"}', values: '3x25'}
+    alert_rule_test:
+      - {eval_time: 9m, alertname: BagstoreLagProbeStale, exp_alerts: []}
+      - eval_time: 12m
+        alertname: BagstoreLagProbeStale
+        exp_alerts: [{exp_labels: {index: a, severity: warning}}]
+  # Two partitions per index. a: i1 and i2 claim 3 between them; b: i1
+  # holds both; c: one of two held while the group has a member; d: one of
+  # two with no member at all (BagstoreIndexNoConsumers' case).
+  - interval: 1m
+    input_series:
+      - {series: 'bagstore_index_partition_lag_events{instance="c",index="a",partition="0"}', values: '0x10'}
+      - {series: 'bagstore_index_partition_lag_events{instance="c",index="a",partition="1"}', values: '0x10'}
+      - {series: 'bagstore_index_partition_lag_events{instance="c",index="b",partition="0"}', values: '0x10'}
+      - {series: 'bagstore_index_partition_lag_events{instance="c",index="b",partition="1"}', values: '0x10'}
+      - {series: 'bagstore_index_partition_lag_events{instance="c",index="c",partition="0"}', values: '0x10'}
+      - {series: 'bagstore_index_partition_lag_events{instance="c",index="c",partition="1"}', values: '0x10'}
+      - {series: 'bagstore_index_partition_lag_events{instance="c",index="d",partition="0"}', values: '0x10'}
+      - {series: 'bagstore_index_partition_lag_events{instance="c",index="d",partition="1"}', values: '0x10'}
+      - {series: 'bagstore_indexer_assigned_partitions{instance="i1",index="a"}', values: '2x10'}
+      - {series: 'bagstore_indexer_assigned_partitions{instance="i2",index="a"}', values: '1x10'}
+      - {series: 'bagstore_indexer_assigned_partitions{instance="i1",index="b"}', values: '2x10'}
+      - {series: 'bagstore_indexer_assigned_partitions{instance="i1",index="c"}', values: '1x10'}
+      - {series: 'bagstore_indexer_assigned_partitions{instance="i1",index="d"}', values: '1x10'}
+      - {series: 'bagstore_index_consumers{instance="c",index="c"}', values: '1x10'}
+      - {series: 'bagstore_index_consumers{instance="c",index="d"}', values: '0x10'}
+    alert_rule_test:
+      - {eval_time: 1m, alertname: BagstorePartitionsOverAssigned, exp_alerts: []}
+      - eval_time: 3m
+        alertname: BagstorePartitionsOverAssigned
+        exp_alerts: [{exp_labels: {index: a, severity: critical}}]
+      - {eval_time: 4m, alertname: BagstorePartitionsUnassigned, exp_alerts: []}
+      - eval_time: 6m
+        alertname: BagstorePartitionsUnassigned
+        exp_alerts: [{exp_labels: {index: c, severity: warning}}]
   # a: missing rows found at 5m; b: its first dangling row (a new series) at
   # 30m; c: only `location` drift (normal after a move), never an alert.
   - interval: 1m
@@ -383,19 +425,27 @@ fn the_dashboard_and_its_provisioning_agree_with_each_other_and_with_compose() {
         if p["type"] == "row" {
             continue;
         }
-        assert_eq!(p["datasource"]["uid"].as_str(), Some(ds_uid.as_str()), "panel {title}");
+        assert_eq!(p["datasource"]["uid"].as_str(), Some("${datasource}"), "panel {title}");
         let targets = p["targets"].as_array().unwrap_or_else(|| panic!("panel {title} has no targets"));
         assert!(!targets.is_empty(), "panel {title} has no targets");
         for t in targets {
             assert!(!t["expr"].as_str().unwrap_or_default().trim().is_empty(), "empty query in {title}");
-            assert_eq!(t["datasource"]["uid"].as_str(), Some(ds_uid.as_str()), "a target of {title}");
+            assert_eq!(t["datasource"]["uid"].as_str(), Some("${datasource}"), "a target of {title}");
             queries += 1;
         }
     }
     assert!(queries >= 20, "only {queries} queries");
     let vars = d["templating"]["list"].as_array().expect("templating.list");
+    // The datasource is a variable (so the dashboard imports into any
+    // Grafana), defaulting to the provisioned one.
+    let ds = vars.iter().find(|v| v["name"] == "datasource").expect("a `datasource` variable");
+    assert_eq!((ds["type"].as_str(), ds["query"].as_str()), (Some("datasource"), Some("prometheus")));
+    assert_eq!(ds["current"]["value"].as_str(), Some(ds_uid.as_str()));
     let index = vars.iter().find(|v| v["name"] == "index").expect("an `index` variable");
-    assert_eq!(index["datasource"]["uid"].as_str(), Some(ds_uid.as_str()));
+    assert_eq!(index["datasource"]["uid"].as_str(), Some("${datasource}"));
+    let mut rest = d.clone();
+    rest["templating"]["list"].as_array_mut().unwrap().retain(|v| v["name"] != "datasource");
+    assert!(!rest.to_string().contains(ds_uid.as_str()), "a datasource uid hard-coded outside the variable");
     // Panels about one index follow the variable.
     let exprs = dashboard_exprs(&d);
     assert!(exprs.iter().filter(|e| e.contains("$index")).count() >= 10, "$index is hardly used");
@@ -604,6 +654,11 @@ async fn lag_is_reported_while_no_indexer_runs_and_returns_to_zero_once_one_does
         metric_sum(&m, "bagstore_index_applied_through_timestamp_seconds", &[("index", "index_user_id")])
             > 0.0
     );
+    // The probe that read those offsets is recent (the lag gauges would
+    // keep their last values if it failed; this one would age).
+    let probed = metric_sum(&m, "bagstore_index_lag_probe_timestamp_seconds", &[("index", "index_user_id")]);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    assert!((now - 30.0..=now + 1.0).contains(&probed), "last lag probe at {probed}, now {now}");
     until_query_is(&reader.api(), &json!({"where": {"user_id": uid(3)}}), &[&entity(3)]).await;
     for p in [writer, reader, cleaner, indexer] {
         p.terminate().await;
