@@ -103,7 +103,7 @@ impl Cleaner {
             if meta.state == IndexState::Dropping {
                 // A dropped index has no lag; stop exporting its last values.
                 let _ = m.lag_seconds.remove_label_values(&[table]);
-                let _ = m.lag_events.remove_label_values(&[table]);
+                let _ = m.lag_events.remove_label_values(&[table, &k.group_for(table), &k.topic]);
                 let _ = m.applied_through.remove_label_values(&[table]);
                 let _ = m.consumers.remove_label_values(&[table]);
                 let _ = m.lag_probe.remove_label_values(&[table]);
@@ -125,13 +125,14 @@ impl Cleaner {
                             parts.iter().map(|p| (p.partition, p.committed.unwrap_or(0))).collect();
                         self.settled_mut(table, |s| s.advance(probe, &committed));
                         let mut sum = 0;
+                        let group = k.group_for(table);
                         for p in parts {
                             m.partition_lag
-                                .with_label_values(&[table, &p.partition.to_string()])
+                                .with_label_values(&[table, &group, &k.topic, &p.partition.to_string()])
                                 .set(p.lag());
                             sum += p.lag();
                         }
-                        m.lag_events.with_label_values(&[table]).set(sum);
+                        m.lag_events.with_label_values(&[table, &group, &k.topic]).set(sum);
                         m.lag_probe
                             .with_label_values(&[table])
                             .set(schemas::clock::now_micros() as f64 / 1e6);

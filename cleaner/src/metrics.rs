@@ -21,9 +21,11 @@ pub struct CleanerMetrics {
     pub backfill_rows: IntCounterVec,
     /// 0 CREATING, 1 BACKFILLING, 2 ACTIVE, 3 DROPPING.
     pub index_state: IntGaugeVec,
-    /// Events on the topic the index's group has not committed, per partition.
+    /// Events on the topic the index's group has not committed, per
+    /// partition. Labelled like kafka_exporter's `kafka_consumergroup_lag`
+    /// too (`consumergroup`, `topic`, `partition`), so the two join.
     pub partition_lag: IntGaugeVec,
-    /// The same, summed over partitions.
+    /// The same, summed over partitions (`index`, `consumergroup`, `topic`).
     pub lag_events: IntGaugeVec,
     /// Newest commit on any shard minus the newest commit the index applied.
     pub lag_seconds: GaugeVec,
@@ -85,11 +87,11 @@ impl CleanerMetrics {
                     "bagstore_index_partition_lag_events",
                     "Change events not yet applied, per partition",
                 ),
-                &["index", "partition"],
+                &["index", "consumergroup", "topic", "partition"],
             )?,
             lag_events: IntGaugeVec::new(
                 Opts::new("bagstore_index_lag_events", "Change events not yet applied, all partitions"),
-                &["index"],
+                &["index", "consumergroup", "topic"],
             )?,
             lag_seconds: GaugeVec::new(
                 Opts::new(

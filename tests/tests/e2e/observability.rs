@@ -634,6 +634,17 @@ async fn lag_is_reported_while_no_indexer_runs_and_returns_to_zero_once_one_does
         (events == N as f64 && per_partition == events && seconds > 0.0).then_some(seconds)
     })
     .await;
+    // The lag series carry kafka_exporter's labels (consumergroup, topic,
+    // partition), so dashboards can join the two.
+    let m = capi.metrics().await;
+    let joined = [
+        ("index", "index_user_id"),
+        ("consumergroup", "bagstore-index-index_user_id"),
+        ("topic", env.topic.as_str()),
+    ];
+    assert_eq!(metric_sum(&m, "bagstore_index_lag_events", &joined), N as f64);
+    assert_eq!(metric_sum(&m, "bagstore_index_partition_lag_events", &joined), N as f64);
+    assert!(m.contains("partition=\"0\""), "no partition label");
     // Nothing applies, so the time lag keeps growing.
     eventually("the time lag to grow", Duration::from_secs(15), || async {
         (lag(&capi.metrics().await).2 >= first + 2.0).then_some(())
