@@ -63,6 +63,10 @@ pub enum MoveError {
 
 pub type Result<T, E = MoveError> = std::result::Result<T, E>;
 
+/// Transient failures in a row (no progress between them) a move rides
+/// out before its command gives up (and the move waits for `resume`).
+const TRANSIENT_RETRIES: u32 = 10;
+
 /// What a running move reports, for a progress bar or a log line.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Progress {
@@ -291,13 +295,60 @@ impl Mover {
         );
         self.metrics().in_flight.set(1);
         self.metrics().progressed();
-        let result = self.drive(&mut run).await;
+        let result = self.drive_through_transient_errors(&mut run).await;
         self.metrics().in_flight.set(0);
         self.metrics().phase.set(0);
         result?;
         run.outcome.total_secs = run.started.elapsed().as_secs_f64();
         tracing::info!(id = run.rec.id, outcome = ?run.outcome, "move done");
         Ok(run.outcome)
+    }
+
+    /// Drives the move; a step that fails on a connection that died (a
+    /// killed session, a restarted server) or on a deadlock resumes from
+    /// the saved record, as after a kill, up to [`TRANSIENT_RETRIES`]
+    /// times in a row without progress.
+    async fn drive_through_transient_errors(&self, run: &mut Running<'_>) -> Result<()> {
+        let mut failures = 0u32;
+        loop {
+            let before = (run.rec.phase, run.rec.copied.len());
+            match self.drive(run).await {
+                Err(MoveError::Store(e))
+                    if (e.is_dead_connection() || e.is_retryable_conflict())
+                        && failures < TRANSIENT_RETRIES =>
+                {
+                    failures = if (run.rec.phase, run.rec.copied.len()) == before { failures + 1 } else { 1 };
+                    tracing::warn!(
+                        id = run.rec.id,
+                        attempt = failures,
+                        error = %e,
+                        "a move step failed on a transient error; resuming from the saved progress"
+                    );
+                    self.pause(run, Duration::from_millis(250 * u64::from(failures))).await?;
+                    run.rec = self.saved_record(run).await?;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// The move's record as the metadata shard has it (read again a few
+    /// times if the metadata shard's connection died too).
+    async fn saved_record(&self, run: &Running<'_>) -> Result<MoveRecord> {
+        let mut tries = 0;
+        loop {
+            match moves::get_move(self.shards().meta(), run.rec.id).await {
+                Ok(Some(rec)) => return Ok(rec),
+                Ok(None) => {
+                    return Err(MoveError::Invalid(format!("move {} is no longer recorded", run.rec.id)))
+                }
+                Err(e) if e.is_dead_connection() && tries < TRANSIENT_RETRIES => {
+                    tries += 1;
+                    self.pause(run, Duration::from_millis(250)).await?;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
     }
 
     async fn drive(&self, run: &mut Running<'_>) -> Result<()> {

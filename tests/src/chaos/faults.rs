@@ -64,7 +64,7 @@ fn spawn_shards_command(env: &TestEnv, args: &[&str], vars: &[(&str, &str)]) -> 
         .envs(vars.iter().copied())
         .env("RUST_LOG", "warn")
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .expect("spawn bagstore shards")
@@ -79,7 +79,11 @@ pub(super) async fn wait_background_move(stack: &mut Stack, shared: &Shared) {
             let text = String::from_utf8_lossy(&out.stdout).to_string();
             stack.moves.done.extend(text.lines().filter(|l| l.contains(" done: ")).map(str::to_string));
             if !out.status.success() {
-                shared.fail(format!("`bagstore shards {}` failed: {text}", m.what));
+                // Its error (and progress) is on stderr; the end says why.
+                let err = String::from_utf8_lossy(&out.stderr);
+                let tail: String =
+                    err.chars().rev().take(2000).collect::<Vec<_>>().into_iter().rev().collect();
+                shared.fail(format!("`bagstore shards {}` failed: {text}\n{tail}", m.what));
             }
         }
         Ok(Err(e)) => shared.fail(format!("`bagstore shards {}`: {e}", m.what)),
@@ -113,6 +117,27 @@ fn random_range(rng: &mut StdRng) -> String {
     let len = rng.random_range(64..=256u16);
     let start = rng.random_range(0..4096 - len);
     format!("{start}-{}", start + len - 1)
+}
+
+/// A range of logical shards around the logical shard of one of the
+/// load's keys (written from the start), and a shard that does not own it.
+async fn range_with_rows(meta: &sqlx::MySqlPool, rng: &mut StdRng, keys: usize) -> (String, &'static str) {
+    let id = u128::from_str_radix(&entity_id(rng.random_range(0..keys)), 16).expect("hex id");
+    let logical = schemas::logical_of(&id.to_be_bytes(), 4096);
+    let (owner,): (u32,) = sqlx::query_as("SELECT physical FROM bagstore_map WHERE logical = ?")
+        .bind(logical)
+        .fetch_one(meta)
+        .await
+        .expect("the map has every logical shard");
+    let others: Vec<&'static str> = ["s0", "s1", "s2"]
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| *i as u32 != owner)
+        .map(|(_, n)| n)
+        .collect();
+    let len = rng.random_range(64..=256u16);
+    let start = logical.saturating_sub(rng.random_range(0..len)).min(4096 - len);
+    (format!("{start}-{}", start + len - 1), others[rng.random_range(0..others.len())])
 }
 
 /// Polls the metadata shard until `ready` holds (up to 60 s).
@@ -248,14 +273,26 @@ pub(super) async fn stack_connections(pool: &sqlx::MySqlPool, databases: &[Strin
 
 /// Starts the next move fault (see [`Fault::Move`]); the command keeps
 /// running in the background.
-async fn inject_move(env: &TestEnv, stack: &mut Stack, shared: &Shared, rng: &mut StdRng) -> String {
+async fn inject_move(
+    env: &TestEnv,
+    stack: &mut Stack,
+    shared: &Shared,
+    rng: &mut StdRng,
+    keys: usize,
+) -> String {
     wait_background_move(stack, shared).await;
     let n = stack.moves.started;
     stack.moves.started += 1;
     let names = ["s0", "s1", "s2"];
-    let to = names[rng.random_range(0..names.len())];
-    let range = random_range(rng);
+    let mut to = names[rng.random_range(0..names.len())];
+    let mut range = random_range(rng);
     let meta = env.pool(0).await;
+    if n % 4 == 1 || n % 4 == 2 {
+        // The killed moves must have rows to copy and a cutover to reach:
+        // a range around the logical shard of one of the load's entities,
+        // to a shard that does not own it.
+        (range, to) = range_with_rows(&meta, rng, keys).await;
+    }
     let newest =
         "SELECT id FROM bagstore_moves WHERE phase = 'copy' AND rows_copied > 0 ORDER BY id DESC LIMIT 1";
     let in_cutover = "SELECT id FROM bagstore_moves WHERE phase = 'cutover' ORDER BY id DESC LIMIT 1";
@@ -300,6 +337,7 @@ pub(super) async fn inject(
     shared: &Shared,
     rng: &mut StdRng,
     admin: &[sqlx::MySqlPool],
+    keys: usize,
 ) -> String {
     match fault {
         Fault::IndexerKill => {
@@ -399,6 +437,6 @@ pub(super) async fn inject(
             }
             format!("KILL of {killed} of {} connections on shard {shard}", ids.len())
         }
-        Fault::Move => inject_move(env, stack, shared, rng).await,
+        Fault::Move => inject_move(env, stack, shared, rng, keys).await,
     }
 }

@@ -299,7 +299,7 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
             tokio::time::sleep(Duration::from_millis(rng.random_range(500..2000))).await;
             check_broker(env).await;
             let at_ms = shared.ms();
-            let detail = inject(fault, env, &mut stack, &shared, &mut rng, &admin).await;
+            let detail = inject(fault, env, &mut stack, &shared, &mut rng, &admin, cfg.keys).await;
             eprintln!("chaos fault at {at_ms} ms: {fault:?}: {detail}");
             timeline.push(FaultRecord { at_ms, fault, detail });
             *per_kind.entry(fault).or_default() += 1;
