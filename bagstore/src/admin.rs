@@ -25,7 +25,9 @@ pub async fn backfill(settings: Settings, table: &str) -> anyhow::Result<()> {
             format!("index {table:?} is not registered; add it to the config and run bagstore migrate")
         })?;
     let registry = prometheus::Registry::new();
-    let cleaner = Cleaner::new(settings, shards.clone(), CleanerMetrics::register(&registry)?);
+    // A one-off backfill serves no HTTP: nobody asks its health.
+    let health = service::health::Health::new(shards.clone(), None, false);
+    let cleaner = Cleaner::new(settings, shards.clone(), CleanerMetrics::register(&registry)?, health);
     let printer = Printer::stderr();
     let label = format!("backfill {table}");
     let show = |p: Progress| {

@@ -5,6 +5,7 @@
 use axum::Router;
 use prometheus::Registry;
 use schemas::{IndexSpec, Settings};
+use service::health::{Health, Phase};
 use service::http::{self, auth, request_id, HttpMetrics, Routes};
 use service::serve::Pipeline;
 use storage::Shards;
@@ -43,6 +44,8 @@ impl Roles {
 pub struct Running {
     pub router: Router,
     pub shards: Shards,
+    /// Starting until the caller serves; see `service::health`.
+    pub health: Health,
     /// Relays, index consumers and sweeps, and their stop signal.
     pub pipeline: Pipeline,
 }
@@ -55,10 +58,11 @@ pub fn routes(
     roles: &Roles,
     registry: &Registry,
     pipeline: &Pipeline,
+    health: &Health,
 ) -> anyhow::Result<Routes> {
-    let mut routes = http::ops::routes(registry.clone());
+    let mut routes = http::ops::routes(registry.clone(), health.clone());
     if roles.writer {
-        let w = writer::Writer::new(settings.clone(), shards.clone(), registry)?;
+        let w = writer::Writer::new(settings.clone(), shards.clone(), registry, health.clone())?;
         w.spawn_relays(&pipeline.tracker, pipeline.stop.clone())?;
         routes = routes.merge(writer::http::routes(w));
     }
@@ -74,12 +78,21 @@ pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running>
     let registry = Registry::new();
     let pipeline = Pipeline::new();
     let http_metrics = HttpMetrics::register(&registry, "http")?;
-    let routes = routes(settings, &shards, &roles, &registry, &pipeline)?;
+    let uses_kafka = roles.writer || roles.cleaner || !roles.indexes.is_empty();
+    let kafka_only = !roles.indexes.is_empty() && !roles.writer && !roles.reader && !roles.cleaner;
+    let health = Health::new(shards.clone(), uses_kafka.then(|| settings.kafka.clone()), kafka_only);
+    let routes = routes(settings, &shards, &roles, &registry, &pipeline, &health)?;
     let role_names = roles.names();
     if !roles.indexes.is_empty() {
         let metrics = indexer::Metrics::register(&registry)?;
         for spec in roles.indexes {
-            let c = indexer::IndexConsumer::new(settings.clone(), spec, shards.clone(), metrics.clone());
+            let c = indexer::IndexConsumer::new(
+                settings.clone(),
+                spec,
+                shards.clone(),
+                metrics.clone(),
+                health.clone(),
+            );
             let stop = pipeline.stop.clone();
             pipeline.tracker.spawn(async move {
                 if let Err(e) = c.run(stop).await {
@@ -105,6 +118,7 @@ pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running>
             settings.clone(),
             shards.clone(),
             cleaner::CleanerMetrics::register(&registry)?,
+            health.clone(),
         );
         let (backfills, stop) = (pipeline.tracker.clone(), pipeline.stop.clone());
         let (lag, lag_stop) = (c.clone(), stop.clone());
@@ -121,7 +135,7 @@ pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running>
         .route_layer(axum::middleware::from_fn_with_state(policy, auth::authorize))
         .route_layer(axum::middleware::from_fn_with_state(http_metrics, http::metrics::track))
         .layer(axum::middleware::from_fn(request_id::request_id));
-    Ok(Running { router, shards, pipeline })
+    Ok(Running { router, shards, health, pipeline })
 }
 
 /// Runs one role set as a standalone service: serve until a signal, then
@@ -131,9 +145,17 @@ pub async fn serve(settings: Settings, roles: Roles, name: &str, http: Option<St
     let running = start(&settings, roles).await?;
     let addr = http.unwrap_or_else(|| settings.http.addr.clone());
     let (listener, url) = service::serve::bind(&addr).await?;
+    running.health.set_phase(Phase::Serving);
     println!("bagstore {name} ready: http={url}");
-    service::serve::until_signal(&settings, listener, running.router.clone(), &running.pipeline, async {})
-        .await;
+    service::serve::until_signal(
+        &settings,
+        listener,
+        running.router.clone(),
+        &running.pipeline,
+        &running.health,
+        async {},
+    )
+    .await;
     running.shards.close().await;
     tracing::info!("{name} stopped");
     Ok(())
@@ -151,7 +173,10 @@ mod tests {
     /// altogether has no role and is refused at run time (see
     /// `service::http::auth`).
     const EXPECTED: &[(&str, &str, Role)] = &[
+        ("GET", "/", Role::Open),
         ("GET", "/health", Role::Open),
+        ("GET", "/health/live", Role::Open),
+        ("GET", "/health/ready", Role::Open),
         ("GET", "/v1/openapi.json", Role::Open),
         ("GET", "/metrics", Role::Metrics),
         ("POST", "/v1/entities", Role::Write),
@@ -175,7 +200,8 @@ mod tests {
         let shards = Shards::configured(&settings.mysql).unwrap();
         let roles = Roles { writer: true, reader: true, ..Default::default() };
         let pipeline = Pipeline::new();
-        let routes = routes(&settings, &shards, &roles, &Registry::new(), &pipeline).unwrap();
+        let health = Health::new(shards.clone(), None, false);
+        let routes = routes(&settings, &shards, &roles, &Registry::new(), &pipeline, &health).unwrap();
         pipeline.stop.cancel();
         let mut declared: Vec<(String, &str, Role)> =
             routes.roles().iter().map(|r| (r.method.to_string(), r.path, r.role)).collect();

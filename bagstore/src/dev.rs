@@ -121,6 +121,7 @@ async fn serve(
     let roles = Roles { writer: true, reader: true, indexes: settings.indexes.clone(), cleaner: true };
     let running = app::start(settings, roles).await?;
     let (listener, url) = service::serve::bind(&args.http).await?;
+    running.health.set_phase(service::health::Phase::Serving);
     let dsns: Vec<String> = settings.mysql.shards.iter().map(Dsn::redacted).collect();
     println!("bagstore dev ready: http={url} shards={} kafka={}", dsns.join(","), settings.kafka.brokers);
     if !layout.add.is_empty() || !layout.remove.is_empty() {
@@ -141,7 +142,15 @@ async fn serve(
             tracing::info!("pipeline drained: outbox empty, every index caught up");
         }
     };
-    service::serve::until_signal(settings, listener, running.router.clone(), &running.pipeline, drain).await;
+    service::serve::until_signal(
+        settings,
+        listener,
+        running.router.clone(),
+        &running.pipeline,
+        &running.health,
+        drain,
+    )
+    .await;
     running.shards.close().await;
     Ok(())
 }

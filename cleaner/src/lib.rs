@@ -32,6 +32,7 @@ pub mod reconcile;
 
 use schemas::index::IndexState;
 use schemas::{EntityId, IndexSpec, Settings};
+use service::health::Health;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -72,6 +73,8 @@ struct Inner {
     settings: Settings,
     shards: Shards,
     metrics: CleanerMetrics,
+    /// Where the sweep reports how it is doing (`/health/ready`).
+    health: Health,
     /// Indexes whose backfill runs in this process.
     backfilling: Mutex<HashSet<String>>,
     /// Per index: up to when every event is applied (see [`lag`]).
@@ -100,12 +103,13 @@ pub fn state_code(s: IndexState) -> i64 {
 }
 
 impl Cleaner {
-    pub fn new(settings: Settings, shards: Shards, metrics: CleanerMetrics) -> Cleaner {
+    pub fn new(settings: Settings, shards: Shards, metrics: CleanerMetrics, health: Health) -> Cleaner {
         Cleaner {
             inner: Arc::new(Inner {
                 settings,
                 shards,
                 metrics,
+                health,
                 backfilling: Mutex::new(HashSet::new()),
                 settled: Mutex::new(HashMap::new()),
             }),
@@ -143,7 +147,10 @@ impl Cleaner {
         let interval = Duration::from_millis(self.settings().cleaner.interval_ms);
         let mut state = SweepState::default();
         while !shutdown.is_cancelled() {
-            if let Err(e) = self.cycle(&mut state, tracker, &shutdown).await {
+            let outcome = self.cycle(&mut state, tracker, &shutdown).await;
+            let report = outcome.as_ref().map(|_| ()).map_err(|e| format!("sweep failed: {e}"));
+            self.inner.health.report("sweep", report);
+            if let Err(e) = outcome {
                 if matches!(&e, CleanerError::Store(s) if s.is_stale_map()) {
                     // A move changed the map: reload and sweep again at once.
                     if let Err(e) = self.shards().reload().await {

@@ -16,12 +16,14 @@ use rdkafka::{Offset, TopicPartitionList};
 use schemas::codec::CodecError;
 use schemas::event::ChangeEvent;
 use schemas::{IndexSpec, Settings};
+use service::health::Health;
 use service::kafka;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 use storage::{catalog, Shards};
 use tokio_util::sync::CancellationToken;
 
+use crate::membership::Membership;
 use crate::metrics::Metrics;
 use crate::plan::{plan, RowOp};
 
@@ -32,6 +34,8 @@ pub struct IndexConsumer {
     spec: IndexSpec,
     shards: Shards,
     metrics: Metrics,
+    /// Where the consumer reports how it is doing (`/health/ready`).
+    health: Health,
     /// The applied-through time readers report, written to shard 0 at most
     /// every PROGRESS_EVERY (a commit per batch would cost a busy index an
     /// fsync per batch), and on the idle tick when a newer one waits.
@@ -45,6 +49,32 @@ struct Progress {
 }
 
 const PROGRESS_EVERY: Duration = Duration::from_millis(100);
+
+/// How often an idle consumer checks its membership and reports.
+const IDLE_TICK: Duration = Duration::from_millis(250);
+
+/// How long a consumer error keeps the consumer reported failing when no
+/// event has been applied since (errors come every few hundred ms while
+/// the broker is away, idle ticks in between).
+const ERRORS_STAND_FOR: Duration = Duration::from_secs(5);
+
+/// Why [`IndexConsumer::consume`] returned.
+#[derive(Debug)]
+enum Exit {
+    Shutdown,
+    /// The partitions are no longer this consumer's; why.
+    Lost(String),
+}
+
+/// What became of a batch in [`IndexConsumer::process`].
+#[derive(Debug)]
+enum Applied {
+    /// Applied (or dead-lettered, or moot because the index was dropped):
+    /// its offsets may be stored.
+    Yes,
+    Stopped,
+    Lost(String),
+}
 
 #[derive(Debug)]
 struct DropCheck {
@@ -60,7 +90,13 @@ struct Poison {
 }
 
 impl IndexConsumer {
-    pub fn new(settings: Settings, spec: IndexSpec, shards: Shards, metrics: Metrics) -> IndexConsumer {
+    pub fn new(
+        settings: Settings,
+        spec: IndexSpec,
+        shards: Shards,
+        metrics: Metrics,
+        health: Health,
+    ) -> IndexConsumer {
         // The index's series exist from the start (at 0), so increase() sees the first event.
         let t = [spec.table.as_str()];
         metrics.applied.with_label_values(&t);
@@ -68,8 +104,14 @@ impl IndexConsumer {
         metrics.stale_map_retries.with_label_values(&t);
         metrics.dead_lettered.with_label_values(&t);
         metrics.assigned_partitions.with_label_values(&t);
+        metrics.rejoins.with_label_values(&t);
         metrics.event_lag_seconds.with_label_values(&t);
-        IndexConsumer { settings, spec, shards, metrics, progress: Default::default() }
+        IndexConsumer { settings, spec, shards, metrics, health, progress: Default::default() }
+    }
+
+    /// This consumer's name in `/health/ready`.
+    fn part(&self) -> String {
+        format!("consumer {}", self.spec.table)
     }
 
     pub fn group(&self) -> String {
@@ -77,23 +119,75 @@ impl IndexConsumer {
     }
 
     /// Runs until `shutdown`; then finishes the batch in hand, commits the
-    /// stored offsets synchronously and leaves the group.
+    /// stored offsets synchronously and leaves the group. A consumer that
+    /// lost its partitions (see [`crate::membership`]) is closed, and a new
+    /// one joins in its place.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), rdkafka::error::KafkaError> {
         let k = &self.settings.kafka;
-        let consumer: StreamConsumer = kafka::create(&kafka::consumer_config(k, &self.group()))?;
-        consumer.subscribe(&[&k.topic])?;
         let dlq: FutureProducer = kafka::create(&kafka::producer_config(k))?;
         let table = self.spec.table.clone();
-        tracing::info!(index = %table, group = %self.group(), "index consumer started");
+        loop {
+            let mut config = kafka::consumer_config(k, &self.group());
+            // The statistics feed the membership watch (crate::membership).
+            config.set("statistics.interval.ms", "1000");
+            let watch = Membership::new(Duration::from_millis(k.session_timeout_ms));
+            let consumer: StreamConsumer<Membership> = kafka::create_with(&config, watch)?;
+            consumer.subscribe(&[&k.topic])?;
+            tracing::info!(index = %table, group = %self.group(), "index consumer joining its group");
+            match self.consume(&consumer, &dlq, &shutdown).await {
+                Exit::Shutdown => {
+                    self.write_progress(None, true).await;
+                    if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
+                        tracing::debug!(index = %table, error = %e, "final commit had nothing to commit or failed");
+                    }
+                    consumer.unsubscribe();
+                    self.metrics.assigned_partitions.with_label_values(&[&table]).set(0);
+                    tracing::info!(index = %table, "index consumer stopped");
+                    return Ok(());
+                }
+                Exit::Lost(why) => {
+                    self.health.report(&self.part(), Err(format!("rejoining its group: {why}")));
+                    tracing::warn!(index = %table, %why,
+                        "this consumer no longer owns its partitions; it stops applying them and rejoins as a new member");
+                    self.metrics.rejoins.with_label_values(&[&table]).inc();
+                    self.metrics.assigned_partitions.with_label_values(&[&table]).set(0);
+                    // Closing stops its fetchers, then leaves the group, which
+                    // may wait on a broker: not on a runtime thread, and
+                    // not waited for.
+                    tokio::task::spawn_blocking(move || drop(consumer));
+                }
+            }
+        }
+    }
+
+    /// The consumer loop proper, until shutdown or until `consumer` is
+    /// found to have lost its partitions.
+    async fn consume(
+        &self,
+        consumer: &StreamConsumer<Membership>,
+        dlq: &FutureProducer,
+        shutdown: &CancellationToken,
+    ) -> Exit {
+        let k = &self.settings.kafka;
+        let table = &self.spec.table;
         let batch_max = self.settings.indexer.batch_max;
         let batch_wait = Duration::from_millis(self.settings.indexer.batch_wait_ms);
         let mut dropped = DropCheck { checked: None, dropped: false };
+        let part = self.part();
+        let mut last_error: Option<Instant> = None;
         loop {
             let first = tokio::select! {
                 m = consumer.recv() => m,
-                _ = shutdown.cancelled() => break,
-                _ = tokio::time::sleep(Duration::from_secs(1)) => {
-                    self.report_assignment(&consumer);
+                _ = shutdown.cancelled() => return Exit::Shutdown,
+                _ = tokio::time::sleep(IDLE_TICK) => {
+                    if let Some(why) = consumer.context().lost(consumer) {
+                        return Exit::Lost(why);
+                    }
+                    // Idle, and no consumer error for a while: well.
+                    if last_error.is_none_or(|t| t.elapsed() > ERRORS_STAND_FOR) {
+                        self.health.report(&part, Ok(()));
+                    }
+                    self.report_assignment(consumer);
                     self.write_progress(None, true).await;
                     continue;
                 }
@@ -102,6 +196,8 @@ impl IndexConsumer {
                 Ok(m) => vec![m.detach()],
                 Err(e) => {
                     tracing::warn!(index = %table, error = %e, "consumer error");
+                    self.health.report(&part, Err(format!("consumer error: {e}")));
+                    last_error = Some(Instant::now());
                     continue;
                 }
             };
@@ -116,12 +212,26 @@ impl IndexConsumer {
                     Err(_) => break,
                 }
             }
+            let fetched = self.metrics.partition_events(table, "fetched");
+            for m in &batch {
+                fetched(m.partition()).inc();
+            }
             if self.is_dropped(&mut dropped).await {
                 // `bagstore index drop` ran: consume and forget, nothing to maintain.
                 tracing::debug!(index = %table, events = batch.len(), "index dropped; skipping events");
-            } else if !self.process(&batch, &dlq, &shutdown, &mut dropped).await {
-                // Stopped while retrying: these offsets were not earned.
-                break;
+            } else {
+                match self.process(&batch, consumer, dlq, shutdown, &mut dropped).await {
+                    Applied::Yes => {
+                        self.health.report(&part, Ok(()));
+                        let applied = self.metrics.partition_events(table, "applied");
+                        for m in &batch {
+                            applied(m.partition()).inc();
+                        }
+                    }
+                    // Stopped while retrying: these offsets were not earned.
+                    Applied::Stopped => return Exit::Shutdown,
+                    Applied::Lost(why) => return Exit::Lost(why),
+                }
             }
             let mut next: BTreeMap<i32, i64> = BTreeMap::new();
             for m in &batch {
@@ -137,16 +247,8 @@ impl IndexConsumer {
                 // the committed offset, which is safe.
                 tracing::debug!(index = %table, error = %e, "offset store refused");
             }
-            self.report_assignment(&consumer);
+            self.report_assignment(consumer);
         }
-        self.write_progress(None, true).await;
-        if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
-            tracing::debug!(index = %table, error = %e, "final commit had nothing to commit or failed");
-        }
-        consumer.unsubscribe();
-        self.metrics.assigned_partitions.with_label_values(&[&table]).set(0);
-        tracing::info!(index = %table, "index consumer stopped");
-        Ok(())
     }
 
     /// Whether the index was dropped (checked at most once a second; an
@@ -163,20 +265,23 @@ impl IndexConsumer {
         check.dropped
     }
 
-    fn report_assignment(&self, consumer: &StreamConsumer) {
+    fn report_assignment(&self, consumer: &StreamConsumer<Membership>) {
         if let Ok(a) = consumer.assignment() {
             self.metrics.assigned_partitions.with_label_values(&[&self.spec.table]).set(a.count() as i64);
         }
     }
 
-    /// Applies a batch. Returns false if shutdown interrupted the retries.
+    /// Applies a batch, unless shutdown interrupts the retries or the
+    /// consumer turns out to have lost its partitions (checked before each
+    /// attempt: a member that lost them must not apply them).
     async fn process(
         &self,
         batch: &[OwnedMessage],
+        consumer: &StreamConsumer<Membership>,
         dlq: &FutureProducer,
         shutdown: &CancellationToken,
         dropped: &mut DropCheck,
-    ) -> bool {
+    ) -> Applied {
         let table = &self.spec.table;
         let mut ops: Vec<RowOp> = Vec::new();
         let mut poison = Vec::new();
@@ -197,6 +302,9 @@ impl IndexConsumer {
         let retry_max = Duration::from_millis(self.settings.indexer.retry_max_ms);
         let mut backoff = Duration::from_millis(50);
         loop {
+            if let Some(why) = consumer.context().lost(consumer) {
+                return Applied::Lost(why);
+            }
             let start = Instant::now();
             match crate::apply::apply(&self.shards, &self.spec, &ops).await {
                 Ok(()) => {
@@ -218,6 +326,7 @@ impl IndexConsumer {
                 }
                 Err(e) => {
                     self.metrics.failed.with_label_values(&[table]).inc();
+                    self.health.report(&self.part(), Err(format!("applying a batch failed: {e}")));
                     tracing::warn!(index = %table, error = %e, source = ?std::error::Error::source(&e).map(|s| s.to_string()),
                         "applying a batch failed; retrying");
                 }
@@ -225,16 +334,16 @@ impl IndexConsumer {
             if self.is_dropped(dropped).await {
                 // Dropped while we retried (its tables are gone): nothing to apply.
                 tracing::info!(index = %table, "index dropped; abandoning the batch");
-                return true;
+                return Applied::Yes;
             }
             if !sleep_or_stop(shutdown, backoff).await {
-                return false;
+                return Applied::Stopped;
             }
             backoff = (backoff * 2).min(retry_max);
         }
         for p in poison {
             if !self.dead_letter(dlq, &p, shutdown).await {
-                return false;
+                return Applied::Stopped;
             }
         }
         self.metrics.applied.with_label_values(&[table]).inc_by(applied);
@@ -248,7 +357,7 @@ impl IndexConsumer {
             let g = self.metrics.last_applied.with_label_values(&[table]);
             g.set(g.get().max(us as f64 / 1e6));
         }
-        true
+        Applied::Yes
     }
 
     /// Records the commit time of the newest event applied (freshness for

@@ -2,7 +2,9 @@
 //! `partition` where it matters). One set per process, shared by all the
 //! index consumers it runs.
 
-use prometheus::{GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+};
 
 #[derive(Debug, Clone)]
 pub struct Metrics {
@@ -19,6 +21,12 @@ pub struct Metrics {
     /// Commit time of the newest event applied.
     pub last_applied: GaugeVec,
     pub assigned_partitions: IntGaugeVec,
+    /// Events this process took from each partition (`stage="fetched"`)
+    /// and applied (`stage="applied"`): who really works on a partition,
+    /// whatever the group says it owns.
+    pub partition_events: IntCounterVec,
+    /// Consumers closed and rebuilt because they had lost their partitions.
+    pub rejoins: IntCounterVec,
 }
 
 impl Metrics {
@@ -82,6 +90,20 @@ impl Metrics {
                 ),
                 &["index"],
             )?,
+            partition_events: IntCounterVec::new(
+                Opts::new(
+                    "bagstore_indexer_partition_events_total",
+                    "Change events this process fetched from, and applied for, each partition",
+                ),
+                &["index", "partition", "stage"],
+            )?,
+            rejoins: IntCounterVec::new(
+                Opts::new(
+                    "bagstore_indexer_consumer_rejoins_total",
+                    "Consumers closed and replaced by a new group member because they had lost their partitions",
+                ),
+                &["index"],
+            )?,
         };
         r.register(Box::new(m.applied.clone()))?;
         r.register(Box::new(m.failed.clone()))?;
@@ -91,6 +113,13 @@ impl Metrics {
         r.register(Box::new(m.event_lag_seconds.clone()))?;
         r.register(Box::new(m.last_applied.clone()))?;
         r.register(Box::new(m.assigned_partitions.clone()))?;
+        r.register(Box::new(m.partition_events.clone()))?;
+        r.register(Box::new(m.rejoins.clone()))?;
         Ok(m)
+    }
+
+    /// The per-partition counter of one index and stage, by partition.
+    pub fn partition_events<'a>(&'a self, index: &'a str, stage: &'a str) -> impl Fn(i32) -> IntCounter + 'a {
+        move |p| self.partition_events.with_label_values(&[index, &p.to_string(), stage])
     }
 }

@@ -3,8 +3,8 @@
 //! even when no indexer of that group is alive).
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
-use rdkafka::config::FromClientConfig;
+use rdkafka::client::{ClientContext, DefaultClientContext};
+use rdkafka::config::{FromClientConfig, FromClientConfigAndContext};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::types::RDKafkaConfRes;
@@ -29,6 +29,14 @@ pub fn base_config(k: &KafkaSettings) -> ClientConfig {
 /// secret (rdkafka quotes the value, and these errors end up in logs).
 pub fn create<C: FromClientConfig>(cfg: &ClientConfig) -> Result<C, KafkaError> {
     cfg.create().map_err(redact_config_error)
+}
+
+/// [`create`], with a client context.
+pub fn create_with<C: FromClientConfigAndContext<X>, X: ClientContext>(
+    cfg: &ClientConfig,
+    context: X,
+) -> Result<C, KafkaError> {
+    cfg.create_with_context(context).map_err(redact_config_error)
 }
 
 /// Hides the value in a `ClientConfig` error about a secret property, or

@@ -11,12 +11,14 @@
 //! - [`kafka`]: client configuration, topics, consumer-group lag.
 //! - [`freshness`]: how far behind an index is (the one lag rule).
 //! - [`cluster`]: keeping the map current; this process's heartbeat.
+//! - [`health`]: liveness, and readiness by the README's policy.
 //! - [`config`]: loading `Settings` from a file and the environment.
 //! - [`serve`]: bind, serve, signal, and the graceful, bounded stop.
 
 pub mod cluster;
 pub mod config;
 pub mod freshness;
+pub mod health;
 pub mod http;
 pub mod kafka;
 pub mod serve;

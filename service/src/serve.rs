@@ -17,6 +17,8 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::health::{Health, Phase};
+
 /// The background work of a process (relays, index consumers, sweeps):
 /// its tasks, and the token that asks them to stop.
 #[derive(Debug, Clone, Default)]
@@ -101,6 +103,7 @@ pub async fn until_signal<F>(
     listener: tokio::net::TcpListener,
     router: Router,
     pipeline: &Pipeline,
+    health: &Health,
     between: F,
 ) where
     F: Future<Output = ()>,
@@ -109,6 +112,8 @@ pub async fn until_signal<F>(
     let grace = Duration::from_millis(settings.http.shutdown_grace_ms);
     let server = tokio::spawn(serve(listener, router, http_stop.clone(), grace));
     signal().await;
+    // Requests still arriving on open connections learn it first.
+    health.set_phase(Phase::Draining);
     http_stop.cancel();
     let _ = server.await;
     between.await;

@@ -396,6 +396,11 @@ impl Shards {
         Ok(())
     }
 
+    /// One round trip to a physical shard (`SELECT 1`), for health checks.
+    pub async fn ping(&self, shard: usize) -> Result<(), sqlx::Error> {
+        sqlx::query("SELECT 1").execute(self.pool(shard)).await.map(|_| ())
+    }
+
     pub async fn close(&self) {
         for slot in self.inner.slots.iter().filter_map(OnceLock::get) {
             slot.pool.close().await;

@@ -14,10 +14,13 @@
 //!   blindly.
 //! - [`model`]: the reference model the suites check results against.
 //! - [`chaos`]: the chaos suite, written once, run against both brokers.
+//! - [`membership`]: no partition worked on by two indexers after an
+//!   outage, also run against both brokers.
 
 pub mod api;
 pub mod chaos;
 pub mod env;
+pub mod membership;
 pub mod model;
 pub mod poll;
 pub mod process;

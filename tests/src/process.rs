@@ -99,6 +99,16 @@ impl Proc {
         self.child.id().expect("running") as i32
     }
 
+    /// Sends a signal by name (`STOP` freezes the process, `CONT` thaws it).
+    pub fn signal(&self, name: &str) {
+        let status = std::process::Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.pid().to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{name} {}", self.pid());
+    }
+
     /// SIGKILL: a crash, no cleanup.
     pub async fn kill9(mut self) {
         self.child.kill().await.ok();

@@ -38,3 +38,20 @@ async fn a_broker_that_dies_on_its_own_is_recorded_as_a_crash() {
     assert_eq!(tansu.crash(), None, "restarted and healthy again");
     assert_ne!(tansu.pid(), Some(pid));
 }
+
+/// No partition is fetched and applied by two indexers after the broker
+/// process was gone for longer than the session timeout (issue 17; the
+/// mock-cluster run is in the e2e suite's `membership`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_broker_kill_past_the_session_timeout_each_partition_has_one_worker() {
+    use bagstore_tests::membership::{no_partition_is_worked_twice_after_an_outage, OUTAGE};
+    let env = TestEnv::with_tansu("overlaptansu", STANDARD_INDEXES).await;
+    let tansu = env.kafka.tansu().expect("tansu");
+    let outcome = no_partition_is_worked_twice_after_an_outage(&env, || async {
+        tansu.kill9();
+        tokio::time::sleep(OUTAGE).await;
+        tansu.restart().await.expect("tansu restarts");
+    })
+    .await;
+    eprintln!("tansu: {outcome}");
+}

@@ -25,6 +25,7 @@ pub mod write;
 
 use prometheus::Registry;
 use schemas::Settings;
+use service::health::Health;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use storage::shards::MAX_PHYSICAL;
@@ -53,6 +54,8 @@ struct Inner {
     /// By physical id, asked once: whether a multi-row insert's new rows are
     /// numbered consecutively (see `storage::entities::autoinc_is_consecutive`).
     consecutive: Vec<tokio::sync::OnceCell<bool>>,
+    /// Where the relays report how they are doing (`/health/ready`).
+    health: Health,
 }
 
 /// How long a write keeps going after its map turned out stale (a move's
@@ -91,7 +94,12 @@ impl StaleMapRetry {
 impl Writer {
     /// Must be called inside a Tokio runtime: it starts each shard's group
     /// commit task.
-    pub fn new(settings: Settings, shards: Shards, registry: &Registry) -> prometheus::Result<Writer> {
+    pub fn new(
+        settings: Settings,
+        shards: Shards,
+        registry: &Registry,
+        health: Health,
+    ) -> prometheus::Result<Writer> {
         let metrics = metrics::Metrics::register(registry)?;
         // Every shard's series exist from the start (at 0), so dashboards and
         // increase() see the first failure.
@@ -108,7 +116,7 @@ impl Writer {
         let wake = (0..MAX_PHYSICAL).map(|_| Notify::new()).collect();
         let queues = (0..MAX_PHYSICAL).map(|_| OnceLock::new()).collect();
         let consecutive = (0..MAX_PHYSICAL).map(|_| tokio::sync::OnceCell::new()).collect();
-        let inner = Arc::new(Inner { settings, shards, metrics, wake, queues, consecutive });
+        let inner = Arc::new(Inner { settings, shards, metrics, wake, queues, consecutive, health });
         Ok(Writer { inner })
     }
 

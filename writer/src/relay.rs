@@ -71,10 +71,12 @@ impl Writer {
         let poll = Duration::from_millis(self.settings().writer.relay_poll_ms);
         let label = shard.to_string();
         let leader_gauge = self.inner.metrics.relay_leader.with_label_values(&[&label]);
+        let part = format!("relay {}", self.shards().name(shard));
         while !shutdown.is_cancelled() {
             let mut conn = match storage::shards::dedicated_connection(self.shards().dsn(shard)).await {
                 Ok(c) => c,
                 Err(e) => {
+                    self.inner.health.report(&part, Err(format!("cannot reach its shard: {e}")));
                     tracing::warn!(shard, error = %e, "relay cannot reach its shard");
                     sleep_or_stop(&shutdown, poll * 5).await;
                     continue;
@@ -96,10 +98,13 @@ impl Writer {
             tracing::info!(shard, "relay leader");
             leader_gauge.set(1);
             if let Err(e) = self.lead(shard, &mut conn, &mut producer, &shutdown).await {
+                self.inner.health.report(&part, Err(format!("leadership ended: {e}")));
                 tracing::warn!(shard, error = %e, "relay leadership ended");
                 sleep_or_stop(&shutdown, poll).await;
             }
             leader_gauge.set(0);
+            // A follower has nothing to fail at; the next leader reports.
+            self.inner.health.report(&part, Ok(()));
             // Only the leader knows the backlog; a follower exports none.
             let _ = self.inner.metrics.outbox_backlog.remove_label_values(&[&label]);
             let _ = self.inner.metrics.outbox_oldest.remove_label_values(&[&label]);
@@ -117,6 +122,7 @@ impl Writer {
     ) -> Result<(), StoreError> {
         let poll = Duration::from_millis(self.settings().writer.relay_poll_ms);
         let mut backoff = poll;
+        let part = format!("relay {}", self.shards().name(shard));
         // Set once shutdown is asked for: until then the relay keeps
         // publishing what is committed (HTTP has stopped, so nothing new
         // arrives), so a graceful stop leaves an empty outbox when Kafka is
@@ -155,6 +161,7 @@ impl Writer {
             }
             let rows = outbox::read_outbox(shard, lock_conn, self.settings().writer.relay_batch).await?;
             if rows.is_empty() {
+                self.inner.health.report(&part, Ok(()));
                 if report() {
                     self.report_backlog(shard).await;
                 }
@@ -193,6 +200,10 @@ impl Writer {
                 // epoch, so the relay would stall for good; and after a fatal
                 // idempotence error the producer cannot go on at all.
                 let reason = producer.client().fatal_error().map(|(_, why)| why);
+                let unsent = rows.len() - acked;
+                self.inner
+                    .health
+                    .report(&part, Err(format!("Kafka did not acknowledge {unsent} change events")));
                 tracing::warn!(shard, ?reason, "round not acknowledged; starting a new producer");
                 match kafka::create(&kafka::producer_config(&self.settings().kafka)) {
                     Ok(p) => {
@@ -206,6 +217,7 @@ impl Writer {
                 sleep_or_stop(shutdown, backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             } else {
+                self.inner.health.report(&part, Ok(()));
                 backoff = poll;
             }
         }

@@ -430,7 +430,7 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
     .ok();
     writeln!(
         report,
-        "  indexer restarts after which two indexers kept claiming the same partitions (known defect): {}",
+        "  indexer restarts after which two indexers kept claiming the same partitions (each a failure): {}",
         n(&c.overlaps)
     )
     .ok();

@@ -14,10 +14,13 @@
 //! - `cleaner`: drift repair, online backfill, index drop.
 //! - `shards`: logical shards: the topology guard, online moves, a frozen
 //!   writer across a cutover, resume and rollback.
+//! - `membership`: one indexer per partition after a broker outage.
+//! - `health`: readiness with a frozen or stopped shard, or no broker.
 //! - `shutdown`: graceful stops under load.
 //! - `observability`: metrics, dashboard and alert rules, lag.
 //! - `auth`, `tls`: bearer tokens; TLS to MariaDB and Kafka.
 //! - `cli`, `config`: the `bagstore` command; configuration and compose.
+//! - `console`: the operator console in headless chromium.
 //! - `bench_quick`: the benchmark's smoke run.
 
 mod auth;
@@ -25,11 +28,14 @@ mod bench_quick;
 mod cleaner;
 mod cli;
 mod config;
+mod console;
 mod convergence;
 mod delivery;
 mod edges;
 mod group_commit;
+mod health;
 mod limits;
+mod membership;
 mod observability;
 mod pipeline;
 mod queries;

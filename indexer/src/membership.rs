@@ -1,0 +1,194 @@
+//! Knowing when this process no longer owns its partitions.
+//!
+//! A consumer group member owns partitions only while the group coordinator
+//! counts it as a member. librdkafka notices most losses itself (a heartbeat
+//! answered "unknown member" or "illegal generation", its own session
+//! timer) and revokes the partitions as lost. One path it misses with the
+//! cooperative protocol: a member whose session expired on the broker while
+//! it was between rebalance steps (its own session timer runs only in the
+//! steady state; a broker outage during a rebalance is enough) sends
+//! JoinGroup with its old member id, is told "unknown member", takes a new
+//! id, and rejoins *keeping* its old assignment. It goes on fetching
+//! partitions the group has given to someone else meanwhile, and nothing
+//! in the consumer ever revokes them.
+//!
+//! Another it waits out: a member whose JoinGroup was in flight when the
+//! broker went away can sit in the join for minutes (until the request
+//! times out, max.poll.interval.ms + 3 s), still holding its partitions,
+//! while the group, having ended its session, gives them to others.
+//!
+//! [`Membership`] is the consumer's context and watches for three signs,
+//! any of which means the partitions held were given away:
+//! - the member id under which they were assigned is no longer the
+//!   member's id (the coordinator forgot the member and it rejoined);
+//! - an offset commit was refused for an unknown member, an old generation
+//!   or a fenced instance;
+//! - the consumer has held partitions outside the steady join state for
+//!   longer than twice the session timeout (librdkafka's statistics, every
+//!   second). A join normally ends within one session timeout: the
+//!   coordinator waits for the members it knows, and one that died leaves
+//!   when its session ends. Twice that, and the join's request was lost
+//!   with the broker, while the coordinator has ended this member's
+//!   session (no heartbeats are sent during a join).
+//!
+//! The consumer loop then stops applying at once and rebuilds its consumer
+//! (a new member that joins with nothing), see `consume.rs`. Rebuilding
+//! costs one more rebalance; the last sign may also fire when a rebalance
+//! truly lasts that long (a member slow to rejoin), and then too a fresh
+//! member is the safe choice.
+
+use rdkafka::client::ClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
+use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
+use rdkafka::{Statistics, TopicPartitionList};
+use std::ffi::CStr;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// The consumer context that tracks whether the assignment is still ours.
+#[derive(Debug)]
+pub struct Membership {
+    session_timeout: Duration,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// The member id at the last assignment; None before the first.
+    assigned_as: Option<String>,
+    /// Since when partitions have been held outside the steady join state,
+    /// and in which state it was last seen.
+    unsteady: Option<(Instant, String)>,
+    /// Why the assignment is known lost, once it is.
+    lost: Option<String>,
+}
+
+impl ClientContext for Membership {
+    fn stats(&self, statistics: Statistics) {
+        let Some(cgrp) = statistics.cgrp else { return };
+        let mut s = self.state.lock().expect("not poisoned");
+        if cgrp.join_state == "steady" || cgrp.assignment_size == 0 {
+            s.unsteady = None;
+            return;
+        }
+        let since = s.unsteady.get_or_insert_with(|| (Instant::now(), String::new()));
+        since.1 = cgrp.join_state.clone();
+        let held_for = since.0.elapsed();
+        if held_for > 2 * self.session_timeout && s.lost.is_none() {
+            s.lost = Some(format!(
+                "{} partitions held for {:.1} s outside the steady state (join state {}), longer than twice \
+                 the session timeout ({} ms): the join was lost, and the coordinator has ended this member's session",
+                cgrp.assignment_size,
+                held_for.as_secs_f64(),
+                cgrp.join_state,
+                self.session_timeout.as_millis()
+            ));
+        }
+    }
+}
+
+impl ConsumerContext for Membership {
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        let mut s = self.state.lock().expect("not poisoned");
+        match rebalance {
+            Rebalance::Assign(_) => s.assigned_as = member_id(consumer),
+            Rebalance::Revoke(_) if consumer.assignment_lost() => {
+                // librdkafka saw the loss itself and has taken the partitions away.
+                tracing::info!("partitions revoked as lost by the consumer");
+            }
+            _ => {}
+        }
+    }
+
+    fn commit_callback(&self, result: KafkaResult<()>, _offsets: &TopicPartitionList) {
+        if let Err(KafkaError::ConsumerCommit(code)) = result {
+            if is_fencing(code) {
+                self.lose(format!("an offset commit was refused: {code}"));
+            }
+        }
+    }
+}
+
+impl Membership {
+    pub fn new(session_timeout: Duration) -> Membership {
+        Membership { session_timeout, state: Mutex::default() }
+    }
+
+    /// Why this member's partitions are no longer its own, if they are not:
+    /// a recorded refusal, or partitions held under a member id other than
+    /// the current one.
+    pub fn lost<C: Consumer<Membership>>(&self, consumer: &C) -> Option<String> {
+        let s = self.state.lock().expect("not poisoned");
+        if let Some(why) = &s.lost {
+            return Some(why.clone());
+        }
+        let held = consumer.assignment().map(|a| a.count()).unwrap_or(0);
+        let now = member_id(consumer);
+        match &s.assigned_as {
+            Some(was) if held > 0 && now.as_ref() != Some(was) => Some(format!(
+                "{held} partitions are held under member id {was:?}, but the member is now {:?} \
+                 (its session ended on the broker and it rejoined as a new member)",
+                now.unwrap_or_default()
+            )),
+            _ => None,
+        }
+    }
+
+    fn lose(&self, why: String) {
+        let mut s = self.state.lock().expect("not poisoned");
+        s.lost.get_or_insert(why);
+    }
+}
+
+/// Commit errors by which the coordinator says "you are not a member of
+/// this generation".
+fn is_fencing(code: RDKafkaErrorCode) -> bool {
+    matches!(
+        code,
+        RDKafkaErrorCode::UnknownMemberId
+            | RDKafkaErrorCode::IllegalGeneration
+            | RDKafkaErrorCode::FencedInstanceId
+    )
+}
+
+/// The member id the group coordinator gave this consumer (None before the
+/// first join; empty while rejoining after a loss). rust-rdkafka does not
+/// wrap `rd_kafka_memberid`, hence the one unsafe block of the workspace.
+#[allow(unsafe_code)]
+fn member_id<C: Consumer<Membership>>(consumer: &C) -> Option<String> {
+    let rk = consumer.client().native_ptr();
+    // SAFETY: `rk` is the live handle `consumer` owns. rd_kafka_memberid
+    // returns NULL or a NUL-terminated copy that we own and free with
+    // rd_kafka_mem_free.
+    unsafe {
+        let p = rdkafka::bindings::rd_kafka_memberid(rk);
+        if p.is_null() {
+            return None;
+        }
+        let id = CStr::from_ptr(p).to_string_lossy().into_owned();
+        rdkafka::bindings::rd_kafka_mem_free(rk, p.cast());
+        Some(id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_membership_errors_count_as_fencing() {
+        assert!(is_fencing(RDKafkaErrorCode::UnknownMemberId));
+        assert!(is_fencing(RDKafkaErrorCode::IllegalGeneration));
+        assert!(is_fencing(RDKafkaErrorCode::FencedInstanceId));
+        assert!(!is_fencing(RDKafkaErrorCode::RequestTimedOut));
+        assert!(!is_fencing(RDKafkaErrorCode::RebalanceInProgress));
+    }
+
+    #[test]
+    fn a_recorded_refusal_is_kept_with_its_first_reason() {
+        let m = Membership::new(Duration::from_secs(6));
+        m.lose("first".into());
+        m.lose("second".into());
+        assert_eq!(m.state.lock().unwrap().lost.as_deref(), Some("first"));
+    }
+}
