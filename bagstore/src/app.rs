@@ -182,6 +182,7 @@ mod tests {
         ("POST", "/v1/entities", Role::Write),
         ("POST", "/v1/entities/batch", Role::Write),
         ("PUT", "/v1/entities/{id}", Role::Write),
+        ("PATCH", "/v1/entities/{id}", Role::Write),
         ("DELETE", "/v1/entities/{id}", Role::Write),
         ("GET", "/v1/entities/{id}", Role::Read),
         ("POST", "/v1/entities/get", Role::Read),

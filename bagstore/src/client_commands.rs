@@ -93,6 +93,12 @@ pub async fn put(c: &ClientArgs, id: Option<&str>, body: Value, if_match: Option
         Some(id) => ok(c.client().put(id, &body, pre).await)?,
         None => ok(c.client().create(&body, pre).await)?,
     };
+    print_written(c, &doc);
+    Ok(())
+}
+
+/// A write's answer: the JSON with --json, else one line.
+fn print_written(c: &ClientArgs, doc: &Value) {
     if c.json {
         println!("{doc}");
     } else {
@@ -103,6 +109,19 @@ pub async fn put(c: &ClientArgs, id: Option<&str>, body: Value, if_match: Option
             text(&doc["write_token"])
         );
     }
+}
+
+pub async fn patch(
+    c: &ClientArgs,
+    id: &str,
+    body: Value,
+    merge: bool,
+    upsert: bool,
+    if_match: Option<u64>,
+) -> anyhow::Result<()> {
+    let pre = Precondition { if_version: if_match, if_absent: false };
+    let doc = ok(c.client().patch(id, &body, merge, upsert, pre).await)?;
+    print_written(c, &doc);
     Ok(())
 }
 

@@ -71,6 +71,24 @@ enum Command {
         #[arg(long)]
         if_match: Option<u64>,
     },
+    /// Change part of an entity: `$`-operators such as
+    /// '{"$inc": {"views": 1}, "$set": {"a.b": true}}', or with --merge an
+    /// RFC 7396 merge patch such as '{"title": "new", "draft": null}'.
+    Patch {
+        #[command(flatten)]
+        client: ClientArgs,
+        id: String,
+        body: String,
+        /// The body is a merge patch (sent as application/merge-patch+json).
+        #[arg(long)]
+        merge: bool,
+        /// Create the entity (from an empty bag) when it does not exist.
+        #[arg(long)]
+        upsert: bool,
+        /// Only if the entity is at this version.
+        #[arg(long)]
+        if_match: Option<u64>,
+    },
     /// Print an entity.
     Get {
         #[command(flatten)]
@@ -314,6 +332,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Shards { command } => shards_command(command).await,
         Command::Put { client, body, id, if_match } => {
             client::put(&client, id.as_deref(), client::json_arg(&body)?, if_match).await
+        }
+        Command::Patch { client, id, body, merge, upsert, if_match } => {
+            client::patch(&client, &id, client::json_arg(&body)?, merge, upsert, if_match).await
         }
         Command::Get { client, id } => client::get(&client, &id).await,
         Command::Delete { client, id } => client::delete(&client, &id).await,

@@ -143,6 +143,27 @@ impl Client {
         self.request(Method::PUT, &format!("/v1/entities/{id}"), Some(body), &pre.headers()).await
     }
 
+    /// `PATCH /v1/entities/{id}`: `$`-operators, or a merge patch when
+    /// `merge` (sent as `application/merge-patch+json`); `upsert` creates a
+    /// missing entity.
+    pub async fn patch(
+        &self,
+        id: &str,
+        doc: &Value,
+        merge: bool,
+        upsert: bool,
+        pre: Precondition,
+    ) -> Result<Answer, TransportError> {
+        let path = format!("/v1/entities/{id}{}", if upsert { "?upsert=true" } else { "" });
+        let content_type = if merge { "application/merge-patch+json" } else { "application/json" };
+        let req = self
+            .http
+            .request(Method::PATCH, format!("{}{path}", self.base))
+            .header("Content-Type", content_type)
+            .body(doc.to_string());
+        self.send(req, &pre.headers()).await
+    }
+
     /// `DELETE /v1/entities/{id}`.
     pub async fn delete(&self, id: &str, pre: Precondition) -> Result<Answer, TransportError> {
         self.request(Method::DELETE, &format!("/v1/entities/{id}"), None, &pre.headers()).await

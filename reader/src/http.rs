@@ -10,7 +10,7 @@
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{Method, StatusCode};
+use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use schemas::index::IndexState;
@@ -113,12 +113,25 @@ struct QueryAnswer<'a> {
     explain: JsonValue,
 }
 
-async fn get_one(State(r): State<Reader>, Path(id): Path<String>) -> Result<Response, Problem> {
+/// `GET /v1/entities/{id}`: the entity with its version as `ETag`; 304
+/// when `If-None-Match` names that version (or is `*`).
+async fn get_one(
+    State(r): State<Reader>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, Problem> {
     let id = parse_id(&id)?;
-    match r.get(&id).await? {
-        Some(e) => Ok(Json(EntityJson::from(&e)).into_response()),
-        None => Err(Problem::not_found(format!("no entity {id}"))),
+    let Some(e) = r.get(&id).await? else {
+        return Err(Problem::not_found(format!("no entity {id}")));
+    };
+    let etag = format!("\"{}\"", e.version);
+    let unchanged = headers.get(header::IF_NONE_MATCH).and_then(|v| v.to_str().ok()).is_some_and(|v| {
+        v.split(',').map(|t| t.trim()).any(|t| t == "*" || t.strip_prefix("W/").unwrap_or(t) == etag)
+    });
+    if unchanged {
+        return Ok((StatusCode::NOT_MODIFIED, [(header::ETAG, etag)]).into_response());
     }
+    Ok(([(header::ETAG, etag)], Json(EntityJson::from(&e))).into_response())
 }
 
 async fn get_many(State(r): State<Reader>, body: Body) -> Result<Response, Problem> {

@@ -9,6 +9,7 @@
 //! Layout:
 //! - [`id`]: 16-byte entity ids and their text forms; the hex codec.
 //! - [`value`]: property values and bags (JSON in, JSON out), equality and order.
+//! - [`patch`]: partial updates: RFC 7396 merge patches and `$`-operators.
 //! - [`codec`]: format byte + lz4 + bincode for bodies and events.
 //! - [`event`]: the change event the outbox holds and Kafka carries.
 //! - [`index`]: index specs, typed keys, multi-valued and partial indexes,
@@ -29,6 +30,7 @@ pub mod filter;
 pub mod id;
 pub mod index;
 pub mod names;
+pub mod patch;
 pub mod query;
 pub mod settings;
 pub mod shard;

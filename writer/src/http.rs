@@ -3,14 +3,18 @@
 //!
 //! - `POST /v1/entities` — create or replace (id from the body or generated)
 //! - `PUT /v1/entities/{id}` — create or replace, with `If-Match` / `If-None-Match: *`
+//! - `PATCH /v1/entities/{id}` — a merge patch (`application/merge-patch+json`)
+//!   or `$`-operators (any other type), applied in the write transaction;
+//!   `?upsert=true` creates a missing entity
 //! - `DELETE /v1/entities/{id}`
 //! - `POST /v1/entities/batch` — `{"entities": [...]}`, one transaction per shard
 
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::{Path, RawQuery, State};
 use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use schemas::patch;
 use schemas::value::{bag_from_json_map, Bag};
 use schemas::EntityId;
 use serde_json::{json, Value as JsonValue};
@@ -30,20 +34,30 @@ pub fn routes(writer: Writer) -> Routes {
         .route(Method::POST, "/v1/entities", Role::Write, create)
         .route(Method::POST, "/v1/entities/batch", Role::Write, batch)
         .route(Method::PUT, "/v1/entities/{id}", Role::Write, replace)
+        .route(Method::PATCH, "/v1/entities/{id}", Role::Write, patch)
         .route(Method::DELETE, "/v1/entities/{id}", Role::Write, remove)
         .with_state(writer)
 }
 
-/// `If-Match: "3"` (or `3`, or `W/"3"`) and `If-None-Match: *`.
+/// `If-Match: "3"` (or `3`, or `W/"3"`), `If-Match: *` (must exist) and
+/// `If-None-Match: *`.
 fn precondition(headers: &HeaderMap) -> Result<Precondition, Problem> {
     let mut pre = Precondition::default();
     if let Some(v) = headers.get(header::IF_MATCH) {
         let text = v.to_str().unwrap_or("").trim();
+        if text == "*" {
+            pre.if_exists = true;
+            return if_none_match(headers, pre);
+        }
         let text = text.strip_prefix("W/").unwrap_or(text).trim_matches('"');
         pre.if_version = Some(text.parse().map_err(|_| {
-            Problem::bad_request("bad-precondition", "If-Match must be a version number such as \"3\"")
+            Problem::bad_request("bad-precondition", "If-Match must be a version number such as \"3\", or *")
         })?);
     }
+    if_none_match(headers, pre)
+}
+
+fn if_none_match(headers: &HeaderMap, mut pre: Precondition) -> Result<Precondition, Problem> {
     if let Some(v) = headers.get(header::IF_NONE_MATCH) {
         if v.to_str().map(str::trim).ok() != Some("*") {
             return Err(Problem::bad_request("bad-precondition", "If-None-Match supports only *"));
@@ -100,9 +114,15 @@ fn outcome_json(o: &Outcome) -> JsonValue {
     json!({"id": o.id.to_hex(), "version": o.version, "write_token": format!("{}.{}", o.id.to_hex(), o.version)})
 }
 
+/// The answer to a write: `ETag` always, `Location` when it created.
 fn answer(o: Outcome, status: StatusCode) -> Response {
     let etag = format!("\"{}\"", o.version);
-    (status, [(header::ETAG, etag)], Json(outcome_json(&o))).into_response()
+    let mut r = (status, [(header::ETAG, etag)], Json(outcome_json(&o))).into_response();
+    if status == StatusCode::CREATED {
+        let location = format!("/v1/entities/{}", o.id.to_hex());
+        r.headers_mut().insert(header::LOCATION, location.parse().expect("hex is a valid header value"));
+    }
+    r
 }
 
 fn write_problem(e: WriteError) -> Problem {
@@ -122,6 +142,16 @@ fn write_problem(e: WriteError) -> Problem {
         )
         .with("current_version", current),
         WriteError::NotFound => Problem::not_found("no entity with this id"),
+        WriteError::PatchClash(c) => Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "patch-conflict",
+            "The patch does not fit the entity",
+            c.to_string(),
+        )
+        .with("property", c.property),
+        WriteError::TooLarge { .. } => {
+            Problem::new(StatusCode::PAYLOAD_TOO_LARGE, "entity-too-large", "Entity too large", e.to_string())
+        }
         WriteError::Store(e) => Problem::internal(&e),
         WriteError::ShardFailed { .. } => Problem::internal(&e),
     }
@@ -154,6 +184,48 @@ async fn replace(
     }
     let o = w.put(id, bag, pre).await.map_err(write_problem)?;
     Ok(answer(o, if o.created { StatusCode::CREATED } else { StatusCode::OK }))
+}
+
+/// `PATCH /v1/entities/{id}`: the document is parsed here (a bad one is a
+/// 400 and writes nothing); it is applied to the row the transaction locked.
+async fn patch(
+    State(w): State<Writer>,
+    Path(id): Path<String>,
+    RawQuery(query): RawQuery,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, Problem> {
+    let id = parse_id(&id)?;
+    let pre = precondition(&headers)?;
+    let upsert = upsert_param(query.as_deref())?;
+    let max = w.settings().writer.max_body_bytes;
+    let doc = read_json(body, max, w.settings().http.request_timeout()).await?;
+    let merge = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|t| t.trim().to_ascii_lowercase().starts_with("application/merge-patch+json"));
+    let parsed = if merge { patch::parse_merge(&doc) } else { patch::parse_operators(&doc) };
+    let parsed = parsed.map_err(|e| Problem::bad_request("bad-patch", e.to_string()))?;
+    let o = w.patch(id, parsed, upsert, pre).await.map_err(write_problem)?;
+    Ok(answer(o, if o.created { StatusCode::CREATED } else { StatusCode::OK }))
+}
+
+/// `upsert=true` or `upsert=false` in the query string; nothing else.
+fn upsert_param(query: Option<&str>) -> Result<bool, Problem> {
+    let mut upsert = false;
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        match pair {
+            "upsert=true" => upsert = true,
+            "upsert=false" => upsert = false,
+            _ => {
+                return Err(Problem::bad_request(
+                    "bad-parameter",
+                    format!("unknown query parameter {pair:?}: PATCH takes only upsert=true or upsert=false"),
+                ))
+            }
+        }
+    }
+    Ok(upsert)
 }
 
 async fn remove(

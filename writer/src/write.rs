@@ -6,9 +6,12 @@
 use schemas::clock::now_micros;
 use schemas::codec;
 use schemas::event::{ChangeEvent, Op};
+use schemas::patch::{Patch, PatchClash};
+use schemas::value::BagJson;
 use schemas::{Bag, EntityId};
 use sqlx::Connection;
 use std::collections::HashMap;
+use std::sync::Arc;
 use storage::entities::{self, EntityRecord, EntityWrite};
 use storage::outbox::{self, OutboxInsert};
 use storage::{topology, OnShard, StoreError};
@@ -23,6 +26,8 @@ const CONFLICT_RETRIES: usize = 8;
 pub struct Precondition {
     pub if_version: Option<u64>,
     pub if_absent: bool,
+    /// `If-Match: *`: the entity must exist (any version).
+    pub if_exists: bool,
 }
 
 /// A committed write.
@@ -42,6 +47,12 @@ pub enum WriteError {
     AlreadyExists { current: u64 },
     #[error("no entity with this id")]
     NotFound,
+    /// A patch that cannot apply to what is stored (nothing is written).
+    #[error(transparent)]
+    PatchClash(#[from] PatchClash),
+    /// A patch whose result would be larger than an entity may be.
+    #[error("the patched entity would take {bytes} bytes of JSON, over the {max} byte limit")]
+    TooLarge { bytes: usize, max: usize },
     #[error(transparent)]
     Store(#[from] StoreError),
     /// The transaction this item shared with others (a batch, or a group
@@ -71,6 +82,23 @@ impl WriteError {
 pub enum Change {
     Put(Bag),
     Delete,
+    /// Applied to the row as locked; `upsert` creates a missing entity
+    /// from an empty bag (otherwise a missing one is not found).
+    Patch {
+        patch: Arc<Patch>,
+        upsert: bool,
+    },
+}
+
+impl Change {
+    /// The `kind` label of the writes counter.
+    fn kind(&self) -> &'static str {
+        match self {
+            Change::Put(_) => "put",
+            Change::Delete => "delete",
+            Change::Patch { .. } => "patch",
+        }
+    }
 }
 
 impl Writer {
@@ -80,6 +108,19 @@ impl Writer {
 
     pub async fn delete(&self, id: EntityId, pre: Precondition) -> Result<Outcome, WriteError> {
         self.write_one(id, Change::Delete, pre).await
+    }
+
+    /// Applies `patch` to the entity inside the write transaction (the
+    /// same group commit as a put), so concurrent patches never lose each
+    /// other's changes.
+    pub async fn patch(
+        &self,
+        id: EntityId,
+        patch: Patch,
+        upsert: bool,
+        pre: Precondition,
+    ) -> Result<Outcome, WriteError> {
+        self.write_one(id, Change::Patch { patch: Arc::new(patch), upsert }, pre).await
     }
 
     /// Puts many entities; those on one shard commit in one transaction.
@@ -209,14 +250,15 @@ impl Writer {
             current.into_iter().map(|(id, c)| (id, Staged::stored(shard, &id, c))).collect();
         let locked: std::collections::HashSet<EntityId> = rows.keys().copied().collect();
         let now = now_micros();
+        let max_bytes = self.settings().writer.max_body_bytes;
         let mut results = Vec::with_capacity(items.len());
         let mut kinds = Vec::new();
         let mut events = Vec::new();
         let mut written: Vec<EntityId> = Vec::new();
         for (id, change, pre) in items {
-            match decide(shard, id, rows.get(id), change, *pre, now) {
+            match decide(shard, id, rows.get(id), change, *pre, now, max_bytes) {
                 Ok((row, event, outcome)) => {
-                    kinds.push(if matches!(change, Change::Delete) { "delete" } else { "put" });
+                    kinds.push(change.kind());
                     events.push(event);
                     if !written.contains(id) {
                         written.push(*id);
@@ -326,6 +368,7 @@ impl Staged {
 
 /// One item's effect: the row after it, its change event, its answer; or
 /// why it does nothing. Pure: the database work is the caller's.
+/// `max_bytes` bounds the JSON size of a patched entity.
 fn decide(
     shard: usize,
     id: &EntityId,
@@ -333,6 +376,7 @@ fn decide(
     change: &Change,
     pre: Precondition,
     now: i64,
+    max_bytes: usize,
 ) -> Result<(Staged, ChangeEvent, Outcome), WriteError> {
     let live_version = current.filter(|c| c.live).map(|c| c.version);
     if let Some(expected) = pre.if_version {
@@ -345,7 +389,15 @@ fn decide(
             return Err(WriteError::AlreadyExists { current });
         }
     }
-    if matches!(change, Change::Delete) && live_version.is_none() {
+    if pre.if_exists && live_version.is_none() {
+        return Err(WriteError::NotFound);
+    }
+    let must_exist = match change {
+        Change::Delete => true,
+        Change::Patch { upsert, .. } => !upsert,
+        Change::Put(_) => false,
+    };
+    if must_exist && live_version.is_none() {
         return Err(WriteError::NotFound);
     }
     // Tombstones keep their version, so a re-created entity continues from it.
@@ -354,6 +406,14 @@ fn decide(
     let (op, after) = match change {
         Change::Put(bag) => (Op::Put, Some(bag.clone())),
         Change::Delete => (Op::Delete, None),
+        Change::Patch { patch, .. } => {
+            let bag = patch.apply(before.as_ref())?;
+            let bytes = serde_json::to_vec(&BagJson(&bag)).map_or(usize::MAX, |b| b.len());
+            if bytes > max_bytes {
+                return Err(WriteError::TooLarge { bytes, max: max_bytes });
+            }
+            (Op::Put, Some(bag))
+        }
     };
     let row = Staged { version, bag: after.clone(), live: after.is_some() };
     // The row's location is filled in once it is known (after the insert).

@@ -33,6 +33,23 @@ async fn the_client_commands_write_read_query_and_administer() {
     let doc: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(doc["properties"]["title"], "from the cli");
 
+    // Partial updates: operators, a merge patch, an upsert.
+    let (ok, out, err) = run(&["patch", "--url", url, id, r#"{"$inc": {"views": 2}}"#]).await;
+    assert!(ok && out.starts_with(&format!("{id} version 2")), "{out}{err}");
+    let (ok, out, err) =
+        run(&["patch", "--url", url, "--merge", "--if-match", "2", id, r#"{"title": null}"#]).await;
+    assert!(ok && out.starts_with(&format!("{id} version 3")), "{out}{err}");
+    let (_, out, _) = run(&["get", "--url", url, id]).await;
+    let doc: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(doc["properties"], json!({"user_id": user, "views": 2}));
+    let fresh = "c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3c3";
+    let (ok, _, err) = run(&["patch", "--url", url, fresh, r#"{"$inc": {"n": 1}}"#]).await;
+    assert!(!ok && err.contains("404"), "{err}");
+    let (ok, out, err) =
+        run(&["patch", "--url", url, "--upsert", "--json", fresh, r#"{"$inc": {"n": 1}}"#]).await;
+    assert!(ok, "{err}");
+    assert_eq!(serde_json::from_str::<Value>(&out).unwrap()["version"], 1);
+
     until_query_is(&dev.api(), &json!({"where": {"user_id": user}}), &[id]).await;
     let q = json!({"where": {"user_id": user}}).to_string();
     let (ok, out, _) = run(&["query", "--url", url, &q]).await;
@@ -65,7 +82,7 @@ async fn the_client_commands_write_read_query_and_administer() {
     assert!(out.lines().any(|l| l.starts_with("index_tag ") && l.contains("DROPPING")), "{out}");
 
     let (ok, out, _) = run(&["delete", "--url", url, id]).await;
-    assert!(ok && out.contains("deleted at version 2"), "{out}");
+    assert!(ok && out.contains("deleted at version 4"), "{out}");
     let (ok, _, err) = run(&["get", "--url", url, id]).await;
     assert!(!ok);
     assert!(err.contains("404 Not found"), "{err}");

@@ -16,6 +16,7 @@
 //!   writer across a cutover, resume and rollback.
 //! - `membership`: one indexer per partition after a broker outage.
 //! - `health`: readiness with a frozen or stopped shard, or no broker.
+//! - `patch`: partial updates, counters, HTTP conditionals.
 //! - `shutdown`: graceful stops under load.
 //! - `observability`: metrics, dashboard and alert rules, lag.
 //! - `auth`, `tls`: bearer tokens; TLS to MariaDB and Kafka.
@@ -37,6 +38,7 @@ mod health;
 mod limits;
 mod membership;
 mod observability;
+mod patch;
 mod pipeline;
 mod queries;
 mod shards;
