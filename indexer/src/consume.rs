@@ -53,6 +53,10 @@ const PROGRESS_EVERY: Duration = Duration::from_millis(100);
 /// How often an idle consumer checks its membership and reports.
 const IDLE_TICK: Duration = Duration::from_millis(250);
 
+/// How long a consumer may keep receiving events of partitions it does not
+/// hold before it is taken as confused and rebuilt.
+const STRAYS_FOR: Duration = Duration::from_secs(2);
+
 /// How long a consumer error keeps the consumer reported failing when no
 /// event has been applied since (errors come every few hundred ms while
 /// the broker is away, idle ticks in between).
@@ -175,6 +179,7 @@ impl IndexConsumer {
         let mut dropped = DropCheck { checked: None, dropped: false };
         let part = self.part();
         let mut last_error: Option<Instant> = None;
+        let mut strays_since: Option<Instant> = None;
         loop {
             let first = tokio::select! {
                 m = consumer.recv() => m,
@@ -215,6 +220,27 @@ impl IndexConsumer {
             let fetched = self.metrics.partition_events(table, "fetched");
             for m in &batch {
                 fetched(m.partition()).inc();
+            }
+            // Never apply a partition this consumer does not hold. A batch
+            // can straddle a revocation (those events are the new owner's
+            // now); strays that keep coming mean the consumer fetches what
+            // it no longer owns, and it is rebuilt.
+            let held = held_partitions(consumer, &k.topic);
+            let before = batch.len();
+            batch.retain(|m| held.contains(&m.partition()));
+            if batch.len() < before {
+                let since = *strays_since.get_or_insert_with(Instant::now);
+                tracing::debug!(index = %table, dropped = before - batch.len(), ?held, "events of partitions not held; not applied");
+                if since.elapsed() > STRAYS_FOR {
+                    return Exit::Lost(format!(
+                        "it has been given events of partitions it does not hold for {STRAYS_FOR:?} (it holds {held:?})"
+                    ));
+                }
+                if batch.is_empty() {
+                    continue;
+                }
+            } else {
+                strays_since = None;
             }
             if self.is_dropped(&mut dropped).await {
                 // `bagstore index drop` ran: consume and forget, nothing to maintain.
@@ -420,6 +446,14 @@ impl IndexConsumer {
             }
         }
     }
+}
+
+/// The partitions of `topic` the consumer holds (its assignment).
+fn held_partitions(consumer: &StreamConsumer<Membership>, topic: &str) -> std::collections::BTreeSet<i32> {
+    consumer
+        .assignment()
+        .map(|a| a.elements().iter().filter(|e| e.topic() == topic).map(|e| e.partition()).collect())
+        .unwrap_or_default()
 }
 
 fn decode(m: &OwnedMessage) -> Result<ChangeEvent, String> {

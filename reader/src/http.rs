@@ -70,6 +70,7 @@ impl From<ReadError> for Problem {
             ReadError::Store(StoreError::NoSuchIndex { table }) => {
                 Problem::not_found(format!("no index named {table:?}"))
             }
+            ReadError::Store(ref s) if s.is_transient() => Problem::unavailable(&e),
             ReadError::Store(_) | ReadError::Corrupt { .. } => Problem::internal(&e),
         }
     }
@@ -120,6 +121,7 @@ async fn get_one(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Result<Response, Problem> {
+    let _admitted = admit(&r)?;
     let id = parse_id(&id)?;
     let Some(e) = r.get(&id).await? else {
         return Err(Problem::not_found(format!("no entity {id}")));
@@ -134,7 +136,13 @@ async fn get_one(
     Ok(([(header::ETAG, etag)], Json(EntityJson::from(&e))).into_response())
 }
 
+/// A read slot (reader.max_concurrent), or 429.
+fn admit(r: &Reader) -> Result<tokio::sync::OwnedSemaphorePermit, Problem> {
+    r.admit().ok_or_else(|| Problem::overloaded("reads", r.settings().reader.max_concurrent))
+}
+
 async fn get_many(State(r): State<Reader>, body: Body) -> Result<Response, Problem> {
+    let _admitted = admit(&r)?;
     let doc = read_json(body, MAX_REQUEST_BYTES, r.settings().http.request_timeout()).await?;
     let Some(JsonValue::Array(raw)) = doc.get("ids") else {
         return Err(Problem::bad_request("bad-request", "the body must be {\"ids\": [\"<id>\", ...]}"));
@@ -154,6 +162,7 @@ async fn get_many(State(r): State<Reader>, body: Body) -> Result<Response, Probl
 }
 
 async fn run_query(State(r): State<Reader>, body: Body) -> Result<Response, Problem> {
+    let _admitted = admit(&r)?;
     let doc = read_json(body, MAX_REQUEST_BYTES, r.settings().http.request_timeout()).await?;
     let q = query::parse(doc, &r.settings().reader).map_err(ReadError::from)?;
     let metas = r.index_metas().await.map_err(ReadError::from)?;

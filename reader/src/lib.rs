@@ -88,12 +88,15 @@ struct Inner {
     freshness: Mutex<HashMap<String, (Instant, Freshness)>>,
     /// Where entities read before live (`reader.location_cache`).
     locations: locations::Locations,
+    /// Read slots (`reader.max_concurrent`).
+    admission: Arc<tokio::sync::Semaphore>,
 }
 
 impl Reader {
     pub fn new(settings: Settings, shards: Shards, registry: &Registry) -> prometheus::Result<Reader> {
         let metrics = metrics::Metrics::register(registry)?;
         let locations = locations::Locations::new(settings.reader.location_cache);
+        let admission = Arc::new(tokio::sync::Semaphore::new(settings.reader.max_concurrent));
         Ok(Reader {
             inner: Arc::new(Inner {
                 locations,
@@ -102,8 +105,15 @@ impl Reader {
                 metrics,
                 states: Mutex::new(None),
                 freshness: Mutex::new(HashMap::new()),
+                admission,
             }),
         })
+    }
+
+    /// A read slot, or None when reader.max_concurrent reads are running
+    /// (the caller answers 429; a flood is refused, not queued).
+    pub fn admit(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.inner.admission.clone().try_acquire_owned().ok()
     }
 
     pub fn settings(&self) -> &Settings {

@@ -64,6 +64,22 @@ impl StoreError {
         matches!(self.mysql_number(), Some(1213 | 1205 | 1062))
     }
 
+    /// A failure that may pass if the operation is tried again later: a
+    /// dead or refused connection, no connection free in time, a lock wait
+    /// or deadlock, a stale map, the server shutting down or out of
+    /// connections. Anything else (a statement refused, a corrupt row) is
+    /// ours and does not pass by retrying.
+    pub fn is_transient(&self) -> bool {
+        self.is_dead_connection()
+            || self.is_retryable_conflict()
+            || self.is_stale_map()
+            || matches!(
+                self,
+                StoreError::Shard { source: sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed, .. }
+            )
+            || matches!(self.mysql_number(), Some(1040 | 1203 | 2002 | 2003))
+    }
+
     /// The connection is gone, not the statement refused: I/O and protocol
     /// errors, and the server's "connection was killed" (1927), "server
     /// shutdown in progress" (1053) and lost-connection (2006, 2013).

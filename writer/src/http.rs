@@ -152,12 +152,19 @@ fn write_problem(e: WriteError) -> Problem {
         WriteError::TooLarge { .. } => {
             Problem::new(StatusCode::PAYLOAD_TOO_LARGE, "entity-too-large", "Entity too large", e.to_string())
         }
-        WriteError::Store(e) => Problem::internal(&e),
-        WriteError::ShardFailed { .. } => Problem::internal(&e),
+        WriteError::Store(ref s) if s.is_transient() => Problem::unavailable(&e),
+        WriteError::ShardFailed { ref source, .. } if source.is_transient() => Problem::unavailable(&e),
+        WriteError::Store(_) | WriteError::ShardFailed { .. } => Problem::internal(&e),
     }
 }
 
+/// One admission permit per write, or 429 (see [`Writer::admit`]).
+fn admit(w: &Writer, n: usize) -> Result<crate::Admitted, Problem> {
+    w.admit(n).ok_or_else(|| Problem::overloaded("writes", w.settings().writer.max_pending_writes))
+}
+
 async fn create(State(w): State<Writer>, headers: HeaderMap, body: Body) -> Result<Response, Problem> {
+    let _admitted = admit(&w, 1)?;
     let pre = precondition(&headers)?;
     let max = w.settings().writer.max_body_bytes;
     let (id, bag) = entity_body(read_json(body, max, w.settings().http.request_timeout()).await?, None)?;
@@ -172,6 +179,7 @@ async fn replace(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, Problem> {
+    let _admitted = admit(&w, 1)?;
     let id = parse_id(&id)?;
     let pre = precondition(&headers)?;
     let max = w.settings().writer.max_body_bytes;
@@ -195,6 +203,7 @@ async fn patch(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, Problem> {
+    let _admitted = admit(&w, 1)?;
     let id = parse_id(&id)?;
     let pre = precondition(&headers)?;
     let upsert = upsert_param(query.as_deref())?;
@@ -233,6 +242,7 @@ async fn remove(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Result<Response, Problem> {
+    let _admitted = admit(&w, 1)?;
     let id = parse_id(&id)?;
     let pre = precondition(&headers)?;
     if pre.if_absent {
@@ -243,6 +253,9 @@ async fn remove(
 }
 
 async fn batch(State(w): State<Writer>, body: Body) -> Result<Response, Problem> {
+    // One permit before the body is read (so a flood of batches holds
+    // bounded memory), the others once the entities are counted.
+    let _first = admit(&w, 1)?;
     let max = w.settings().writer.max_body_bytes;
     let max_batch = w.settings().writer.max_batch;
     let doc =
@@ -258,6 +271,7 @@ async fn batch(State(w): State<Writer>, body: Body) -> Result<Response, Problem>
             format!("{} entities in one batch, over the limit of {max_batch}", items.len()),
         ));
     }
+    let _rest = admit(&w, items.len().saturating_sub(1))?;
     // Each item is validated on its own; invalid ones get their problem and
     // are not written, the others are.
     let mut results: Vec<Option<JsonValue>> = vec![None; items.len()];

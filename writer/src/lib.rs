@@ -30,7 +30,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use storage::shards::MAX_PHYSICAL;
 use storage::Shards;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 pub use write::{Outcome, Precondition, WriteError};
 
@@ -56,6 +56,22 @@ struct Inner {
     consecutive: Vec<tokio::sync::OnceCell<bool>>,
     /// Where the relays report how they are doing (`/health/ready`).
     health: Health,
+    /// Admission: one permit per write in hand (writer.max_pending_writes).
+    admission: Arc<Semaphore>,
+}
+
+/// Writes admitted by [`Writer::admit`]; the permits go back on drop.
+#[derive(Debug)]
+pub struct Admitted {
+    _permits: OwnedSemaphorePermit,
+    gauge: prometheus::IntGauge,
+    n: i64,
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.gauge.sub(self.n);
+    }
 }
 
 /// How long a write keeps going after its map turned out stale (a move's
@@ -116,12 +132,28 @@ impl Writer {
         let wake = (0..MAX_PHYSICAL).map(|_| Notify::new()).collect();
         let queues = (0..MAX_PHYSICAL).map(|_| OnceLock::new()).collect();
         let consecutive = (0..MAX_PHYSICAL).map(|_| tokio::sync::OnceCell::new()).collect();
-        let inner = Arc::new(Inner { settings, shards, metrics, wake, queues, consecutive, health });
+        let admission = Arc::new(Semaphore::new(settings.writer.max_pending_writes));
+        let inner =
+            Arc::new(Inner { settings, shards, metrics, wake, queues, consecutive, health, admission });
         Ok(Writer { inner })
     }
 
     pub fn settings(&self) -> &Settings {
         &self.inner.settings
+    }
+
+    /// Takes `n` of the writer.max_pending_writes permits, or None when
+    /// they are not free now (the caller answers 429). Never waits: a
+    /// flood is refused, not queued.
+    pub fn admit(&self, n: usize) -> Option<Admitted> {
+        let permits = self.inner.admission.clone().try_acquire_many_owned(n as u32).ok();
+        let Some(permits) = permits else {
+            self.inner.metrics.refused.inc();
+            return None;
+        };
+        let gauge = self.inner.metrics.pending.clone();
+        gauge.add(n as i64);
+        Some(Admitted { _permits: permits, gauge, n: n as i64 })
     }
 
     pub fn shards(&self) -> &Shards {

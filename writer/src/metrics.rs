@@ -23,6 +23,10 @@ pub struct Metrics {
     /// Writes sent again after their shard turned out not to own them (a
     /// stale map: a move's cutover, or one completed since the map loaded).
     pub stale_map_retries: prometheus::IntCounter,
+    /// Writes admitted and not yet answered (at most writer.max_pending_writes).
+    pub pending: prometheus::IntGauge,
+    /// Writes refused with 429 because the bound was reached.
+    pub refused: prometheus::IntCounter,
 }
 
 impl Metrics {
@@ -77,7 +81,17 @@ impl Metrics {
                 "bagstore_writer_stale_map_retries_total",
                 "Writes sent again after their shard turned out not to own them (the map was stale)",
             )?,
+            pending: prometheus::IntGauge::new(
+                "bagstore_writer_pending_writes",
+                "Writes admitted and not yet answered (bounded by writer.max_pending_writes)",
+            )?,
+            refused: prometheus::IntCounter::new(
+                "bagstore_writer_overload_refusals_total",
+                "Writes answered 429 because writer.max_pending_writes were in hand",
+            )?,
         };
+        r.register(Box::new(m.pending.clone()))?;
+        r.register(Box::new(m.refused.clone()))?;
         r.register(Box::new(m.stale_map_retries.clone()))?;
         r.register(Box::new(m.writes.clone()))?;
         r.register(Box::new(m.published.clone()))?;

@@ -127,8 +127,13 @@ impl Settings {
             || self.writer.max_batch == 0
             || self.writer.relay_batch == 0
             || self.writer.commit_slots == 0
+            || self.writer.max_pending_writes < self.writer.max_batch
+            || self.reader.max_concurrent == 0
         {
-            return Err(SettingsError::Invalid("writer limits must be positive".into()));
+            return Err(SettingsError::Invalid(
+                "writer and reader limits must be positive, and writer.max_pending_writes at least writer.max_batch"
+                    .into(),
+            ));
         }
         if self.cleaner.batch == 0
             || self.cleaner.backfill_batch == 0

@@ -182,6 +182,10 @@ pub struct WriterSettings {
     /// free commits every single write queued meanwhile in one transaction
     /// (group commit).
     pub commit_slots: usize,
+    /// Most writes (a batch counts each entity) this process holds at once,
+    /// queued or committing; beyond it a write is answered 429 with
+    /// `Retry-After`, so a flood costs bounded memory.
+    pub max_pending_writes: usize,
 }
 
 impl Default for WriterSettings {
@@ -192,6 +196,7 @@ impl Default for WriterSettings {
             relay_batch: 500,
             relay_poll_ms: 200,
             commit_slots: 2,
+            max_pending_writes: 10_000,
         }
     }
 }
@@ -226,6 +231,9 @@ pub struct ReaderSettings {
     /// Entity locations (id → the row's clustered key) remembered, so a
     /// fetch by id takes one B-tree descent instead of two (0: off).
     pub location_cache: usize,
+    /// Most reads (gets, batch gets, queries) served at once; beyond it a
+    /// read is answered 429 with `Retry-After`.
+    pub max_concurrent: usize,
 }
 
 impl Default for ReaderSettings {
@@ -237,6 +245,7 @@ impl Default for ReaderSettings {
             max_batch_get: 1000,
             query_timeout_ms: 5000,
             location_cache: 200_000,
+            max_concurrent: 512,
         }
     }
 }

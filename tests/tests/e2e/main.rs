@@ -20,11 +20,13 @@
 //! - `shutdown`: graceful stops under load.
 //! - `observability`: metrics, dashboard and alert rules, lag.
 //! - `auth`, `tls`: bearer tokens; TLS to MariaDB and Kafka.
+//! - `backpressure`: a flood of writes against a bounded writer.
 //! - `cli`, `config`: the `bagstore` command; configuration and compose.
 //! - `console`: the operator console in headless chromium.
 //! - `bench_quick`: the benchmark's smoke run.
 
 mod auth;
+mod backpressure;
 mod bench_quick;
 mod cleaner;
 mod cli;
