@@ -122,6 +122,8 @@ pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running>
         );
         let (backfills, stop) = (pipeline.tracker.clone(), pipeline.stop.clone());
         let (lag, lag_stop) = (c.clone(), stop.clone());
+        let (purge, purge_stop) = (c.clone(), stop.clone());
+        pipeline.tracker.spawn(async move { purge.purge_idempotency_keys(purge_stop).await });
         pipeline.tracker.spawn(async move { c.run(&backfills, stop).await });
         pipeline.tracker.spawn(async move { lag.report_lag(lag_stop).await });
     }

@@ -142,6 +142,29 @@ impl Cleaner {
         catalog::list_index_meta(self.shards()).await
     }
 
+    /// Deletes `Idempotency-Key` records older than the window, on every
+    /// shard, once a minute until `shutdown` (a batch of at most 10,000
+    /// rows per shard and round, so a backlog never holds a long lock).
+    pub async fn purge_idempotency_keys(&self, shutdown: CancellationToken) {
+        let window = Duration::from_secs(self.settings().writer.idempotency_window_secs);
+        loop {
+            let before = schemas::clock::now_micros() - window.as_micros() as i64;
+            for shard in self.shards().ids() {
+                match storage::idempotency::purge(shard, self.shards().pool(shard), before, 10_000).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::debug!(shard, purged = n, "expired idempotency keys purged"),
+                    Err(e) => {
+                        tracing::warn!(shard, error = %e, "purging idempotency keys failed; next round retries")
+                    }
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(60)) => {}
+                _ = shutdown.cancelled() => return,
+            }
+        }
+    }
+
     /// Sweeps until `shutdown`; starts backfills of new indexes on `tracker`.
     pub async fn run(&self, tracker: &TaskTracker, shutdown: CancellationToken) {
         let interval = Duration::from_millis(self.settings().cleaner.interval_ms);

@@ -8,6 +8,7 @@
 //!
 //! Layout:
 //! - [`id`]: 16-byte entity ids and their text forms; the hex codec.
+//! - [`idempotency`]: `Idempotency-Key` hashes and the ids keyed creates get.
 //! - [`value`]: property values and bags (JSON in, JSON out), equality and order.
 //! - [`patch`]: partial updates: RFC 7396 merge patches and `$`-operators.
 //! - [`codec`]: format byte + lz4 + bincode for bodies and events.
@@ -28,6 +29,7 @@ pub mod codec;
 pub mod event;
 pub mod filter;
 pub mod id;
+pub mod idempotency;
 pub mod index;
 pub mod names;
 pub mod patch;

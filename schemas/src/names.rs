@@ -35,6 +35,8 @@ pub mod tables {
     pub const MOVES: &str = "bagstore_moves";
     /// The processes and the map epoch each routes with (metadata shard).
     pub const PROCESSES: &str = "bagstore_processes";
+    /// `Idempotency-Key`s and the answers they were given, on every shard.
+    pub const IDEMPOTENCY: &str = "bagstore_idempotency";
 }
 
 /// Tables bagstore owns; an index may not take these names.
@@ -53,6 +55,7 @@ pub const RESERVED_TABLES: &[&str] = &[
     tables::MAP,
     tables::MOVES,
     tables::PROCESSES,
+    tables::IDEMPOTENCY,
 ];
 /// Columns every index table has besides its property columns; a property
 /// may not take these names.

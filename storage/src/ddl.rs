@@ -273,8 +273,30 @@ pub fn processes() -> String {
 }
 
 /// What every physical shard has.
-pub fn shard_tables() -> [String; 7] {
-    [entities(), outbox(), shard_identity(), owned(), moving(), journal(), incoming()]
+pub fn shard_tables() -> [String; 8] {
+    [entities(), outbox(), shard_identity(), owned(), moving(), journal(), incoming(), idempotency()]
+}
+
+/// Each `Idempotency-Key` a write carried (hashed), on the shard of the
+/// entity it guarded, written in that write's transaction: the hash of
+/// the request and the answer it got, so a retry gets the same answer and
+/// writes nothing. Rows older than `writer.idempotency_window_secs` are
+/// ignored and purged by the cleaner.
+pub fn idempotency() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    key_hash BINARY(16) NOT NULL,
+    {LOGICAL_COLUMN},
+    request_hash BINARY(16) NOT NULL,
+    entity_id BINARY(16) NOT NULL,
+    version BIGINT UNSIGNED NOT NULL,
+    created BOOLEAN NOT NULL,
+    recorded_us BIGINT NOT NULL,
+    PRIMARY KEY (key_hash),
+    KEY idempotency_recorded (recorded_us)
+) ENGINE=InnoDB",
+        tables::IDEMPOTENCY
+    )
 }
 
 /// What only the metadata shard has.

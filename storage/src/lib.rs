@@ -12,6 +12,7 @@
 //! - [`entities`]: the entity rows ([`EntityRecord`]): the writer's locking
 //!   read and writes, reads by id and by location, the cleaner's sweeps.
 //! - [`outbox`]: change events waiting for Kafka.
+//! - [`idempotency`]: `Idempotency-Key` records, written with the write they guard.
 //! - [`index_rows`]: index rows: upserts, version-guarded deletes, repairs.
 //! - [`index_scan`]: ordered, keyset-paged index scans for queries.
 //! - [`catalog`]: index definitions, states and progress (metadata shard).
@@ -34,6 +35,7 @@ pub mod conns;
 pub mod ddl;
 pub mod entities;
 pub mod error;
+pub mod idempotency;
 pub mod index_rows;
 pub mod index_scan;
 pub mod journal;

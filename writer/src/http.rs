@@ -1,7 +1,8 @@
 //! Writer routes. Parsing and validation happen here, before any database
 //! work: a rejected request writes nothing.
 //!
-//! - `POST /v1/entities` — create or replace (id from the body or generated)
+//! - `POST /v1/entities` — create or replace (id from the body or generated;
+//!   with an `Idempotency-Key` and no id, derived from the key)
 //! - `PUT /v1/entities/{id}` — create or replace, with `If-Match` / `If-None-Match: *`
 //! - `PATCH /v1/entities/{id}` — a merge patch (`application/merge-patch+json`)
 //!   or `$`-operators (any other type), applied in the write transaction;
@@ -14,13 +15,13 @@ use axum::extract::{Path, RawQuery, State};
 use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use schemas::patch;
 use schemas::value::{bag_from_json_map, Bag};
 use schemas::EntityId;
+use schemas::{idempotency, patch};
 use serde_json::{json, Value as JsonValue};
 use service::http::{parse_id, read_json, Problem, Role, Routes};
 
-use crate::write::{Outcome, Precondition, WriteError};
+use crate::write::{Guard, Outcome, Precondition, WriteError};
 use crate::Writer;
 
 /// Longest accepted top-level property name, bytes.
@@ -142,6 +143,12 @@ fn write_problem(e: WriteError) -> Problem {
         )
         .with("current_version", current),
         WriteError::NotFound => Problem::not_found("no entity with this id"),
+        WriteError::KeyReused => Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "idempotency-key-reused",
+            "Idempotency-Key reused",
+            "this Idempotency-Key was used within the window for a request with another body",
+        ),
         WriteError::PatchClash(c) => Problem::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "patch-conflict",
@@ -163,12 +170,36 @@ fn admit(w: &Writer, n: usize) -> Result<crate::Admitted, Problem> {
     w.admit(n).ok_or_else(|| Problem::overloaded("writes", w.settings().writer.max_pending_writes))
 }
 
+/// The `Idempotency-Key` header, checked; None when absent.
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, Problem> {
+    let Some(v) = headers.get("idempotency-key") else { return Ok(None) };
+    let key = v
+        .to_str()
+        .map_err(|_| Problem::bad_request("bad-idempotency-key", "Idempotency-Key must be ASCII"))?;
+    idempotency::check_key(key).map_err(|e| Problem::bad_request("bad-idempotency-key", e))?;
+    Ok(Some(key.to_string()))
+}
+
+/// The guard of a keyed request: the key's hash and the request's (its
+/// route and the canonical JSON of its body).
+fn guard(key: &str, route: &str, doc: &JsonValue) -> Guard {
+    let body = serde_json::to_vec(doc).unwrap_or_default();
+    Guard { key: idempotency::key_hash(key), request: idempotency::request_hash(route, &body) }
+}
+
 async fn create(State(w): State<Writer>, headers: HeaderMap, body: Body) -> Result<Response, Problem> {
     let _admitted = admit(&w, 1)?;
-    let pre = precondition(&headers)?;
+    let mut pre = precondition(&headers)?;
+    let key = idempotency_key(&headers)?;
     let max = w.settings().writer.max_body_bytes;
-    let (id, bag) = entity_body(read_json(body, max, w.settings().http.request_timeout()).await?, None)?;
-    let id = id.unwrap_or_else(EntityId::random);
+    let doc = read_json(body, max, w.settings().http.request_timeout()).await?;
+    if let Some(k) = &key {
+        pre.guard = Some(guard(k, "POST /v1/entities", &doc));
+    }
+    let (id, bag) = entity_body(doc, None)?;
+    // A keyed create without an id gets one derived from the key, so its
+    // retry finds the same entity (and the shard holding the key's record).
+    let id = id.unwrap_or_else(|| key.as_deref().map_or_else(EntityId::random, idempotency::entity_id_for));
     let o = w.put(id, bag, pre).await.map_err(write_problem)?;
     Ok(answer(o, if o.created { StatusCode::CREATED } else { StatusCode::OK }))
 }
@@ -205,8 +236,9 @@ async fn patch(
 ) -> Result<Response, Problem> {
     let _admitted = admit(&w, 1)?;
     let id = parse_id(&id)?;
-    let pre = precondition(&headers)?;
+    let mut pre = precondition(&headers)?;
     let upsert = upsert_param(query.as_deref())?;
+    let key = idempotency_key(&headers)?;
     let max = w.settings().writer.max_body_bytes;
     let doc = read_json(body, max, w.settings().http.request_timeout()).await?;
     let merge = headers
@@ -215,6 +247,10 @@ async fn patch(
         .is_some_and(|t| t.trim().to_ascii_lowercase().starts_with("application/merge-patch+json"));
     let parsed = if merge { patch::parse_merge(&doc) } else { patch::parse_operators(&doc) };
     let parsed = parsed.map_err(|e| Problem::bad_request("bad-patch", e.to_string()))?;
+    if let Some(k) = &key {
+        let route = format!("PATCH /v1/entities/{} merge={merge} upsert={upsert}", id.to_hex());
+        pre.guard = Some(guard(k, &route, &doc));
+    }
     let o = w.patch(id, parsed, upsert, pre).await.map_err(write_problem)?;
     Ok(answer(o, if o.created { StatusCode::CREATED } else { StatusCode::OK }))
 }
@@ -252,7 +288,14 @@ async fn remove(
     Ok(answer(o, StatusCode::OK))
 }
 
-async fn batch(State(w): State<Writer>, body: Body) -> Result<Response, Problem> {
+async fn batch(State(w): State<Writer>, headers: HeaderMap, body: Body) -> Result<Response, Problem> {
+    if headers.contains_key("idempotency-key") {
+        return Err(Problem::bad_request(
+            "idempotency-key-unsupported",
+            "the batch route does not take an Idempotency-Key yet: give each entity its \"id\" (a retried batch \
+             then replaces the same entities) or send keyed single writes",
+        ));
+    }
     // One permit before the body is read (so a flood of batches holds
     // bounded memory), the others once the entities are counted.
     let _first = admit(&w, 1)?;

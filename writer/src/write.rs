@@ -13,6 +13,7 @@ use sqlx::Connection;
 use std::collections::HashMap;
 use std::sync::Arc;
 use storage::entities::{self, EntityRecord, EntityWrite};
+use storage::idempotency;
 use storage::outbox::{self, OutboxInsert};
 use storage::{topology, OnShard, StoreError};
 
@@ -28,6 +29,15 @@ pub struct Precondition {
     pub if_absent: bool,
     /// `If-Match: *`: the entity must exist (any version).
     pub if_exists: bool,
+    /// `Idempotency-Key`: a retry within the window gets the first answer.
+    pub guard: Option<Guard>,
+}
+
+/// An `Idempotency-Key` on a write: its hash and the request's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Guard {
+    pub key: [u8; 16],
+    pub request: [u8; 16],
 }
 
 /// A committed write.
@@ -50,6 +60,9 @@ pub enum WriteError {
     /// A patch that cannot apply to what is stored (nothing is written).
     #[error(transparent)]
     PatchClash(#[from] PatchClash),
+    /// The `Idempotency-Key` was used within the window for another request.
+    #[error("this Idempotency-Key was used for a different request")]
+    KeyReused,
     /// A patch whose result would be larger than an entity may be.
     #[error("the patched entity would take {bytes} bytes of JSON, over the {max} byte limit")]
     TooLarge { bytes: usize, max: usize },
@@ -242,6 +255,15 @@ impl Writer {
         // (a cutover cannot take them until this transaction ends).
         let logicals: Vec<u16> = ids.iter().map(|id| self.shards().logical_of_id(id)).collect();
         topology::check_owned(shard, &mut tx, &logicals).await?;
+        // Keyed writes: their records, locked before the rows they guard.
+        let keys: Vec<[u8; 16]> = items.iter().filter_map(|(_, _, p)| p.guard.map(|g| g.key)).collect();
+        let mut records = if keys.is_empty() {
+            HashMap::new()
+        } else {
+            idempotency::lock_records(shard, &mut tx, &keys).await?
+        };
+        let mut new_records = Vec::new();
+        let window_us = (self.settings().writer.idempotency_window_secs as i64).saturating_mul(1_000_000);
         let current = entities::lock_entities(shard, &mut tx, &ids).await?;
         // Where each entity's row is (its clustered key): the existing ones
         // now, the new ones once inserted. Events carry it for the indexes.
@@ -256,8 +278,31 @@ impl Writer {
         let mut events = Vec::new();
         let mut written: Vec<EntityId> = Vec::new();
         for (id, change, pre) in items {
+            if let Some(g) = pre.guard {
+                if let Some(r) = records.get(&g.key).filter(|r| r.recorded_us.saturating_add(window_us) > now)
+                {
+                    // A retry: the first answer, nothing written.
+                    results.push(if r.request_hash == g.request {
+                        Ok(Outcome { id: r.entity_id, version: r.version, created: r.created })
+                    } else {
+                        Err(WriteError::KeyReused)
+                    });
+                    continue;
+                }
+            }
             match decide(shard, id, rows.get(id), change, *pre, now, max_bytes) {
                 Ok((row, event, outcome)) => {
+                    if let Some(g) = pre.guard {
+                        let r = idempotency::Record {
+                            request_hash: g.request,
+                            entity_id: outcome.id,
+                            version: outcome.version,
+                            created: outcome.created,
+                            recorded_us: now,
+                        };
+                        records.insert(g.key, r);
+                        new_records.push((g.key, self.shards().logical_of_id(id), r));
+                    }
                     kinds.push(change.kind());
                     events.push(event);
                     if !written.contains(id) {
@@ -313,8 +358,15 @@ impl Writer {
                 })
                 .collect();
             outbox::insert_outbox_rows(shard, &mut tx, &events).await?;
+            if !new_records.is_empty() {
+                idempotency::put_records(shard, &mut tx, &new_records).await?;
+            }
         }
         tx.commit().await.map_err(|source| StoreError::Shard { shard, source })?;
+        if self.settings().writer.drill_exit_after_commit && !new_records.is_empty() {
+            tracing::warn!(shard, "drill: exiting after a committed keyed write, before answering");
+            std::process::exit(137);
+        }
         let shard_label = shard.to_string();
         for kind in kinds {
             self.inner.metrics.writes.with_label_values(&[&shard_label, kind]).inc();

@@ -186,6 +186,13 @@ pub struct WriterSettings {
     /// queued or committing; beyond it a write is answered 429 with
     /// `Retry-After`, so a flood costs bounded memory.
     pub max_pending_writes: usize,
+    /// How long an `Idempotency-Key` is remembered: a retry within it gets
+    /// the first answer and writes nothing.
+    pub idempotency_window_secs: u64,
+    /// Test drill: exit the process right after committing a write that
+    /// carries an `Idempotency-Key`, before answering (a crash between
+    /// commit and answer). Never set it in production.
+    pub drill_exit_after_commit: bool,
 }
 
 impl Default for WriterSettings {
@@ -197,6 +204,8 @@ impl Default for WriterSettings {
             relay_poll_ms: 200,
             commit_slots: 2,
             max_pending_writes: 10_000,
+            idempotency_window_secs: 86_400,
+            drill_exit_after_commit: false,
         }
     }
 }

@@ -15,6 +15,7 @@
 //! - `shards`: logical shards: the topology guard, online moves, a frozen
 //!   writer across a cutover, resume and rollback.
 //! - `membership`: one indexer per partition after a broker outage.
+//! - `idempotency`: keyed retries after a crash between commit and answer.
 //! - `health`: readiness with a frozen or stopped shard, or no broker.
 //! - `patch`: partial updates, counters, HTTP conditionals.
 //! - `shutdown`: graceful stops under load.
@@ -37,6 +38,7 @@ mod delivery;
 mod edges;
 mod group_commit;
 mod health;
+mod idempotency;
 mod limits;
 mod membership;
 mod observability;

@@ -1,0 +1,102 @@
+//! `Idempotency-Key` records (table `bagstore_idempotency`, see
+//! [`crate::ddl::idempotency`]): read with a lock inside the write
+//! transaction they guard, written in it, purged once older than the window.
+
+use schemas::EntityId;
+use sqlx::mysql::MySqlConnection;
+use sqlx::{MySqlPool, Row};
+use std::collections::HashMap;
+
+use crate::error::{id_column, OnShard, Result};
+
+/// What a guarded write answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Record {
+    pub request_hash: [u8; 16],
+    pub entity_id: EntityId,
+    pub version: u64,
+    pub created: bool,
+    pub recorded_us: i64,
+}
+
+/// The records of `keys` (16-byte key hashes), locked until the
+/// transaction ends, so two retries of one key serialize.
+pub async fn lock_records(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    keys: &[[u8; 16]],
+) -> Result<HashMap<[u8; 16], Record>> {
+    let mut out = HashMap::new();
+    for chunk in keys.chunks(500) {
+        let sql = format!(
+            "SELECT key_hash, request_hash, entity_id, version, created, recorded_us FROM bagstore_idempotency \
+             WHERE key_hash IN ({}) FOR UPDATE",
+            vec!["?"; chunk.len()].join(", ")
+        );
+        let mut q = sqlx::query(&sql);
+        for k in chunk {
+            q = q.bind(&k[..]);
+        }
+        for r in q.fetch_all(&mut *conn).await.on(shard)? {
+            let key: Vec<u8> = r.try_get("key_hash").on(shard)?;
+            let request: Vec<u8> = r.try_get("request_hash").on(shard)?;
+            let (Ok(key), Ok(request_hash)) = (<[u8; 16]>::try_from(key), <[u8; 16]>::try_from(request))
+            else {
+                continue;
+            };
+            out.insert(
+                key,
+                Record {
+                    request_hash,
+                    entity_id: id_column(shard, &r, "entity_id")?,
+                    version: r.try_get("version").on(shard)?,
+                    created: r.try_get("created").on(shard)?,
+                    recorded_us: r.try_get("recorded_us").on(shard)?,
+                },
+            );
+        }
+    }
+    Ok(out)
+}
+
+/// Writes (or replaces expired) records: `(key hash, logical shard, record)`.
+pub async fn put_records(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    records: &[([u8; 16], u16, Record)],
+) -> Result<()> {
+    for chunk in records.chunks(500) {
+        let sql = format!(
+            "INSERT INTO bagstore_idempotency \
+             (key_hash, logical, request_hash, entity_id, version, created, recorded_us) VALUES {} \
+             ON DUPLICATE KEY UPDATE logical = VALUES(logical), request_hash = VALUES(request_hash), \
+             entity_id = VALUES(entity_id), version = VALUES(version), created = VALUES(created), \
+             recorded_us = VALUES(recorded_us)",
+            vec!["(?, ?, ?, ?, ?, ?, ?)"; chunk.len()].join(", ")
+        );
+        let mut q = sqlx::query(&sql);
+        for (key, logical, r) in chunk {
+            q = q
+                .bind(&key[..])
+                .bind(logical)
+                .bind(&r.request_hash[..])
+                .bind(&r.entity_id.0[..])
+                .bind(r.version)
+                .bind(r.created)
+                .bind(r.recorded_us);
+        }
+        q.execute(&mut *conn).await.on(shard)?;
+    }
+    Ok(())
+}
+
+/// Deletes up to `limit` records recorded before `before_us`; how many.
+pub async fn purge(shard: usize, pool: &MySqlPool, before_us: i64, limit: u64) -> Result<u64> {
+    let done = sqlx::query("DELETE FROM bagstore_idempotency WHERE recorded_us < ? LIMIT ?")
+        .bind(before_us)
+        .bind(limit)
+        .execute(pool)
+        .await
+        .on(shard)?;
+    Ok(done.rows_affected())
+}

@@ -1,0 +1,96 @@
+//! `Idempotency-Key` (issue 18): a retried POST after the writer died
+//! between commit and answer gets the first answer and one entity exists;
+//! a retry within the window writes nothing; the same key with another body
+//! is a 422; keyed PATCHes count once.
+
+use bagstore_tests::TestEnv;
+use serde_json::{json, Value};
+
+async fn post(base: &str, key: &str, body: &Value) -> Result<(u16, Value), reqwest::Error> {
+    let r = reqwest::Client::new()
+        .post(format!("{base}/v1/entities"))
+        .header("idempotency-key", key)
+        .json(body)
+        .send()
+        .await?;
+    let status = r.status().as_u16();
+    Ok((status, r.json().await.unwrap_or(Value::Null)))
+}
+
+async fn patch(base: &str, id: &str, key: &str, body: &Value) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .patch(format!("{base}/v1/entities/{id}"))
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("PATCH");
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+async fn entity_rows(env: &TestEnv) -> Vec<(String, u64)> {
+    let rows: Vec<(usize, (String, u64))> =
+        env.fetch_all_shards("SELECT LOWER(HEX(id)), CAST(version AS UNSIGNED) FROM entities").await;
+    rows.into_iter().map(|(_, r)| r).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_keyed_write_gets_the_first_answer_and_writes_once() {
+    let env = TestEnv::new("idempotency", "").await;
+    env.migrate().await;
+    // This writer exits right after committing a keyed write, before it
+    // answers: the client sees its request fail, outcome unknown.
+    let doomed = env.spawn_env(&["writer"], &[("BAGSTORE_WRITER__DRILL_EXIT_AFTER_COMMIT", "true")]).await;
+    let body = json!({"order": 42, "item": "book"});
+    let first = post(&doomed.url, "order-42", &body).await;
+    assert!(first.is_err(), "the drill writer answered: {first:?}");
+    let rows = entity_rows(&env).await;
+    assert_eq!(rows.len(), 1, "the write committed before the writer died: {rows:?}");
+
+    // The client retries against a writer that lives.
+    let writer = env.spawn(&["writer"]).await;
+    let (status, answer) = post(&writer.url, "order-42", &body).await.expect("POST");
+    assert_eq!(status, 201, "the first answer, created: {answer}");
+    assert_eq!((answer["id"].as_str(), answer["version"].as_u64()), (Some(rows[0].0.as_str()), Some(1)));
+    assert_eq!(entity_rows(&env).await, rows, "the retry wrote nothing");
+
+    // Again, and again: the same answer, nothing written.
+    for _ in 0..2 {
+        let (status, again) = post(&writer.url, "order-42", &body).await.expect("POST");
+        assert_eq!((status, &again), (201, &answer));
+    }
+    assert_eq!(entity_rows(&env).await, rows);
+
+    // The same key with another body is refused and writes nothing.
+    let (status, problem) = post(&writer.url, "order-42", &json!({"order": 43})).await.expect("POST");
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (422, Some("/problems/idempotency-key-reused")),
+        "{problem}"
+    );
+    assert_eq!(entity_rows(&env).await, rows);
+
+    // Keyed increments count once per key.
+    let id = rows[0].0.clone();
+    for key in ["inc-1", "inc-1", "inc-2", "inc-1"] {
+        let (status, b) = patch(&writer.url, &id, key, &json!({"$inc": {"n": 1}})).await;
+        assert_eq!(status, 200, "{b}");
+    }
+    let stored = entity_rows(&env).await;
+    assert_eq!(stored, vec![(id.clone(), 3)], "two distinct keys, two versions");
+
+    // Bad keys, and the batch route (not keyed yet), are refused.
+    let (status, _) = post(&writer.url, "has space", &body).await.expect("POST");
+    assert_eq!(status, 400);
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/entities/batch", writer.url))
+        .header("idempotency-key", "batch-1")
+        .json(&json!({"entities": [{"a": 1}]}))
+        .send()
+        .await
+        .expect("batch");
+    assert_eq!(r.status().as_u16(), 400);
+    assert_eq!(entity_rows(&env).await.len(), 1);
+}
