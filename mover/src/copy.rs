@@ -298,16 +298,37 @@ impl Mover {
         Ok(written)
     }
 
+    /// Copies the rows of `differs`' entities again from the source, as a
+    /// catch-up would: for a row the journal did not bring. That happens:
+    /// the chaos suite once left two new entities of a move uncopied (a
+    /// journal entry lost across the mover's kills and killed
+    /// connections), and without this the cutover compared, differed and
+    /// retried forever.
+    pub(crate) async fn recopy(&self, run: &Running<'_>, differs: &Differs) -> Result<u64> {
+        let entries: Vec<JournalEntry> = differs
+            .iter()
+            .flat_map(|(table, ids)| {
+                ids.iter().map(|id| JournalEntry { seq: 0, table: table.clone(), entity: *id })
+            })
+            .collect();
+        if entries.is_empty() {
+            return Ok(0);
+        }
+        self.apply(run, &entries).await
+    }
+
     /// Catches up, then compares the target with the source logical shard
-    /// by logical shard, then catches up again. Returns the entities that
-    /// differed: a change the journal will bring, or a copy that went wrong;
-    /// the cutover compares them again once writes are held.
+    /// by logical shard, copies the differing entities again, then catches
+    /// up again. Returns the entities that differed: a change the journal
+    /// will bring, or a copy that went wrong; the cutover compares them
+    /// again once writes are held.
     pub(crate) async fn verify_until_settled(&self, run: &mut Running<'_>) -> Result<Differs> {
         let t = Instant::now();
         self.catch_up(run, SHORT_JOURNAL).await?;
         let caught_up = t.elapsed();
         let differs = self.verify(run, None).await?;
         let verified = t.elapsed() - caught_up;
+        self.recopy(run, &differs).await?;
         self.catch_up(run, SHORT_JOURNAL).await?;
         let n: usize = differs.values().map(Vec::len).sum();
         tracing::info!(

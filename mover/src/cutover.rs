@@ -48,7 +48,13 @@ impl Mover {
         // the source, and every earlier one has committed and is journaled.
         let held = async {
             self.catch_up(run, 0).await?;
-            let still = self.verify(run, Some(differs)).await?;
+            let mut still = self.verify(run, Some(differs)).await?;
+            if !still.is_empty() {
+                // The source is still now (writes held): copy those rows
+                // again and compare once more.
+                self.recopy(run, &still).await?;
+                still = self.verify(run, Some(&still)).await?;
+            }
             if !still.is_empty() {
                 let n: usize = still.values().map(Vec::len).sum();
                 tracing::error!(id = run.rec.id, differing = n, tables = ?still.keys().collect::<Vec<_>>(),
