@@ -53,6 +53,9 @@ const PROGRESS_EVERY: Duration = Duration::from_millis(100);
 /// How often an idle consumer checks its membership and reports.
 const IDLE_TICK: Duration = Duration::from_millis(250);
 
+/// How often a consumer compares its partitions' claims.
+const CLAIMS_EVERY: Duration = Duration::from_secs(1);
+
 /// How long a consumer may keep receiving events of partitions it does not
 /// hold before it is taken as confused and rebuilt.
 const STRAYS_FOR: Duration = Duration::from_secs(2);
@@ -134,7 +137,7 @@ impl IndexConsumer {
             let mut config = kafka::consumer_config(k, &self.group());
             // The statistics feed the membership watch (crate::membership).
             config.set("statistics.interval.ms", "1000");
-            let watch = Membership::new(Duration::from_millis(k.session_timeout_ms));
+            let watch = Membership::new(Duration::from_millis(k.session_timeout_ms), &k.topic);
             let consumer: StreamConsumer<Membership> = kafka::create_with(&config, watch)?;
             consumer.subscribe(&[&k.topic])?;
             tracing::info!(index = %table, group = %self.group(), "index consumer joining its group");
@@ -180,12 +183,17 @@ impl IndexConsumer {
         let part = self.part();
         let mut last_error: Option<Instant> = None;
         let mut strays_since: Option<Instant> = None;
+        let mut claims_checked: Option<Instant> = None;
         loop {
             let first = tokio::select! {
                 m = consumer.recv() => m,
                 _ = shutdown.cancelled() => return Exit::Shutdown,
                 _ = tokio::time::sleep(IDLE_TICK) => {
                     if let Some(why) = consumer.context().lost(consumer) {
+                        return Exit::Lost(why);
+                    }
+                    let held = held_partitions(consumer, &k.topic);
+                    if let Some(why) = self.fence(consumer, &held, &mut claims_checked).await {
                         return Exit::Lost(why);
                     }
                     // Idle, and no consumer error for a while: well.
@@ -242,6 +250,9 @@ impl IndexConsumer {
             } else {
                 strays_since = None;
             }
+            if let Some(why) = self.fence(consumer, &held, &mut claims_checked).await {
+                return Exit::Lost(why);
+            }
             if self.is_dropped(&mut dropped).await {
                 // `bagstore index drop` ran: consume and forget, nothing to maintain.
                 tracing::debug!(index = %table, events = batch.len(), "index dropped; skipping events");
@@ -274,6 +285,46 @@ impl IndexConsumer {
                 tracing::debug!(index = %table, error = %e, "offset store refused");
             }
             self.report_assignment(consumer);
+        }
+    }
+
+    /// The partition claims (see [`crate::membership`]): records this
+    /// consumer's new assignments, then (at most once per CLAIMS_EVERY)
+    /// whether another consumer has claimed one of `held` since. A
+    /// metadata shard that does not answer decides nothing: the claims are
+    /// written and compared at the next chance.
+    async fn fence(
+        &self,
+        consumer: &StreamConsumer<Membership>,
+        held: &std::collections::BTreeSet<i32>,
+        checked: &mut Option<Instant>,
+    ) -> Option<String> {
+        let watch = consumer.context();
+        let group = self.group();
+        let new = watch.take_claims();
+        if !new.is_empty() {
+            if let Err(e) = catalog::claim_partitions(&self.shards, &group, watch.instance(), &new).await {
+                tracing::debug!(index = %self.spec.table, error = %e, "cannot record partition claims yet");
+                watch.retry_claims(new);
+                return None;
+            }
+        }
+        if checked.is_some_and(|t| t.elapsed() < CLAIMS_EVERY) || held.is_empty() {
+            return None;
+        }
+        let held: Vec<i32> = held.iter().copied().collect();
+        match catalog::partitions_claimed_by_others(&self.shards, &group, watch.instance(), &held).await {
+            Ok(taken) if !taken.is_empty() => Some(format!(
+                "partitions {taken:?} were assigned to another consumer after this one took them"
+            )),
+            Ok(_) => {
+                *checked = Some(Instant::now());
+                None
+            }
+            Err(e) => {
+                tracing::debug!(index = %self.spec.table, error = %e, "cannot compare partition claims");
+                None
+            }
         }
     }
 

@@ -31,6 +31,12 @@
 //!   with the broker, while the coordinator has ended this member's
 //!   session (no heartbeats are sent during a join).
 //!
+//! - another consumer claimed one of its partitions since (a fence of our
+//!   own, for brokers that do not tell a replaced member so: tansu accepts
+//!   its heartbeats and commits). Each assignment is recorded as a claim
+//!   per group and partition on the metadata shard, the newest winning,
+//!   and the loop compares before applying (at most once a second).
+//!
 //! The consumer loop then stops applying at once and rebuilds its consumer
 //! (a new member that joins with nothing), see `consume.rs`. Rebuilding
 //! costs one more rebalance; the last sign may also fire when a rebalance
@@ -49,6 +55,10 @@ use std::time::{Duration, Instant};
 #[derive(Debug)]
 pub struct Membership {
     session_timeout: Duration,
+    /// This consumer's identity in the partition claims (random, for its
+    /// life: librdkafka's member id changes on a rejoin).
+    instance: [u8; 16],
+    topic: String,
     state: Mutex<State>,
 }
 
@@ -61,6 +71,8 @@ struct State {
     unsteady: Option<(Instant, String)>,
     /// Why the assignment is known lost, once it is.
     lost: Option<String>,
+    /// Partitions assigned and not yet claimed.
+    to_claim: Vec<i32>,
 }
 
 impl ClientContext for Membership {
@@ -91,7 +103,11 @@ impl ConsumerContext for Membership {
     fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         let mut s = self.state.lock().expect("not poisoned");
         match rebalance {
-            Rebalance::Assign(_) => s.assigned_as = member_id(consumer),
+            Rebalance::Assign(tpl) => {
+                s.assigned_as = member_id(consumer);
+                let topic = &self.topic;
+                s.to_claim.extend(tpl.elements().iter().filter(|e| e.topic() == topic).map(|e| e.partition()));
+            }
             Rebalance::Revoke(_) if consumer.assignment_lost() => {
                 // librdkafka saw the loss itself and has taken the partitions away.
                 tracing::info!("partitions revoked as lost by the consumer");
@@ -110,8 +126,28 @@ impl ConsumerContext for Membership {
 }
 
 impl Membership {
-    pub fn new(session_timeout: Duration) -> Membership {
-        Membership { session_timeout, state: Mutex::default() }
+    pub fn new(session_timeout: Duration, topic: &str) -> Membership {
+        Membership {
+            session_timeout,
+            instance: *uuid::Uuid::new_v4().as_bytes(),
+            topic: topic.to_string(),
+            state: Mutex::default(),
+        }
+    }
+
+    /// This consumer's identity in the partition claims.
+    pub fn instance(&self) -> [u8; 16] {
+        self.instance
+    }
+
+    /// Partitions assigned since the last call, to be claimed.
+    pub fn take_claims(&self) -> Vec<i32> {
+        std::mem::take(&mut self.state.lock().expect("not poisoned").to_claim)
+    }
+
+    /// Puts back claims that could not be written.
+    pub fn retry_claims(&self, partitions: Vec<i32>) {
+        self.state.lock().expect("not poisoned").to_claim.extend(partitions);
     }
 
     /// Why this member's partitions are no longer its own, if they are not:
@@ -186,7 +222,7 @@ mod tests {
 
     #[test]
     fn a_recorded_refusal_is_kept_with_its_first_reason() {
-        let m = Membership::new(Duration::from_secs(6));
+        let m = Membership::new(Duration::from_secs(6), "t");
         m.lose("first".into());
         m.lose("second".into());
         assert_eq!(m.state.lock().unwrap().lost.as_deref(), Some("first"));

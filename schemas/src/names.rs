@@ -37,6 +37,9 @@ pub mod tables {
     pub const PROCESSES: &str = "bagstore_processes";
     /// `Idempotency-Key`s and the answers they were given, on every shard.
     pub const IDEMPOTENCY: &str = "bagstore_idempotency";
+    /// Which indexer consumer last took each partition of each consumer
+    /// group (metadata shard): the indexers' own fence.
+    pub const PARTITION_CLAIMS: &str = "bagstore_partition_claims";
 }
 
 /// Tables bagstore owns; an index may not take these names.
@@ -56,6 +59,7 @@ pub const RESERVED_TABLES: &[&str] = &[
     tables::MOVES,
     tables::PROCESSES,
     tables::IDEMPOTENCY,
+    tables::PARTITION_CLAIMS,
 ];
 /// Columns every index table has besides its property columns; a property
 /// may not take these names.

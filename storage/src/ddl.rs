@@ -300,8 +300,25 @@ pub fn idempotency() -> String {
 }
 
 /// What only the metadata shard has.
-pub fn meta_tables() -> [String; 7] {
-    [index_catalog(), index_progress(), cluster(), physical(), map(), moves(), processes()]
+pub fn meta_tables() -> [String; 8] {
+    [index_catalog(), index_progress(), cluster(), physical(), map(), moves(), processes(), partition_claims()]
+}
+
+/// Per consumer group and partition, the indexer consumer that was last
+/// assigned it (see `indexer::membership`): a consumer that finds its
+/// partition claimed by another since has lost it, whatever the broker
+/// told it.
+pub fn partition_claims() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    grp VARCHAR(255) NOT NULL,
+    part INT NOT NULL,
+    consumer BINARY(16) NOT NULL,
+    claimed TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    PRIMARY KEY (grp, part)
+) ENGINE=InnoDB",
+        tables::PARTITION_CLAIMS
+    )
 }
 
 /// Every table storage creates besides index tables.

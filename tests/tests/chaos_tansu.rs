@@ -41,17 +41,12 @@ async fn a_broker_that_dies_on_its_own_is_recorded_as_a_crash() {
 
 /// No partition is fetched and applied by two indexers after the broker
 /// process was gone for longer than the session timeout (issue 17; the
-/// mock-cluster run is in the e2e suite's `membership`).
-///
-/// OPEN DEFECT, so not run by default (issue 17 stays open for it): on
-/// tansu a member the group has replaced is not told so (its heartbeats
-/// and commits are accepted), and two indexers can both hold and apply a
-/// partition for 40 s and more (seen in two fresh-clone runs, beside the
-/// tansu chaos suite). Alone it settled in 4 to 23 s in 7 runs. The fix
-/// is a fence of our own (a claim per partition in MySQL, newest wins).
-/// Run it with `cargo test -p bagstore-tests --test chaos_tansu -- --ignored`.
+/// mock-cluster run is in the e2e suite's `membership`). tansu does not
+/// tell a replaced member so (its heartbeats and commits are accepted):
+/// before the partition claims (`indexer::membership`), two indexers both
+/// held and applied a partition for 40 s and more here, beside the chaos
+/// suite.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open defect of issue 17: tansu does not fence a replaced group member; see the doc comment"]
 async fn after_a_broker_kill_past_the_session_timeout_each_partition_has_one_worker() {
     use bagstore_tests::membership::{no_partition_is_worked_twice_after_an_outage, OUTAGE};
     let env = TestEnv::with_tansu("overlaptansu", STANDARD_INDEXES).await;
