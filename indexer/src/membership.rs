@@ -106,7 +106,8 @@ impl ConsumerContext for Membership {
             Rebalance::Assign(tpl) => {
                 s.assigned_as = member_id(consumer);
                 let topic = &self.topic;
-                s.to_claim.extend(tpl.elements().iter().filter(|e| e.topic() == topic).map(|e| e.partition()));
+                s.to_claim
+                    .extend(tpl.elements().iter().filter(|e| e.topic() == topic).map(|e| e.partition()));
             }
             Rebalance::Revoke(_) if consumer.assignment_lost() => {
                 // librdkafka saw the loss itself and has taken the partitions away.

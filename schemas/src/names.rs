@@ -51,6 +51,7 @@ pub const RESERVED_TABLES: &[&str] = &[
     tables::MOVING,
     tables::JOURNAL,
     tables::INCOMING,
+    tables::IDEMPOTENCY,
     tables::INDEX_CATALOG,
     tables::INDEX_PROGRESS,
     tables::CLUSTER,
@@ -58,7 +59,6 @@ pub const RESERVED_TABLES: &[&str] = &[
     tables::MAP,
     tables::MOVES,
     tables::PROCESSES,
-    tables::IDEMPOTENCY,
     tables::PARTITION_CLAIMS,
 ];
 /// Columns every index table has besides its property columns; a property

@@ -172,7 +172,12 @@ pub async fn record_index_progress(shards: &Shards, table: &str, commit_us: i64)
 
 /// Records that consumer `consumer` of group `group` was assigned
 /// `partitions` (the newest assignment wins).
-pub async fn claim_partitions(shards: &Shards, group: &str, consumer: [u8; 16], partitions: &[i32]) -> Result<()> {
+pub async fn claim_partitions(
+    shards: &Shards,
+    group: &str,
+    consumer: [u8; 16],
+    partitions: &[i32],
+) -> Result<()> {
     if partitions.is_empty() {
         return Ok(());
     }

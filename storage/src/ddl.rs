@@ -301,7 +301,16 @@ pub fn idempotency() -> String {
 
 /// What only the metadata shard has.
 pub fn meta_tables() -> [String; 8] {
-    [index_catalog(), index_progress(), cluster(), physical(), map(), moves(), processes(), partition_claims()]
+    [
+        index_catalog(),
+        index_progress(),
+        cluster(),
+        physical(),
+        map(),
+        moves(),
+        processes(),
+        partition_claims(),
+    ]
 }
 
 /// Per consumer group and partition, the indexer consumer that was last
