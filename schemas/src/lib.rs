@@ -13,6 +13,7 @@
 //! - [`patch`]: partial updates: RFC 7396 merge patches and `$`-operators.
 //! - [`codec`]: format byte + lz4 + bincode for bodies and events.
 //! - [`event`]: the change event the outbox holds and Kafka carries.
+//! - [`expiry`]: an entity's expiry time (TTL) from its expiry property.
 //! - [`index`]: index specs, typed keys, multi-valued and partial indexes,
 //!   index states.
 //! - [`filter`]: conditions on property values.
@@ -27,6 +28,7 @@
 pub mod clock;
 pub mod codec;
 pub mod event;
+pub mod expiry;
 pub mod filter;
 pub mod id;
 pub mod idempotency;

@@ -11,6 +11,9 @@ use schemas::names::tables;
 /// is what makes replayed change events harmless in the index tables.
 /// `logical` (the id's logical shard) leads a key, so a move finds a
 /// logical shard's rows in clustered-key order without a full scan.
+/// `expires_us` is the entity's expiry time (µs since the Unix epoch) when
+/// expiry is on and the bag has one (see `schemas::expiry`): the cleaner
+/// finds expired entities along its key.
 pub fn entities() -> String {
     format!(
         "CREATE TABLE IF NOT EXISTS `{}` (
@@ -20,10 +23,12 @@ pub fn entities() -> String {
     version BIGINT UNSIGNED NOT NULL,
     updated TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
     body MEDIUMBLOB NULL,
+    {EXPIRES_COLUMN},
     PRIMARY KEY (added_id),
     UNIQUE KEY entities_id (id),
     KEY entities_updated (updated),
-    KEY entities_logical (logical, added_id)
+    KEY entities_logical (logical, added_id),
+    KEY entities_expires (expires_us)
 ) ENGINE=InnoDB",
         tables::ENTITIES
     )
@@ -114,6 +119,14 @@ pub fn index_table(spec: &IndexSpec) -> String {
 
 /// The column an index table gained after its first release; see
 /// [`crate::migrate::create_index_table`], which adds it to older tables.
+/// The expiry column of `entities` (NULL: never expires).
+pub const EXPIRES_COLUMN: &str = "expires_us BIGINT NULL";
+
+/// The version floor of a logical shard (on its `bagstore_owned` row):
+/// every version a purged tombstone had is at or below it, so an id
+/// created from nothing starts above it.
+pub const FLOOR_COLUMN: &str = "version_floor BIGINT UNSIGNED NOT NULL DEFAULT 0";
+
 pub const LOCATION_COLUMN: &str = "entity_added_id BIGINT UNSIGNED NULL";
 
 /// The logical-shard column of entities and index rows. Tables made before
@@ -141,11 +154,13 @@ pub fn shard_identity() -> String {
 }
 
 /// The logical shards this physical shard owns: what a write locks shared
-/// and a cutover exclusively.
+/// and a cutover (or a tombstone purge) exclusively. `version_floor`: see
+/// [`FLOOR_COLUMN`].
 pub fn owned() -> String {
     format!(
         "CREATE TABLE IF NOT EXISTS `{}` (
     logical SMALLINT UNSIGNED NOT NULL,
+    {FLOOR_COLUMN},
     PRIMARY KEY (logical)
 ) ENGINE=InnoDB",
         tables::OWNED
@@ -293,7 +308,8 @@ pub fn idempotency() -> String {
     created BOOLEAN NOT NULL,
     recorded_us BIGINT NOT NULL,
     PRIMARY KEY (key_hash),
-    KEY idempotency_recorded (recorded_us)
+    KEY idempotency_recorded (recorded_us),
+    KEY idempotency_logical (logical, recorded_us)
 ) ENGINE=InnoDB",
         tables::IDEMPOTENCY
     )

@@ -27,6 +27,9 @@ pub struct EntityRecord {
     pub updated_us: i64,
     /// The encoded body (`schemas::codec`); `None` for a tombstone.
     pub body: Option<Vec<u8>>,
+    /// When the entity expires, µs since the Unix epoch (`None`: never, or
+    /// expiry is off).
+    pub expires_us: Option<i64>,
 }
 
 /// One entity row to write (insert or overwrite).
@@ -40,6 +43,8 @@ pub struct EntityWrite {
     pub updated_us: i64,
     /// `None` writes a tombstone.
     pub body: Option<Vec<u8>>,
+    /// See [`EntityRecord::expires_us`].
+    pub expires_us: Option<i64>,
 }
 
 /// The highest `added_id` on a shard and how many rows are at or below it:
@@ -53,7 +58,7 @@ pub struct EntityBounds {
 
 /// The columns every read of [`EntityRecord`]s selects, in its order.
 const COLUMNS: &str = "id, logical, added_id, version, \
-     TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated) AS updated_us, body";
+     TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated) AS updated_us, body, expires_us";
 
 fn record(shard: usize, r: &MySqlRow) -> Result<EntityRecord> {
     Ok(EntityRecord {
@@ -63,6 +68,7 @@ fn record(shard: usize, r: &MySqlRow) -> Result<EntityRecord> {
         version: r.try_get("version").on(shard)?,
         updated_us: r.try_get("updated_us").on(shard)?,
         body: r.try_get("body").on(shard)?,
+        expires_us: r.try_get("expires_us").on(shard)?,
     })
 }
 
@@ -156,13 +162,16 @@ pub async fn insert_entities(
 
 /// `INSERT INTO entities` of `n` rows; `overwrite` makes it an upsert.
 fn entities_sql(n: usize, overwrite: bool) -> String {
-    let tuple = "(?, ?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)";
+    let tuple = "(?, ?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?, ?)";
     let tail = match overwrite {
-        true => " ON DUPLICATE KEY UPDATE version = VALUES(version), updated = VALUES(updated), body = VALUES(body)",
+        true => {
+            " ON DUPLICATE KEY UPDATE version = VALUES(version), updated = VALUES(updated), body = VALUES(body), \
+             expires_us = VALUES(expires_us)"
+        }
         false => "",
     };
     format!(
-        "INSERT INTO entities (id, logical, version, updated, body) VALUES {}{tail}",
+        "INSERT INTO entities (id, logical, version, updated, body, expires_us) VALUES {}{tail}",
         vec![tuple; n].join(", ")
     )
 }
@@ -178,7 +187,8 @@ fn bind_entities<'q>(
             .bind(row.logical)
             .bind(row.version)
             .bind(row.updated_us)
-            .bind(row.body.as_deref());
+            .bind(row.body.as_deref())
+            .bind(row.expires_us);
     }
     q
 }
@@ -428,11 +438,14 @@ pub async fn scan_logicals(
 #[tracing::instrument(level = "debug", skip_all, fields(shard))]
 pub async fn copy_entities(shard: usize, conn: &mut MySqlConnection, rows: &[EntityRecord]) -> Result<()> {
     for chunk in rows.chunks(500) {
-        let tuple = "(?, ?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)";
+        let tuple = "(?, ?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?, ?)";
+        // Columns are assigned left to right: `version` last, so the
+        // others compare with the row's version before the copy.
         let sql = format!(
-            "INSERT INTO entities (id, logical, version, updated, body) VALUES {} \
+            "INSERT INTO entities (id, logical, version, updated, body, expires_us) VALUES {} \
              ON DUPLICATE KEY UPDATE body = IF(VALUES(version) > version, VALUES(body), body), \
              updated = IF(VALUES(version) > version, VALUES(updated), updated), \
+             expires_us = IF(VALUES(version) > version, VALUES(expires_us), expires_us), \
              version = GREATEST(version, VALUES(version))",
             vec![tuple; chunk.len()].join(", ")
         );
@@ -443,7 +456,8 @@ pub async fn copy_entities(shard: usize, conn: &mut MySqlConnection, rows: &[Ent
                 .bind(r.logical)
                 .bind(r.version)
                 .bind(r.updated_us)
-                .bind(r.body.as_deref());
+                .bind(r.body.as_deref())
+                .bind(r.expires_us);
         }
         q.execute(&mut *conn).await.on(shard)?;
     }

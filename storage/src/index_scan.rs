@@ -113,7 +113,8 @@ pub async fn scan_index(
     let (entity_cols, join) = if scan.with_entities {
         (
             ", e.added_id AS `e.added_id`, e.logical AS `e.logical`, e.version AS `e.version`, \
-             TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', e.updated) AS `e.updated_us`, e.body AS `e.body`",
+             TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', e.updated) AS `e.updated_us`, e.body AS `e.body`, \
+             e.expires_us AS `e.expires_us`",
             " LEFT JOIN entities AS e FORCE INDEX (PRIMARY) \
              ON e.added_id = i.entity_added_id AND e.id = i.entity_id",
         )
@@ -157,6 +158,7 @@ pub async fn scan_index(
                     version: r.try_get("e.version").on(shard)?,
                     updated_us: r.try_get("e.updated_us").on(shard)?,
                     body: Some(body),
+                    expires_us: r.try_get("e.expires_us").on(shard)?,
                 }),
             },
         };

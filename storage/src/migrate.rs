@@ -24,13 +24,20 @@ pub async fn create_database(shard: usize, dsn: &Dsn) -> Result<()> {
 /// The tables every shard has, and on the metadata shard the cluster's own.
 /// An `entities` table made before logical shards gets its `logical`
 /// column and key (rows read [`ddl::LOGICAL_UNKNOWN`] until
-/// [`fill_logical`] runs).
+/// [`fill_logical`] runs); tables made before expiry and tombstone purge
+/// get `entities.expires_us` (NULL: an entity written before expiry was on
+/// is found by the cleaner once rewritten), `bagstore_owned.version_floor`
+/// (0) and the idempotency records' key by logical shard.
 pub async fn create_base_tables(shard: usize, pool: &MySqlPool) -> Result<()> {
     for stmt in ddl::shard_tables() {
         sqlx::query(&stmt).execute(pool).await.on(shard)?;
     }
     add_column(shard, pool, "entities", "logical", &logical_with_placeholder()).await?;
     add_key(shard, pool, "entities", "entities_logical", "logical, added_id").await?;
+    add_column(shard, pool, "entities", "expires_us", ddl::EXPIRES_COLUMN).await?;
+    add_key(shard, pool, "entities", "entities_expires", "expires_us").await?;
+    add_column(shard, pool, "bagstore_owned", "version_floor", ddl::FLOOR_COLUMN).await?;
+    add_key(shard, pool, "bagstore_idempotency", "idempotency_logical", "logical, recorded_us").await?;
     if shard == META_SHARD {
         for stmt in ddl::meta_tables() {
             sqlx::query(&stmt).execute(pool).await.on(shard)?;

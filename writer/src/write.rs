@@ -328,6 +328,7 @@ impl Writer {
                         version: r.version,
                         updated_us: now,
                         body: r.bag.as_ref().map(codec::encode_body),
+                        expires_us: r.expires_us,
                     }
                 })
                 .partition(|w| locked.contains(&w.id));
@@ -400,6 +401,8 @@ struct Staged {
     /// `None` for a tombstone (or a body that could not be decoded).
     bag: Option<Bag>,
     live: bool,
+    /// The row's expiry (see `schemas::expiry`).
+    expires_us: Option<i64>,
 }
 
 impl Staged {
@@ -414,7 +417,7 @@ impl Staged {
                 None
             }
         });
-        Staged { version: c.version, bag, live }
+        Staged { version: c.version, bag, live, expires_us: c.expires_us }
     }
 }
 
@@ -467,7 +470,7 @@ fn decide(
             (Op::Put, Some(bag))
         }
     };
-    let row = Staged { version, bag: after.clone(), live: after.is_some() };
+    let row = Staged { version, bag: after.clone(), live: after.is_some(), expires_us: None };
     // The row's location is filled in once it is known (after the insert).
     let event = ChangeEvent {
         id: *id,

@@ -13,8 +13,8 @@ mod sections;
 
 pub use secrets::{is_secret_kafka_option, Dsn, Secret};
 pub use sections::{
-    AuthSettings, CleanerSettings, HttpSettings, IndexerSettings, KafkaSettings, MoverSettings,
-    MysqlSettings, ReaderSettings, WriterSettings,
+    AuthSettings, CleanerSettings, ExpirySettings, HttpSettings, IndexerSettings, KafkaSettings,
+    MoverSettings, MysqlSettings, ReaderSettings, WriterSettings,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +50,8 @@ pub struct Settings {
     pub reader: ReaderSettings,
     #[serde(default)]
     pub cleaner: CleanerSettings,
+    #[serde(default)]
+    pub expiry: ExpirySettings,
     #[serde(default)]
     pub mover: MoverSettings,
     #[serde(default)]
@@ -135,12 +137,19 @@ impl Settings {
                     .into(),
             ));
         }
+        if self.expiry.property.as_deref().is_some_and(|p| p.is_empty()) {
+            return Err(SettingsError::Invalid(
+                "expiry.property must name a property (or be left out)".into(),
+            ));
+        }
         if self.cleaner.batch == 0
+            || self.cleaner.expiry_interval_ms == 0
+            || self.cleaner.purge_interval_ms == 0
             || self.cleaner.backfill_batch == 0
             || self.cleaner.backfill_concurrency == 0
         {
             return Err(SettingsError::Invalid(
-                "cleaner batch sizes and concurrency must be positive".into(),
+                "cleaner batch sizes, intervals and concurrency must be positive".into(),
             ));
         }
         if self.mover.batch == 0

@@ -275,6 +275,15 @@ pub struct CleanerSettings {
     pub backfill_concurrency: usize,
     /// Entities per backfill batch.
     pub backfill_batch: usize,
+    /// How often each shard is searched for expired entities (see
+    /// [`ExpirySettings`]); an entity is deleted within about this long
+    /// after it expires, plus the time to delete those before it.
+    pub expiry_interval_ms: u64,
+    /// Tombstones (deleted entities' rows) older than this are purged
+    /// (0: never). See `storage::purge`.
+    pub tombstone_retention_secs: u64,
+    /// Pause between purge rounds on each shard.
+    pub purge_interval_ms: u64,
 }
 
 impl Default for CleanerSettings {
@@ -286,8 +295,21 @@ impl Default for CleanerSettings {
             backfill_rate: 0,
             backfill_concurrency: 2,
             backfill_batch: 1000,
+            expiry_interval_ms: 1000,
+            tombstone_retention_secs: 7 * 86_400,
+            purge_interval_ms: 60_000,
         }
     }
+}
+
+/// Expiry (TTL), off by default.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ExpirySettings {
+    /// The property holding an entity's expiry time in Unix seconds
+    /// (`None`: nothing expires). Reads hide an entity from that instant
+    /// on; the cleaner deletes it within `cleaner.expiry_interval_ms`.
+    pub property: Option<String>,
 }
 
 /// Moving logical shards between physical shards (`bagstore shards …`).

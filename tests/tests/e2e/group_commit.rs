@@ -345,6 +345,7 @@ async fn inserted_entities_report_their_own_locations_both_ways() {
                 version: 1,
                 updated_us: 1_700_000_000_000_000,
                 body: Some(vec![*i]),
+                expires_us: None,
             })
             .collect();
         let added = storage::entities::insert_entities(0, &mut conn, &rows, consecutive).await.unwrap();
