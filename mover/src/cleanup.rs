@@ -2,7 +2,7 @@
 //! remove the source's copy. And the rollback of a move that did not flip.
 
 use std::time::{Duration, Instant};
-use storage::{entities, index_rows, journal, moves, topology};
+use storage::{carry, entities, index_rows, journal, moves, topology};
 
 use crate::{Mover, Result, Running};
 
@@ -33,8 +33,8 @@ impl Mover {
         self.forget_copy(run, source).await
     }
 
-    /// Deletes one shard's rows of the moving logical shards (a shard that
-    /// does not own them: nobody reads them).
+    /// Deletes one shard's rows and idempotency records of the moving
+    /// logical shards (a shard that does not own them: nobody reads them).
     async fn forget_copy(&self, run: &mut Running<'_>, shard: usize) -> Result<()> {
         let pool = self.shards().pool(shard);
         let logicals = run.rec.logicals.clone();
@@ -47,6 +47,10 @@ impl Mover {
                 self.metrics().progressed();
                 self.pause(run, Duration::ZERO).await?;
             }
+        }
+        while carry::delete_idempotency_records(shard, pool, &logicals, DELETE_BATCH).await? > 0 {
+            self.metrics().progressed();
+            self.pause(run, Duration::ZERO).await?;
         }
         Ok(())
     }

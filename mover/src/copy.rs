@@ -4,6 +4,7 @@ use schemas::names::tables;
 use schemas::EntityId;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
+use storage::carry::{self, IdempotencyRow, RecordCursor};
 use storage::entities::{self, LogicalCursor};
 use storage::journal::{self, JournalEntry};
 use storage::moves;
@@ -20,6 +21,13 @@ const LOGICALS_PER_VERIFY: usize = 256;
 const JOURNAL_BATCH: usize = 2000;
 /// The catch-up before verification stops once the journal is this short.
 const SHORT_JOURNAL: u64 = 200;
+
+/// How far back from the start of a pass the next pass of idempotency
+/// records looks: records are stamped with their writer's clock, the
+/// bounds with the mover's (or, for a resumed move, the metadata shard's),
+/// and a write stamps its record before it commits. 5 minutes covers clock
+/// skew and any write's time in flight.
+const RECORDS_SLACK_US: i64 = 5 * 60 * 1_000_000;
 
 /// Batches read from the source, in flight to the target at most.
 const READ_AHEAD: usize = 2;
@@ -39,6 +47,8 @@ enum Batch<'t> {
     Entities(&'t [u16], Vec<EntityRecord>),
     /// Rows of the index `.1` (its place in `Running::indexes`).
     Index(&'t [u16], usize, Vec<IndexRow>),
+    /// Idempotency records of a step's logical shards.
+    Records(&'t [u16], Vec<IdempotencyRow>),
     /// Every row of the step has been sent: save progress once written.
     StepDone(&'t [u16]),
 }
@@ -63,6 +73,14 @@ impl Mover {
         // move, frozen or cut off, finds its token replaced).
         moves::claim_incoming(target, dst, &run.rec.logicals, run.token).await?;
         journal::start_journal(source, shards.pool(source), &run.rec.logicals, &run.indexes).await?;
+        if run.records_since_us.is_none() {
+            // Records a step's copy misses were stamped after it began: for
+            // the steps this run copies, after now; for those an earlier
+            // run copied, after the move began.
+            let from =
+                if run.rec.copied.is_empty() { schemas::clock::now_micros() } else { run.rec.started_us };
+            run.records_since_us = Some(from - RECORDS_SLACK_US);
+        }
         let done: BTreeSet<u16> = run.rec.copied.iter().copied().collect();
         let todo: Vec<u16> = run.rec.logicals.iter().copied().filter(|k| !done.contains(k)).collect();
         run.rows_total = run.rec.rows_copied + self.count_rows(source, &todo, run).await?;
@@ -94,6 +112,15 @@ impl Mover {
                             Pending::Write(tokio::spawn(async move {
                                 let mut tx = moves::begin_incoming(target, &pool, &step, token).await?;
                                 index_rows::copy_rows(target, &mut tx, &spec, &rows).await?;
+                                tx.commit().await.on(target)?;
+                                Ok(rows.len() as u64)
+                            }))
+                        }
+                        Batch::Records(step, rows) => {
+                            let (pool, step, token) = (dst.clone(), step.to_vec(), run.token);
+                            Pending::Write(tokio::spawn(async move {
+                                let mut tx = moves::begin_incoming(target, &pool, &step, token).await?;
+                                carry::copy_idempotency_records(target, &mut tx, &rows).await?;
                                 tx.commit().await.on(target)?;
                                 Ok(rows.len() as u64)
                             }))
@@ -145,8 +172,8 @@ impl Mover {
     }
 
     /// Reads the logical shards of `todo` from the source, a step at a time
-    /// (entities in batches, then each index's rows), and sends them to the
-    /// writer, throttled.
+    /// (entities in batches, then each index's rows, then the idempotency
+    /// records in batches), and sends them to the writer, throttled.
     async fn read_batches<'t>(
         &self,
         source: usize,
@@ -185,6 +212,19 @@ impl Mover {
                     send(Batch::Index(step, i, rows)).await?;
                 }
             }
+            let mut after: Option<RecordCursor> = None;
+            loop {
+                self.throttle(stop, source, read, start).await?;
+                let rows = carry::idempotency_records_in(source, src, step, i64::MIN, after, batch).await?;
+                let Some(last) = rows.last() else { break };
+                after = Some(RecordCursor::after(last));
+                let full = rows.len() == batch;
+                read += rows.len() as u64;
+                send(Batch::Records(step, rows)).await?;
+                if !full {
+                    break;
+                }
+            }
             send(Batch::StepDone(step)).await?;
         }
         Ok(())
@@ -200,6 +240,7 @@ impl Mover {
     async fn count_rows(&self, source: usize, logicals: &[u16], run: &Running<'_>) -> Result<u64> {
         let pool = self.shards().pool(source);
         let mut n = entities::count_in_logicals(source, pool, logicals).await?;
+        n += carry::count_idempotency_records(source, pool, logicals).await?;
         for spec in &run.indexes {
             n += index_rows::count_in_logicals(source, pool, spec, logicals).await?;
         }
@@ -269,7 +310,8 @@ impl Mover {
     }
 
     /// Makes the target's rows of the journaled entities what the source
-    /// has now. Returns the rows written.
+    /// has now (none, where the source has none). Returns the rows written
+    /// or deleted.
     async fn apply(&self, run: &Running<'_>, entries: &[JournalEntry]) -> Result<u64> {
         let (source, target) = (run.rec.source as usize, run.rec.target as usize);
         let (src, dst) = (self.shards().pool(source), self.shards().pool(target));
@@ -277,10 +319,23 @@ impl Mover {
         for (table, ids) in journal::by_table(entries) {
             if table == tables::ENTITIES {
                 let rows = entities::read_entities_any(source, src, &ids).await?.records;
-                let mut tx = moves::begin_incoming(target, dst, &run.rec.logicals, run.token).await?;
+                // An entity the source no longer has (a purged tombstone)
+                // goes from the target too, or the two would differ for
+                // good. Only ids of the moving logical shards: nothing else
+                // of the target's is ours to delete.
+                let present: BTreeSet<EntityId> = rows.iter().map(|r| r.id).collect();
+                let logicals = &run.rec.logicals;
+                let gone: Vec<EntityId> = ids
+                    .iter()
+                    .copied()
+                    .filter(|id| !present.contains(id))
+                    .filter(|id| logicals.binary_search(&self.shards().logical_of_id(id)).is_ok())
+                    .collect();
+                let mut tx = moves::begin_incoming(target, dst, logicals, run.token).await?;
                 entities::copy_entities(target, &mut tx, &rows).await?;
+                let deleted = carry::delete_entities(target, &mut tx, &gone).await?;
                 tx.commit().await.on(target)?;
-                written += rows.len() as u64;
+                written += rows.len() as u64 + deleted;
             } else if let Some(spec) = run.indexes.iter().find(|s| s.table == table) {
                 let logicals = &run.rec.logicals;
                 let rows: Vec<_> = index_rows::index_rows_of(source, src, spec, &ids)
@@ -315,6 +370,48 @@ impl Mover {
             return Ok(0);
         }
         self.apply(run, &entries).await
+    }
+
+    /// Copies again the idempotency records of the moving logical shards
+    /// stamped since the last pass (`Running::records_since_us`), then
+    /// moves that bound to this pass's start, less [`RECORDS_SLACK_US`].
+    /// Run before the cutover, so few are left, and under the fence, where
+    /// no record of the moving logical shards can change (every write to
+    /// them is held): what that pass copies completes the target's set.
+    /// Returns the records copied.
+    pub(crate) async fn carry_records(&self, run: &mut Running<'_>) -> Result<u64> {
+        let (source, target) = (run.rec.source as usize, run.rec.target as usize);
+        let (src, dst) = (self.shards().pool(source), self.shards().pool(target));
+        let started = schemas::clock::now_micros();
+        let since = run.records_since_us.unwrap_or(run.rec.started_us - RECORDS_SLACK_US);
+        let batch = self.settings().batch;
+        let mut copied = 0u64;
+        for step in run.rec.logicals.chunks(LOGICALS_PER_STEP) {
+            let mut after: Option<RecordCursor> = None;
+            loop {
+                if run.stop.is_cancelled() {
+                    return Err(MoveError::Stopped);
+                }
+                let rows = carry::idempotency_records_in(source, src, step, since, after, batch).await?;
+                let Some(last) = rows.last() else { break };
+                after = Some(RecordCursor::after(last));
+                let mut tx = moves::begin_incoming(target, dst, step, run.token).await?;
+                carry::copy_idempotency_records(target, &mut tx, &rows).await?;
+                tx.commit().await.on(target)?;
+                copied += rows.len() as u64;
+                if rows.len() < batch {
+                    break;
+                }
+            }
+        }
+        run.records_since_us = Some(started - RECORDS_SLACK_US);
+        tracing::debug!(
+            id = run.rec.id,
+            since_us = since,
+            records = copied,
+            "idempotency records copied again"
+        );
+        Ok(copied)
     }
 
     /// Catches up, then compares the target with the source logical shard

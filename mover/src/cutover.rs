@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 use storage::moves::{self, Fence, Phase};
-use storage::{topology, StoreError};
+use storage::{carry, topology, StoreError};
 
 use crate::copy::Differs;
 use crate::{MoveError, Mover, Result, Running};
@@ -60,8 +60,11 @@ impl Mover {
                 tracing::error!(id = run.rec.id, differing = n, tables = ?still.keys().collect::<Vec<_>>(),
                     "the copy differs from the source with writes held: not cutting over");
                 self.metrics().cutover_attempts.with_label_values(&["differs"]).inc();
-                return Ok::<_, MoveError>(Some("the copy differs from the source"));
+                return Ok::<_, MoveError>(Err("the copy differs from the source"));
             }
+            // The last idempotency records: those stamped since the pass
+            // before the fence (less the slack); none can change now.
+            self.carry_records(run).await?;
             // Invariant W: the source's events reach Kafka before the target
             // can commit a later version of the same entity.
             let deadline = Instant::now() + Duration::from_millis(self.settings().outbox_wait_ms);
@@ -69,16 +72,20 @@ impl Mover {
             while moves::outbox_pending_in(source, src, fence.outbox_upto, &logicals, l).await? > 0 {
                 if Instant::now() >= deadline {
                     self.metrics().cutover_attempts.with_label_values(&["outbox"]).inc();
-                    return Ok(Some("the source's outbox did not reach Kafka within mover.outbox_wait_ms"));
+                    return Ok(Err("the source's outbox did not reach Kafka within mover.outbox_wait_ms"));
                 }
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
-            Ok(None)
+            // The source's version floors: a purge raises one only with the
+            // owned row locked, and the fence holds them all, so these are
+            // final (read on another connection: the fence's rows are
+            // locked, not hidden).
+            Ok(Ok(carry::version_floors(source, src, &logicals).await?))
         }
         .await;
-        match held {
-            Ok(None) => {}
-            Ok(Some(why)) => {
+        let floors = match held {
+            Ok(Ok(floors)) => floors,
+            Ok(Err(why)) => {
                 fence.open().await;
                 return Err(Retry::Again(why));
             }
@@ -86,11 +93,11 @@ impl Mover {
                 fence.open().await;
                 return Err(e.into());
             }
-        }
+        };
         // The hand-over, in the order a kill can interrupt safely (see
-        // `recover_cutover`): target owns (if this run still holds the
-        // move), source gives up, map flips.
-        moves::take_over(target, dst, &logicals, run.token).await?;
+        // `recover_cutover`): target owns, with the source's floors (if
+        // this run still holds the move), source gives up, map flips.
+        moves::take_over(target, dst, &logicals, run.token, &floors).await?;
         self.drill_hold().await;
         let source_epoch = moves::cluster_epoch(shards.meta()).await? + 1;
         fence.release(source_epoch).await?;
@@ -118,8 +125,11 @@ impl Mover {
 
     /// A move found in phase cutover was killed during one. If the source
     /// still owns the logical shards the fence never released: take back
-    /// any grant to the target and copy again. If it gave them up, the
-    /// target was granted them first: flip the map.
+    /// any grant to the target (its floors go with it) and copy again (the
+    /// next cutover reads the floors and the last records again). If it
+    /// gave them up, the target was granted them first, with the floors in
+    /// the same transaction, and the records were copied under the fence:
+    /// flip the map.
     pub(crate) async fn recover_cutover(&self, run: &mut Running<'_>) -> Result<()> {
         let shards = self.shards().clone();
         let (source, target) = (run.rec.source as usize, run.rec.target as usize);

@@ -5,18 +5,22 @@
 //! runs in phases, each recorded on the metadata shard so a killed move
 //! resumes where it was ([`Mover::run`]):
 //! 1. **copy** ([`copy`]): P starts journaling changes to S (see
-//!    `storage::moves`); S's entities and index rows are copied to Q in
-//!    `(logical, clustered key)` order, throttled, a few logical shards at
-//!    a time, progress saved after each; the journal is replayed onto Q
-//!    until it is short; Q is compared with P ([`copy::verify`]).
+//!    `storage::moves`); S's entities, index rows and idempotency records
+//!    are copied to Q in `(logical, clustered key)` order, throttled, a
+//!    few logical shards at a time, progress saved after each; the journal
+//!    is replayed onto Q until it is short (an entity P no longer has goes
+//!    from Q too); Q is compared with P ([`copy::verify`]); the
+//!    idempotency records written meanwhile are copied again.
 //! 2. **cutover** ([`cutover`]): P's ownership rows of S are locked
 //!    exclusively (writes to S wait), the journal is replayed to empty,
-//!    the rows that differed at verification are compared again, P's
-//!    outbox events up to the fence reach Kafka (Invariant W), Q is
-//!    granted S, P gives S up and the map flips, in that order. Writes that
+//!    the rows that differed at verification are compared again, the
+//!    last idempotency records are copied, P's outbox events up to the
+//!    fence reach Kafka (Invariant W), Q is granted S with P's version
+//!    floors, P gives S up and the map flips, in that order. Writes that
 //!    waited find P no longer owns S, reload the map and go to Q.
 //! 3. **cleanup** ([`cleanup`]): once every live process routes with the
-//!    new map, P's journaling stops and its copy of S is deleted.
+//!    new map, P's journaling stops and its copy of S (rows and
+//!    idempotency records) is deleted.
 //!
 //! A move that has not flipped the map can be rolled back
 //! ([`Mover::abort`]): Q gives S back and forgets its copy. One move runs
@@ -134,6 +138,11 @@ pub(crate) struct Running<'a> {
     pub token: u64,
     pub rows_total: u64,
     pub rows_caught_up: u64,
+    /// Idempotency records stamped at or after this (µs, writers' clocks)
+    /// may have changed since they were last copied: the next pass of
+    /// [`Mover::carry_records`] copies them again. Set when the copy
+    /// starts, moved up by each pass.
+    pub records_since_us: Option<i64>,
     pub journal_backlog: u64,
     pub last_report: Option<Instant>,
     pub outcome: Outcome,
@@ -281,6 +290,7 @@ impl Mover {
             token: run_token(),
             rows_total: 0,
             rows_caught_up: 0,
+            records_since_us: None,
             journal_backlog: 0,
             last_report: None,
             outcome,
@@ -369,6 +379,9 @@ impl Mover {
                         "first copy done; catching up and verifying"
                     );
                     let differs = self.verify_until_settled(run).await?;
+                    // Idempotency records written since their step was
+                    // copied, so the pass under the fence has few to copy.
+                    self.carry_records(run).await?;
                     let secs = copy_start.elapsed().as_secs_f64();
                     run.outcome.copy_secs += secs;
                     run.outcome.rows_per_sec =

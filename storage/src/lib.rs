@@ -20,6 +20,8 @@
 //! - [`moves`]: moving logical shards: the move record, fence, flip.
 //! - [`journal`]: what changed on a move's source while it copied.
 //! - [`checksums`]: per-logical-shard digests a move's verify compares.
+//! - [`carry`]: what a move carries besides rows: version floors,
+//!   idempotency records, entities deleted on the source.
 //! - [`topology`]: the map in the database; the ownership a write proves,
 //!   the epoch a read checks.
 //! - [`server`]: statements about a server itself (private dev servers).
@@ -29,6 +31,7 @@
 //! against the epoch are exact. Table and column names in SQL text come
 //! only from validated specs (`schemas::names`); every value is bound.
 
+pub mod carry;
 pub mod catalog;
 pub mod checksums;
 pub mod conns;

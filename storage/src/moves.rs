@@ -11,6 +11,9 @@
 //! rows on the source exclusively: every write to them holds those rows
 //! shared for its whole transaction, so the fence waits for writes in flight
 //! to commit, and writes that come later wait behind it (they do not fail).
+//!
+//! What a logical shard carries besides its rows (version floors,
+//! idempotency records) is read and written by [`crate::carry`].
 
 use schemas::topology::{format_logicals, parse_logicals, PhysicalId};
 use sqlx::mysql::MySqlPool;
@@ -377,8 +380,18 @@ pub async fn begin_incoming(
 }
 
 /// The target's half of a cutover, in one transaction: run `token` still
-/// holds the incoming rows, which go, and the shard owns `logicals`.
-pub async fn take_over(shard: usize, pool: &MySqlPool, logicals: &[u16], token: u64) -> Result<()> {
+/// holds the incoming rows, which go, and the shard owns `logicals`, each
+/// with a version floor at least the source's (`floors`, read under the
+/// fence: see [`crate::carry::version_floors`]; a logical shard missing
+/// from it has 0). Floors and ownership arrive together, so a shard that
+/// owns a logical shard always has its floor.
+pub async fn take_over(
+    shard: usize,
+    pool: &MySqlPool,
+    logicals: &[u16],
+    token: u64,
+    floors: &BTreeMap<u16, u64>,
+) -> Result<()> {
     let mut tx = pool.begin().await.on(shard)?;
     check_incoming(shard, &mut tx, logicals, token, "FOR UPDATE").await?;
     for chunk in logicals.chunks(1000) {
@@ -389,12 +402,13 @@ pub async fn take_over(shard: usize, pool: &MySqlPool, logicals: &[u16], token: 
         }
         q.execute(&mut *tx).await.on(shard)?;
         let sql = format!(
-            "INSERT IGNORE INTO bagstore_owned (logical) VALUES {}",
-            vec!["(?)"; chunk.len()].join(", ")
+            "INSERT INTO bagstore_owned (logical, version_floor) VALUES {} \
+             ON DUPLICATE KEY UPDATE version_floor = GREATEST(version_floor, VALUES(version_floor))",
+            vec!["(?, ?)"; chunk.len()].join(", ")
         );
         let mut q = sqlx::query(&sql);
         for k in chunk {
-            q = q.bind(*k);
+            q = q.bind(*k).bind(floors.get(k).copied().unwrap_or(0));
         }
         q.execute(&mut *tx).await.on(shard)?;
     }

@@ -1,9 +1,11 @@
 //! Logical shards and online moves: the topology guard, a move under
 //! writes onto a shard added while serving, a writer frozen with the old
-//! map across a cutover, a killed move resumed and another rolled back,
-//! the checksums a move verifies with.
+//! map across a cutover, a killed move resumed (past an entity purged on
+//! its source) and another rolled back (with its idempotency records), the
+//! idempotency records and version floors a move carries, the checksums a
+//! move verifies with.
 
-use bagstore_tests::{eventually, metric_sum, Api, TestEnv, STANDARD_INDEXES};
+use bagstore_tests::{eventually, metric_sum, Api, Reply, TestEnv, STANDARD_INDEXES};
 use rand::Rng;
 use serde_json::{json, Value};
 use sqlx::mysql::MySqlPool;
@@ -27,6 +29,43 @@ fn id_in(range: std::ops::RangeInclusive<u16>) -> String {
 
 fn logical_of_hex(id: &str) -> u16 {
     schemas::logical_of(&schemas::EntityId::parse(id).unwrap().0, L)
+}
+
+/// Keyed writes sent and their answers, in order.
+type KeyedAnswers = Arc<Mutex<Vec<(String, Reply)>>>;
+
+/// Sends `method` to `url` with an `Idempotency-Key` and a JSON body:
+/// (status, body).
+async fn keyed(method: reqwest::Method, url: &str, key: &str, body: &Value) -> Reply {
+    let r = reqwest::Client::new()
+        .request(method, url)
+        .header("idempotency-key", key)
+        .json(body)
+        .send()
+        .await
+        .expect("keyed request");
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+/// The first `n` logical shards of `range` (in order) of the physical
+/// shard with the lowest id among their owners: the first step of the
+/// first move a `shards move --logical <range>` runs (moves are planned
+/// per source, in id order, and copy their logical shards in order).
+async fn first_step_of(meta: &MySqlPool, range: std::ops::RangeInclusive<u16>, n: usize) -> Vec<u16> {
+    let rows: Vec<(u16,)> = sqlx::query_as(
+        "SELECT logical FROM bagstore_map WHERE logical BETWEEN ? AND ? AND physical = \
+         (SELECT MIN(physical) FROM bagstore_map WHERE logical BETWEEN ? AND ?) ORDER BY logical LIMIT ?",
+    )
+    .bind(range.start())
+    .bind(range.end())
+    .bind(range.start())
+    .bind(range.end())
+    .bind(n as u64)
+    .fetch_all(meta)
+    .await
+    .unwrap();
+    rows.into_iter().map(|r| r.0).collect()
 }
 
 /// What a misconfigured process must not change: per shard, its tables
@@ -342,6 +381,12 @@ async fn a_move_killed_mid_copy_resumes_and_one_not_yet_flipped_rolls_back() {
     env.dsns.push(dsn2);
     let meta = env.pool(0).await;
     let s2 = MySqlPool::connect(&env.dsns[2]).await.unwrap();
+    // A tombstone in the first logical shard the first move copies: a
+    // purge will delete its row on the source after the copy.
+    let k = first_step_of(&meta, 0..=2047, 1).await[0];
+    let purged = id_in(k..=k);
+    assert_eq!(api.put(&purged, &json!({"doomed": true})).await.0, 201);
+    assert_eq!(api.delete(&purged).await.0, 200);
 
     // Started slowly, killed once it has copied something.
     let kill_mid_copy = |range: &'static str| {
@@ -371,14 +416,27 @@ async fn a_move_killed_mid_copy_resumes_and_one_not_yet_flipped_rolls_back() {
         }
     };
     let first = kill_mid_copy("0-2047").await;
+    // A tombstone purged on the source once copied: the catch-up must
+    // delete the target's copy too, or verification differs for good and
+    // the cutover never happens.
+    assert_eq!(entity_count(&s2, &[&purged]).await, 1, "the first step (with the tombstone) was not copied");
+    for s in 0..2 {
+        sqlx::query("DELETE FROM entities WHERE id = UNHEX(?)")
+            .bind(&purged)
+            .execute(&env.pool(s).await)
+            .await
+            .unwrap();
+    }
     // A row the journal never brought (it happened in a chaos run: a new
     // entity missing on the target, and the cutover retried forever): one
     // copied entity row is removed from the target behind the mover's back.
     // Verification must find it and copy it again.
-    let (lost,): (Vec<u8>,) = sqlx::query_as("SELECT id FROM entities ORDER BY added_id LIMIT 1")
-        .fetch_one(&s2)
-        .await
-        .expect("the killed copy left a row on s2");
+    let (lost,): (Vec<u8>,) =
+        sqlx::query_as("SELECT id FROM entities WHERE id <> UNHEX(?) ORDER BY added_id LIMIT 1")
+            .bind(&purged)
+            .fetch_one(&s2)
+            .await
+            .expect("the killed copy left a row on s2");
     sqlx::query("DELETE FROM entities WHERE id = ?").bind(&lost).execute(&s2).await.unwrap();
     let owned_by_s2 = || async {
         let (_, doc) = read.shards().await;
@@ -392,20 +450,48 @@ async fn a_move_killed_mid_copy_resumes_and_one_not_yet_flipped_rolls_back() {
     let (ok, out, err) = env.run(&env.args(&["shards", "resume"]), &[]).await;
     assert!(ok && out.contains(&format!("move {first} done")), "{out}{err}");
     assert_eq!(owned_by_s2().await, 256);
+    let everywhere: Vec<(usize, (i64,))> =
+        env.fetch_all_shards(&format!("SELECT COUNT(*) FROM entities WHERE id = X'{purged}'")).await;
+    assert!(
+        everywhere.iter().all(|(_, (n,))| *n == 0),
+        "the purged tombstone survived the move: {everywhere:?}"
+    );
     let (ok, out, err) =
         env.run(&env.args(&["shards", "move", "--logical", "0-2047", "--to", "s2"]), &[]).await;
     assert!(ok && out.contains("done:"), "{out}{err}");
     assert_eq!(owned_by_s2().await, 2048);
 
+    // A keyed create in the first step of the move to be rolled back: its
+    // record is copied, then forgotten by the rollback.
+    let step = first_step_of(&meta, 2048..=4095, 16).await;
+    let key = (0..)
+        .map(|i| format!("rollback-{i}"))
+        .find(|k| step.contains(&schemas::logical_of(&schemas::idempotency::entity_id_for(k).0, L)))
+        .unwrap();
+    let url = format!("{}/v1/entities", writer.url);
+    let (status, answer) = keyed(reqwest::Method::POST, &url, &key, &json!({"keyed": 1})).await;
+    assert_eq!(status, 201, "{answer}");
     let second = kill_mid_copy("2048-4095").await;
-    let (n,): (i64,) =
-        sqlx::query_as("SELECT COUNT(*) FROM entities WHERE logical >= 2048").fetch_one(&s2).await.unwrap();
-    assert!(n > 0, "the killed copy left nothing to roll back");
+    let count_on_s2 = |sql: &'static str| {
+        let s2 = s2.clone();
+        async move { sqlx::query_as::<_, (i64,)>(sql).fetch_one(&s2).await.unwrap().0 }
+    };
+    let (rows, records) = (
+        count_on_s2("SELECT COUNT(*) FROM entities WHERE logical >= 2048").await,
+        count_on_s2("SELECT COUNT(*) FROM bagstore_idempotency WHERE logical >= 2048").await,
+    );
+    assert!(
+        rows > 0 && records > 0,
+        "the killed copy left nothing to roll back: {rows} rows, {records} records"
+    );
     let (ok, out, err) = env.run(&env.args(&["shards", "abort", &second.to_string()]), &[]).await;
     assert!(ok && out.contains("rolled back"), "{out}{err}");
-    let (n,): (i64,) =
-        sqlx::query_as("SELECT COUNT(*) FROM entities WHERE logical >= 2048").fetch_one(&s2).await.unwrap();
-    assert_eq!(n, 0, "the rolled-back copy is still on the target");
+    let (rows, records) = (
+        count_on_s2("SELECT COUNT(*) FROM entities WHERE logical >= 2048").await,
+        count_on_s2("SELECT COUNT(*) FROM bagstore_idempotency WHERE logical >= 2048").await,
+    );
+    assert_eq!((rows, records), (0, 0), "the rolled-back copy is still on the target");
+    assert_eq!(keyed(reqwest::Method::POST, &url, &key, &json!({"keyed": 1})).await, (201, answer));
     for pool in [&meta, &env.pool(1).await] {
         let (triggers,): (i64,) = sqlx::query_as(
             "SELECT COUNT(*) FROM information_schema.TRIGGERS WHERE TRIGGER_SCHEMA = DATABASE()",
@@ -435,6 +521,115 @@ async fn a_move_killed_mid_copy_resumes_and_one_not_yet_flipped_rolls_back() {
         bagstore_tests::until_query_is(&read, &json!({"where": {"user_id": user}, "limit": 1000}), &want)
             .await;
     }
+}
+
+/// A move carries a logical shard's idempotency records and version floor:
+/// keyed writes made before and during the move, retried after it on the
+/// new owner, get their first answers and write nothing; the new owner's
+/// floor is the old owner's; the old owner keeps no record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moved_logical_shard_keeps_its_idempotency_records_and_version_floor() {
+    let mut env = TestEnv::new("movecarry", "").await;
+    env.migrate().await;
+    let dsn2 = env.extra_dsn(2);
+    let (ok, out, err) = env.run(&env.args(&["shards", "add", "s2", &dsn2]), &[]).await;
+    assert!(ok, "{out}{err}");
+    env.dsns.push(dsn2);
+    let writer = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;
+    let s2 = MySqlPool::connect(&env.dsns[2]).await.unwrap();
+
+    // A keyed create: its id, derived from the key, picks the logical
+    // shard that moves.
+    let entities = format!("{}/v1/entities", writer.url);
+    let order = json!({"order": 7});
+    let (status, created) = keyed(reqwest::Method::POST, &entities, "order-7", &order).await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["id"].as_str().unwrap().to_string();
+    let k = logical_of_hex(&id);
+    // Another entity of that logical shard, counted up by keyed PATCHes.
+    let counter = id_in(k..=k);
+    assert_eq!(writer.api().put(&counter, &json!({"n": 0})).await.0, 201);
+    let counter_url = format!("{entities}/{counter}");
+    let inc = json!({"$inc": {"n": 1}});
+    let first = keyed(reqwest::Method::PATCH, &counter_url, "inc-0", &inc).await;
+    assert_eq!(first.0, 200, "{}", first.1);
+    let answers: KeyedAnswers = Arc::new(Mutex::new(vec![("inc-0".into(), first)]));
+
+    // The source's floor of k, as a tombstone purge would have raised it.
+    let mut source = None;
+    for s in 0..2 {
+        let pool = env.pool(s).await;
+        let raised = sqlx::query("UPDATE bagstore_owned SET version_floor = 1000 WHERE logical = ?")
+            .bind(k)
+            .execute(&pool)
+            .await
+            .unwrap()
+            .rows_affected();
+        if raised == 1 {
+            source = Some(pool);
+        }
+    }
+    let source = source.expect("a shard owns logical shard k");
+
+    // Keyed increments go on while k moves (before, during and after its
+    // cutover).
+    let stop = Arc::new(AtomicBool::new(false));
+    let during = {
+        let (answers, stop, counter_url, inc) =
+            (answers.clone(), stop.clone(), counter_url.clone(), inc.clone());
+        tokio::spawn(async move {
+            let mut n = 1;
+            while !stop.load(Ordering::Relaxed) {
+                let key = format!("inc-{n}");
+                let answer = keyed(reqwest::Method::PATCH, &counter_url, &key, &inc).await;
+                assert_eq!(answer.0, 200, "a keyed write failed during the move: {}", answer.1);
+                answers.lock().unwrap().push((key, answer));
+                n += 1;
+            }
+        })
+    };
+    let (ok, out, err) =
+        env.run(&env.args(&["shards", "move", "--logical", &k.to_string(), "--to", "s2"]), &[]).await;
+    assert!(ok && out.contains("done:"), "{out}{err}");
+    stop.store(true, Ordering::Relaxed);
+    during.await.unwrap();
+    let answers = answers.lock().unwrap().clone();
+    assert!(answers.len() > 1, "no keyed write during the move");
+
+    // Every retry, now on s2: the first answer, nothing written.
+    assert_eq!(keyed(reqwest::Method::POST, &entities, "order-7", &order).await, (201, created.clone()));
+    for (key, answer) in &answers {
+        assert_eq!(&keyed(reqwest::Method::PATCH, &counter_url, key, &inc).await, answer, "retry of {key}");
+    }
+    // Each keyed PATCH counted once: the counter's version is 1 (its
+    // PUT) plus one per key.
+    let n = answers.len() as u64;
+    let versions: Vec<(u64,)> =
+        sqlx::query_as("SELECT version FROM entities WHERE id IN (UNHEX(?), UNHEX(?)) ORDER BY version")
+            .bind(&id)
+            .bind(&counter)
+            .fetch_all(&s2)
+            .await
+            .unwrap();
+    assert_eq!(versions, vec![(1,), (1 + n,)], "the entities are not on s2 as written");
+
+    // The floor came along; the records are on s2 only.
+    let (floor,): (u64,) = sqlx::query_as("SELECT version_floor FROM bagstore_owned WHERE logical = ?")
+        .bind(k)
+        .fetch_one(&s2)
+        .await
+        .unwrap();
+    assert_eq!(floor, 1000, "the target's version floor of {k}");
+    let records = |pool: MySqlPool| async move {
+        sqlx::query_as::<_, (i64,)>("SELECT COUNT(*) FROM bagstore_idempotency WHERE logical = ?")
+            .bind(k)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+            .0
+    };
+    assert_eq!(records(s2.clone()).await, 1 + n as i64, "the target's records of {k}");
+    assert_eq!(records(source).await, 0, "the source kept records of {k}");
 }
 
 /// Waits until `GET /v1/shards` shows `names` only, no move in flight, and
@@ -605,12 +800,124 @@ async fn a_mover_run_that_lost_the_move_cannot_write_the_copy() {
     storage::moves::claim_incoming(1, &target, &logicals, 222).await.unwrap();
     let err = storage::moves::begin_incoming(1, &target, &logicals, 111).await.unwrap_err();
     assert!(err.to_string().contains("took this move over"), "{err}");
-    assert!(storage::moves::take_over(1, &target, &logicals, 111).await.is_err());
+    let floors = BTreeMap::new();
+    assert!(storage::moves::take_over(1, &target, &logicals, 111, &floors).await.is_err());
     assert!(storage::moves::owns(1, &target, &logicals).await.unwrap().is_empty());
-    storage::moves::take_over(1, &target, &logicals, 222).await.unwrap();
+    storage::moves::take_over(1, &target, &logicals, 222, &floors).await.unwrap();
     assert_eq!(storage::moves::owns(1, &target, &logicals).await.unwrap(), logicals);
     // After the cutover no run may copy into it any more.
     assert!(storage::moves::begin_incoming(1, &target, &logicals, 222).await.is_err());
+}
+
+/// What a move carries besides rows, statement by statement: records of
+/// some logical shards stamped since a time, page by page in order; a copy
+/// that never replaces a newer record; deletes by logical shard; floors
+/// that only rise when ownership is granted; entity rows deleted by id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_carries_records_floors_and_deletes_as_the_statements_say() {
+    use storage::carry::{self, RecordCursor};
+    use storage::idempotency::{self, Record};
+    let env = TestEnv::new("carry", "").await;
+    env.migrate().await;
+    let (source, target) = (env.pool(0).await, env.pool(1).await);
+    let record = |n: u8, version: u64, recorded_us: i64| Record {
+        request_hash: [n; 16],
+        entity_id: schemas::EntityId([n; 16]),
+        version,
+        created: version == 1,
+        recorded_us,
+    };
+    // (key, logical, record): three logical shards, stamps 100..=900.
+    let all: Vec<([u8; 16], u16, Record)> = (1..=9u8)
+        .map(|n| ([n; 16], [5u16, 6, 9][usize::from(n % 3)], record(n, 1, 1000 - i64::from(n) * 100)))
+        .collect();
+    let mut conn = source.acquire().await.unwrap();
+    idempotency::put_records(0, &mut conn, &all).await.unwrap();
+    drop(conn);
+
+    // Logical shards 5 and 6, stamped at 300 or later, two at a time.
+    let (mut pages, mut got, mut after) = (0, Vec::new(), None);
+    loop {
+        let page = carry::idempotency_records_in(0, &source, &[5, 6], 300, after, 2).await.unwrap();
+        let Some(last) = page.last() else { break };
+        after = Some(RecordCursor::after(last));
+        pages += 1;
+        got.extend(page);
+    }
+    let mut want: Vec<(u16, i64, [u8; 16])> = all
+        .iter()
+        .filter(|(_, k, r)| *k != 9 && r.recorded_us >= 300)
+        .map(|(key, k, r)| (*k, r.recorded_us, *key))
+        .collect();
+    want.sort_unstable();
+    let order: Vec<(u16, i64, [u8; 16])> =
+        got.iter().map(|r| (r.logical, r.record.recorded_us, r.key_hash)).collect();
+    assert_eq!(order, want, "the records of 5 and 6 since 300, in order");
+    assert_eq!(pages, want.len().div_ceil(2));
+    assert_eq!(got[0].record, all.iter().find(|(key, ..)| *key == got[0].key_hash).unwrap().2);
+    assert_eq!(carry::count_idempotency_records(0, &source, &[5, 6]).await.unwrap(), 6);
+
+    // Copied, then copied again from an older and a newer state of one key:
+    // the newest stays.
+    let mut tx = target.begin().await.unwrap();
+    carry::copy_idempotency_records(1, &mut tx, &got).await.unwrap();
+    let key = got[0].key_hash;
+    let mut older = got[0];
+    older.record = Record { version: 7, recorded_us: got[0].record.recorded_us - 1, ..older.record };
+    carry::copy_idempotency_records(1, &mut tx, &[older]).await.unwrap();
+    tx.commit().await.unwrap();
+    let stored = |pool: MySqlPool| async move {
+        let mut conn = pool.acquire().await.unwrap();
+        idempotency::lock_records(1, &mut conn, &[key]).await.unwrap()[&key]
+    };
+    assert_eq!(stored(target.clone()).await, got[0].record, "an older copy replaced a newer record");
+    let mut newer = got[0];
+    newer.record = Record { version: 8, recorded_us: got[0].record.recorded_us + 1, ..newer.record };
+    let mut tx = target.begin().await.unwrap();
+    carry::copy_idempotency_records(1, &mut tx, &[newer]).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(stored(target.clone()).await, newer.record, "a newer copy did not replace the record");
+
+    // Deleted by logical shard, `limit` at a time, nothing else.
+    assert_eq!(carry::delete_idempotency_records(0, &source, &[5, 9], 2).await.unwrap(), 2);
+    while carry::delete_idempotency_records(0, &source, &[5, 9], 2).await.unwrap() > 0 {}
+    assert_eq!(carry::count_idempotency_records(0, &source, &[5, 9]).await.unwrap(), 0);
+    assert_eq!(carry::count_idempotency_records(0, &source, &[6]).await.unwrap(), 3);
+
+    // Floors: the owner's, read back; granted with ownership, never lower
+    // than the grantee's own.
+    let owned: Vec<u16> = storage::topology::owned(0, &source).await.unwrap().into_iter().take(3).collect();
+    sqlx::query("UPDATE bagstore_owned SET version_floor = 1000 WHERE logical = ?")
+        .bind(owned[0])
+        .execute(&source)
+        .await
+        .unwrap();
+    let floors = carry::version_floors(0, &source, &owned).await.unwrap();
+    assert_eq!(floors, BTreeMap::from([(owned[0], 1000), (owned[1], 0), (owned[2], 0)]));
+    sqlx::query("INSERT INTO bagstore_owned (logical, version_floor) VALUES (?, 2000)")
+        .bind(owned[1])
+        .execute(&target)
+        .await
+        .unwrap();
+    storage::moves::claim_incoming(1, &target, &owned, 7).await.unwrap();
+    storage::moves::take_over(1, &target, &owned, 7, &floors).await.unwrap();
+    let granted = carry::version_floors(1, &target, &owned).await.unwrap();
+    assert_eq!(granted, BTreeMap::from([(owned[0], 1000), (owned[1], 2000), (owned[2], 0)]));
+
+    // Entity rows deleted by id, inside the caller's transaction.
+    for n in [1u8, 2] {
+        sqlx::query("INSERT INTO entities (id, logical, version, body) VALUES (?, 5, 1, NULL)")
+            .bind(vec![n; 16])
+            .execute(&target)
+            .await
+            .unwrap();
+    }
+    let mut tx = target.begin().await.unwrap();
+    let gone = [schemas::EntityId([1; 16]), schemas::EntityId([3; 16])];
+    assert_eq!(carry::delete_entities(1, &mut tx, &gone).await.unwrap(), 1);
+    tx.commit().await.unwrap();
+    let left: Vec<(Vec<u8>,)> = sqlx::query_as("SELECT id FROM entities").fetch_all(&target).await.unwrap();
+    assert_eq!(left, vec![(vec![2u8; 16],)]);
 }
 
 /// Logical shards whose checksums differ: of entities, of index rows.
