@@ -51,7 +51,9 @@ pub struct Running {
 }
 
 /// Every route this process serves, each with its role: the services'
-/// for `roles`, and the ops routes every process has.
+/// for `roles`, and the ops routes every process has. Also the write path
+/// when a role writes (the writer's routes, the cleaner's expiry deletes);
+/// the relays that publish what it commits run with the writer role.
 pub fn routes(
     settings: &Settings,
     shards: &Shards,
@@ -59,18 +61,21 @@ pub fn routes(
     registry: &Registry,
     pipeline: &Pipeline,
     health: &Health,
-) -> anyhow::Result<Routes> {
+) -> anyhow::Result<(Routes, Option<writer::Writer>)> {
     let mut routes = http::ops::routes(registry.clone(), health.clone());
-    if roles.writer {
-        let w = writer::Writer::new(settings.clone(), shards.clone(), registry, health.clone())?;
+    let mut write_path = None;
+    if roles.writer || roles.cleaner {
+        write_path = Some(writer::Writer::new(settings.clone(), shards.clone(), registry, health.clone())?);
+    }
+    if let (true, Some(w)) = (roles.writer, &write_path) {
         w.spawn_relays(&pipeline.tracker, pipeline.stop.clone())?;
-        routes = routes.merge(writer::http::routes(w));
+        routes = routes.merge(writer::http::routes(w.clone()));
     }
     if roles.reader {
         let r = reader::Reader::new(settings.clone(), shards.clone(), registry)?;
         routes = routes.merge(reader::http::routes(r));
     }
-    Ok(routes)
+    Ok((routes, write_path))
 }
 
 pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running> {
@@ -81,7 +86,7 @@ pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running>
     let uses_kafka = roles.writer || roles.cleaner || !roles.indexes.is_empty();
     let kafka_only = !roles.indexes.is_empty() && !roles.writer && !roles.reader && !roles.cleaner;
     let health = Health::new(shards.clone(), uses_kafka.then(|| settings.kafka.clone()), kafka_only);
-    let routes = routes(settings, &shards, &roles, &registry, &pipeline, &health)?;
+    let (routes, write_path) = routes(settings, &shards, &roles, &registry, &pipeline, &health)?;
     let role_names = roles.names();
     if !roles.indexes.is_empty() {
         let metrics = indexer::Metrics::register(&registry)?;
@@ -124,6 +129,12 @@ pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running>
         let (lag, lag_stop) = (c.clone(), stop.clone());
         let (purge, purge_stop) = (c.clone(), stop.clone());
         pipeline.tracker.spawn(async move { purge.purge_idempotency_keys(purge_stop).await });
+        let (tombstones, tombstones_stop) = (c.clone(), stop.clone());
+        pipeline.tracker.spawn(async move { tombstones.purge_tombstones(tombstones_stop).await });
+        if let Some(w) = write_path {
+            let (expire, expire_stop) = (c.clone(), stop.clone());
+            pipeline.tracker.spawn(async move { expire.expire_entities(w, expire_stop).await });
+        }
         pipeline.tracker.spawn(async move { c.run(&backfills, stop).await });
         pipeline.tracker.spawn(async move { lag.report_lag(lag_stop).await });
     }
@@ -204,7 +215,7 @@ mod tests {
         let roles = Roles { writer: true, reader: true, ..Default::default() };
         let pipeline = Pipeline::new();
         let health = Health::new(shards.clone(), None, false);
-        let routes = routes(&settings, &shards, &roles, &Registry::new(), &pipeline, &health).unwrap();
+        let (routes, _) = routes(&settings, &shards, &roles, &Registry::new(), &pipeline, &health).unwrap();
         pipeline.stop.cancel();
         let mut declared: Vec<(String, &str, Role)> =
             routes.roles().iter().map(|r| (r.method.to_string(), r.path, r.role)).collect();

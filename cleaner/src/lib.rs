@@ -21,11 +21,14 @@
 //! - this file: the [`Cleaner`] and its sweep cycle.
 //! - [`reconcile`]: per-entity drift judgment and repair.
 //! - [`backfill`]: a new index's online backfill, resumable, throttled.
+//! - [`expiry`]: deleting expired entities (through the writer) and
+//!   purging old tombstones.
 //! - [`lag`]: index lag and the settled time (before which drift is drift,
 //!   not lag), measured for every index, live consumer or not.
 //! - [`metrics`]: the series this crate exports.
 
 pub mod backfill;
+pub mod expiry;
 pub mod lag;
 pub mod metrics;
 pub mod reconcile;

@@ -2,7 +2,7 @@
 //! lag and state series it measures for every index (so lag is reported
 //! even when an index has no live consumer).
 
-use prometheus::{GaugeVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 
 /// Cleaner series, `bagstore_cleaner_…` (and `bagstore_index_state`).
 #[derive(Debug, Clone)]
@@ -36,6 +36,12 @@ pub struct CleanerMetrics {
     /// When the group's offsets were last read from Kafka: the lag gauges
     /// keep their last values while the probe fails, this one shows it.
     pub lag_probe: GaugeVec,
+    /// Entities deleted because they expired, per shard.
+    pub expired: IntCounterVec,
+    /// How long after its expiry instant each expired entity was deleted.
+    pub expiry_delay: HistogramVec,
+    /// Tombstones purged (older than `cleaner.tombstone_retention_secs`), per shard.
+    pub tombstones_purged: IntCounterVec,
 }
 
 impl CleanerMetrics {
@@ -118,6 +124,28 @@ impl CleanerMetrics {
                 ),
                 &["index"],
             )?,
+            expired: IntCounterVec::new(
+                Opts::new(
+                    "bagstore_cleaner_expired_total",
+                    "Entities deleted because their expiry time passed",
+                ),
+                &["shard"],
+            )?,
+            expiry_delay: HistogramVec::new(
+                HistogramOpts::new(
+                    "bagstore_cleaner_expiry_delay_seconds",
+                    "Time from an entity's expiry to its delete (hidden from reads throughout)",
+                )
+                .buckets(vec![0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0]),
+                &["shard"],
+            )?,
+            tombstones_purged: IntCounterVec::new(
+                Opts::new(
+                    "bagstore_cleaner_tombstones_purged_total",
+                    "Rows of deleted entities removed after the retention",
+                ),
+                &["shard"],
+            )?,
         };
         r.register(Box::new(m.drift_found.clone()))?;
         r.register(Box::new(m.drift_fixed.clone()))?;
@@ -133,6 +161,9 @@ impl CleanerMetrics {
         r.register(Box::new(m.applied_through.clone()))?;
         r.register(Box::new(m.consumers.clone()))?;
         r.register(Box::new(m.lag_probe.clone()))?;
+        r.register(Box::new(m.expired.clone()))?;
+        r.register(Box::new(m.expiry_delay.clone()))?;
+        r.register(Box::new(m.tombstones_purged.clone()))?;
         Ok(m)
     }
 }

@@ -18,9 +18,10 @@
 //! across all pages. The page token is the position of the last entity
 //! returned.
 
-use schemas::codec;
+use schemas::clock::now_micros;
 use schemas::index::{IndexKey, KeyValue};
 use schemas::query::{cmp_keys, PageToken, Plan, Query};
+use schemas::{codec, expiry};
 use schemas::{Bag, EntityId};
 use std::collections::{HashSet, VecDeque};
 use storage::entities::{self, EntityRecord};
@@ -68,11 +69,17 @@ macro_rules! read_on {
     }};
 }
 
-/// A live entity's record, decoded (`None` for a tombstone).
-fn decode(shard: usize, s: EntityRecord) -> Result<Option<Entity>, ReadError> {
+/// A live entity's record, decoded (`None` for a tombstone, and for an
+/// entity expired by now under `expiry`, the `expiry.property` setting:
+/// decoded after the read began, so a read that begins at or after the
+/// expiry instant never returns it).
+fn decode(shard: usize, s: EntityRecord, expiry: Option<&str>) -> Result<Option<Entity>, ReadError> {
     let Some(body) = s.body else { return Ok(None) };
     let properties =
         codec::decode_body(&body).map_err(|source| ReadError::Corrupt { id: s.id, shard, source })?;
+    if expiry::bag_is_expired(&properties, expiry, now_micros()) {
+        return Ok(None);
+    }
     Ok(Some(Entity { id: s.id, version: s.version, updated_us: s.updated_us, properties }))
 }
 
@@ -86,6 +93,11 @@ struct Stream {
 }
 
 impl Reader {
+    /// `expiry.property`: entities expired under it are not returned.
+    fn expiry(&self) -> Option<&str> {
+        self.settings().expiry.property.as_deref()
+    }
+
     pub async fn get(&self, id: &EntityId) -> Result<Option<Entity>, ReadError> {
         self.fresh(|| async {
             let shard = self.shards().of_id(id);
@@ -194,7 +206,7 @@ impl Reader {
             for (id, _) in &at {
                 match got.remove(id) {
                     // A tombstone decodes to nothing: deleted.
-                    Some(record) => out.extend(decode(shard, record)?),
+                    Some(record) => out.extend(decode(shard, record, self.expiry())?),
                     None => {
                         locations.forget(id);
                         by_id.push(*id);
@@ -211,7 +223,7 @@ impl Reader {
             vouched |= fetched.shard_epoch.is_some();
             locations.learn(fetched.records.iter().map(|s| (s.id, s.added_id)));
             for s in fetched.records {
-                out.extend(decode(shard, s)?);
+                out.extend(decode(shard, s, self.expiry())?);
             }
         }
         if !vouched && !ids.is_empty() {
@@ -369,7 +381,7 @@ impl Reader {
                         match row.local {
                             Local::Live(stored) if here => {
                                 self.inner.locations.learn([(row.entity, stored.added_id)]);
-                                if let Some(entity) = decode(from, stored)? {
+                                if let Some(entity) = decode(from, stored, self.expiry())? {
                                     found.insert(row.entity, entity);
                                 }
                             }

@@ -33,6 +33,17 @@ pub fn key_hash(key: &str) -> [u8; 16] {
     hash("bagstore idempotency key", &[key.as_bytes()])
 }
 
+/// The stored form of a batch's key for its item at `index`: each item is
+/// guarded on its own shard, in its own transaction.
+pub fn item_key_hash(key: &str, index: usize) -> [u8; 16] {
+    hash("bagstore idempotency key of a batch item", &[key.as_bytes(), &(index as u64).to_be_bytes()])
+}
+
+/// The id a keyed batch's item without an id gets.
+pub fn item_entity_id(key: &str, index: usize) -> EntityId {
+    EntityId(hash("bagstore entity id of a batch item", &[key.as_bytes(), &(index as u64).to_be_bytes()]))
+}
+
 /// What identifies a request under one key: the route and the body (its
 /// canonical JSON), so the same key with another body is told apart.
 pub fn request_hash(route: &str, body: &[u8]) -> [u8; 16] {
@@ -56,6 +67,10 @@ mod tests {
         assert_ne!(entity_id_for("k1").0, key_hash("k1"), "the id is not the stored key");
         assert_ne!(request_hash("POST", b"{}"), request_hash("POST", b"{ }"));
         assert_ne!(request_hash("a", b"bc"), request_hash("ab", b"c"));
+        assert_ne!(item_key_hash("k1", 0), item_key_hash("k1", 1));
+        assert_ne!(item_key_hash("k1", 0), key_hash("k1"), "a batch item's key is not a single write's");
+        assert_ne!(item_entity_id("k1", 0), entity_id_for("k1"));
+        assert_eq!(item_entity_id("k1", 3), item_entity_id("k1", 3));
         assert!(check_key("order-42").is_ok());
         for bad in ["", "with space", "tab\t", &"x".repeat(256), "é"] {
             assert!(check_key(bad).is_err(), "{bad:?}");

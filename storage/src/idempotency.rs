@@ -26,11 +26,31 @@ pub async fn lock_records(
     conn: &mut MySqlConnection,
     keys: &[[u8; 16]],
 ) -> Result<HashMap<[u8; 16], Record>> {
+    select_records(shard, conn, keys, " FOR UPDATE").await
+}
+
+/// The records of `keys`, unlocked: a look before a write that spans
+/// shards (a keyed batch), which its transactions check again.
+pub async fn read_records(
+    shard: usize,
+    pool: &MySqlPool,
+    keys: &[[u8; 16]],
+) -> Result<HashMap<[u8; 16], Record>> {
+    let mut conn = pool.acquire().await.on(shard)?;
+    select_records(shard, &mut conn, keys, "").await
+}
+
+async fn select_records(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    keys: &[[u8; 16]],
+    lock: &str,
+) -> Result<HashMap<[u8; 16], Record>> {
     let mut out = HashMap::new();
     for chunk in keys.chunks(500) {
         let sql = format!(
             "SELECT key_hash, request_hash, entity_id, version, created, recorded_us FROM bagstore_idempotency \
-             WHERE key_hash IN ({}) FOR UPDATE",
+             WHERE key_hash IN ({}){lock}",
             vec!["?"; chunk.len()].join(", ")
         );
         let mut q = sqlx::query(&sql);

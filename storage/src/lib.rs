@@ -12,6 +12,8 @@
 //! - [`entities`]: the entity rows ([`EntityRecord`]): the writer's locking
 //!   read and writes, reads by id and by location, the cleaner's sweeps.
 //! - [`outbox`]: change events waiting for Kafka.
+//! - [`purge`]: expired entities to delete; old tombstones purged under a
+//!   version floor per logical shard.
 //! - [`idempotency`]: `Idempotency-Key` records, written with the write they guard.
 //! - [`index_rows`]: index rows: upserts, version-guarded deletes, repairs.
 //! - [`index_scan`]: ordered, keyset-paged index scans for queries.
@@ -46,6 +48,7 @@ pub mod locks;
 pub mod migrate;
 pub mod moves;
 pub mod outbox;
+pub mod purge;
 pub mod server;
 pub mod shards;
 pub mod topology;

@@ -21,6 +21,7 @@
 use schemas::topology::{PhysicalId, PhysicalShard, Topology};
 use sqlx::mysql::MySqlPool;
 use sqlx::{MySqlConnection, Row};
+use std::collections::HashMap;
 
 use crate::entities::marks;
 use crate::error::{OnShard, Result, StoreError};
@@ -273,29 +274,34 @@ pub async fn owned(shard: usize, pool: &MySqlPool) -> Result<Vec<u16>> {
 
 /// The ownership proof of a write: inside the caller's transaction, reads
 /// the `bagstore_owned` rows of `logicals` with a shared lock (held until
-/// the transaction ends, so no cutover can take them meanwhile). Fails with
-/// [`StoreError::NotOwner`] if any is missing: the caller's map is stale.
-pub async fn check_owned(shard: usize, conn: &mut MySqlConnection, logicals: &[u16]) -> Result<()> {
+/// the transaction ends, so no cutover or tombstone purge can change them
+/// meanwhile). Fails with [`StoreError::NotOwner`] if any is missing: the
+/// caller's map is stale. Returns each logical shard's version floor (see
+/// [`crate::ddl::FLOOR_COLUMN`]).
+pub async fn check_owned(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    logicals: &[u16],
+) -> Result<HashMap<u16, u64>> {
     let mut wanted: Vec<u16> = logicals.to_vec();
     wanted.sort_unstable();
     wanted.dedup();
     if wanted.is_empty() {
-        return Ok(());
+        return Ok(HashMap::new());
     }
     let sql = format!(
-        "SELECT logical FROM bagstore_owned WHERE logical IN ({}) LOCK IN SHARE MODE",
+        "SELECT logical, version_floor FROM bagstore_owned WHERE logical IN ({}) LOCK IN SHARE MODE",
         marks(wanted.len())
     );
-    let mut q = sqlx::query(&sql);
+    let mut q = sqlx::query_as::<_, (u16, u64)>(&sql);
     for k in &wanted {
         q = q.bind(*k);
     }
-    let found = q.fetch_all(&mut *conn).await.on(shard)?;
+    let found: HashMap<u16, u64> = q.fetch_all(&mut *conn).await.on(shard)?.into_iter().collect();
     if found.len() == wanted.len() {
-        return Ok(());
+        return Ok(found);
     }
-    let have: Vec<u16> = found.iter().filter_map(|r| r.try_get::<u16, _>("logical").ok()).collect();
-    let missing = wanted.into_iter().find(|k| !have.contains(k)).unwrap_or_default();
+    let missing = wanted.into_iter().find(|k| !found.contains_key(k)).unwrap_or_default();
     Err(StoreError::NotOwner { shard, logical: missing })
 }
 

@@ -142,7 +142,11 @@ fn write_problem(e: WriteError) -> Problem {
             "If-None-Match: * was given and the entity exists",
         )
         .with("current_version", current),
-        WriteError::NotFound => Problem::not_found("no entity with this id"),
+        WriteError::NotFound | WriteError::NotExpired => Problem::not_found("no entity with this id"),
+        WriteError::BadExpiry(b) => {
+            Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "bad-expiry", "Bad expiry time", b.to_string())
+                .with("property", b.property)
+        }
         WriteError::KeyReused => Problem::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "idempotency-key-reused",
@@ -288,14 +292,15 @@ async fn remove(
     Ok(answer(o, StatusCode::OK))
 }
 
+/// `POST /v1/entities/batch`. With an `Idempotency-Key`, each item is
+/// guarded on its own (a key per item, derived from the request's key and
+/// the item's place, recorded in the transaction that writes the item), so
+/// a retry answers every item as the first attempt did and writes only
+/// what that attempt did not; an item without an id gets one derived from
+/// the key and its place. The same key with another body is a 422 for the
+/// whole batch, and nothing is written.
 async fn batch(State(w): State<Writer>, headers: HeaderMap, body: Body) -> Result<Response, Problem> {
-    if headers.contains_key("idempotency-key") {
-        return Err(Problem::bad_request(
-            "idempotency-key-unsupported",
-            "the batch route does not take an Idempotency-Key yet: give each entity its \"id\" (a retried batch \
-             then replaces the same entities) or send keyed single writes",
-        ));
-    }
+    let key = idempotency_key(&headers)?;
     // One permit before the body is read (so a flood of batches holds
     // bounded memory), the others once the entities are counted.
     let _first = admit(&w, 1)?;
@@ -315,6 +320,10 @@ async fn batch(State(w): State<Writer>, headers: HeaderMap, body: Body) -> Resul
         ));
     }
     let _rest = admit(&w, items.len().saturating_sub(1))?;
+    // Every item's record holds the hash of the whole request.
+    let request = key.as_ref().map(|_| {
+        idempotency::request_hash("POST /v1/entities/batch", &serde_json::to_vec(&doc).unwrap_or_default())
+    });
     // Each item is validated on its own; invalid ones get their problem and
     // are not written, the others are.
     let mut results: Vec<Option<JsonValue>> = vec![None; items.len()];
@@ -323,11 +332,24 @@ async fn batch(State(w): State<Writer>, headers: HeaderMap, body: Body) -> Resul
     for (i, item) in items.into_iter().enumerate() {
         match entity_body(item, Some(max)) {
             Ok((id, bag)) => {
-                valid.push((id.unwrap_or_else(EntityId::random), bag));
+                let (id, pre) = match (&key, request) {
+                    (Some(k), Some(request)) => (
+                        id.unwrap_or_else(|| idempotency::item_entity_id(k, i)),
+                        Precondition {
+                            guard: Some(Guard { key: idempotency::item_key_hash(k, i), request }),
+                            ..Precondition::default()
+                        },
+                    ),
+                    _ => (id.unwrap_or_else(EntityId::random), Precondition::default()),
+                };
+                valid.push((id, bag, pre));
                 positions.push(i);
             }
             Err(p) => results[i] = Some(p.to_json()),
         }
+    }
+    if key.is_some() && w.keys_reused(&valid).await.map_err(|e| write_problem(WriteError::Store(e)))? {
+        return Err(write_problem(WriteError::KeyReused));
     }
     for (i, r) in positions.into_iter().zip(w.put_batch(valid).await) {
         results[i] = Some(match r {

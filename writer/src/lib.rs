@@ -125,7 +125,7 @@ impl Writer {
             metrics.publish_failures.with_label_values(&[&s]);
             metrics.relay_leader.with_label_values(&[&s]);
             metrics.queued.with_label_values(&[&s]);
-            for kind in ["put", "delete", "patch"] {
+            for kind in ["put", "delete", "patch", "expire"] {
                 metrics.writes.with_label_values(&[&s, kind]);
             }
         }

@@ -6,6 +6,7 @@
 use schemas::clock::now_micros;
 use schemas::codec;
 use schemas::event::{ChangeEvent, Op};
+use schemas::expiry::{self, BadExpiry};
 use schemas::patch::{Patch, PatchClash};
 use schemas::value::BagJson;
 use schemas::{Bag, EntityId};
@@ -66,6 +67,13 @@ pub enum WriteError {
     /// A patch whose result would be larger than an entity may be.
     #[error("the patched entity would take {bytes} bytes of JSON, over the {max} byte limit")]
     TooLarge { bytes: usize, max: usize },
+    /// The entity's expiry property is not a number of Unix seconds.
+    #[error(transparent)]
+    BadExpiry(#[from] BadExpiry),
+    /// An expiry (the cleaner's delete) found the entity not expired:
+    /// rewritten since it was found, or already deleted.
+    #[error("the entity is not expired")]
+    NotExpired,
     #[error(transparent)]
     Store(#[from] StoreError),
     /// The transaction this item shared with others (a batch, or a group
@@ -101,6 +109,9 @@ pub enum Change {
         patch: Arc<Patch>,
         upsert: bool,
     },
+    /// The cleaner's delete of an expired entity: a delete if the entity
+    /// as locked is expired, else nothing ([`WriteError::NotExpired`]).
+    Expire,
 }
 
 impl Change {
@@ -110,6 +121,7 @@ impl Change {
             Change::Put(_) => "put",
             Change::Delete => "delete",
             Change::Patch { .. } => "patch",
+            Change::Expire => "expire",
         }
     }
 }
@@ -136,10 +148,20 @@ impl Writer {
         self.write_one(id, Change::Patch { patch: Arc::new(patch), upsert }, pre).await
     }
 
+    /// Deletes the entity if it is expired when its row is locked (the
+    /// cleaner's expiry: a delete event like any other, so indexes and
+    /// every consumer follow).
+    pub async fn expire(&self, id: EntityId) -> Result<Outcome, WriteError> {
+        self.write_one(id, Change::Expire, Precondition::default()).await
+    }
+
     /// Puts many entities; those on one shard commit in one transaction.
     /// Results come back in input order. Items whose shard turned out not to
     /// own them (a stale map) go again to the new owner.
-    pub async fn put_batch(&self, items: Vec<(EntityId, Bag)>) -> Vec<Result<Outcome, WriteError>> {
+    pub async fn put_batch(
+        &self,
+        items: Vec<(EntityId, Bag, Precondition)>,
+    ) -> Vec<Result<Outcome, WriteError>> {
         let mut out: Vec<Option<Result<Outcome, WriteError>>> = (0..items.len()).map(|_| None).collect();
         let mut todo: Vec<usize> = (0..items.len()).collect();
         let mut stale = crate::StaleMapRetry::new();
@@ -155,10 +177,37 @@ impl Writer {
         out.into_iter().map(|r| r.expect("every item belongs to one shard")).collect()
     }
 
+    /// Whether a keyed item's key was used within the window for another
+    /// request: a keyed batch that would be a 422 is refused whole before
+    /// anything is written (its transactions check each key again, locked).
+    pub async fn keys_reused(&self, items: &[(EntityId, Bag, Precondition)]) -> Result<bool, StoreError> {
+        let mut per_shard: std::collections::BTreeMap<usize, Vec<Guard>> = Default::default();
+        for (id, _, pre) in items {
+            if let Some(g) = pre.guard {
+                per_shard.entry(self.shards().of_id(id)).or_default().push(g);
+            }
+        }
+        let window_us = (self.settings().writer.idempotency_window_secs as i64).saturating_mul(1_000_000);
+        let now = now_micros();
+        for (shard, guards) in per_shard {
+            let keys: Vec<[u8; 16]> = guards.iter().map(|g| g.key).collect();
+            let found = idempotency::read_records(shard, self.shards().pool(shard), &keys).await?;
+            let reused = guards.iter().any(|g| {
+                found.get(&g.key).is_some_and(|r| {
+                    r.recorded_us.saturating_add(window_us) > now && r.request_hash != g.request
+                })
+            });
+            if reused {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     /// One attempt at the items `todo` of `items`; results in `todo`'s order.
     async fn put_batch_once(
         &self,
-        items: &[(EntityId, Bag)],
+        items: &[(EntityId, Bag, Precondition)],
         todo: &[usize],
     ) -> Vec<Result<Outcome, WriteError>> {
         let mut per_shard: Vec<Vec<usize>> = vec![Vec::new(); self.shards().slots_len()];
@@ -174,10 +223,8 @@ impl Writer {
         let done = self
             .shards()
             .each_with(&per_shard, |shard, _, idx| async move {
-                let batch: Vec<(EntityId, Change, Precondition)> = idx
-                    .iter()
-                    .map(|&i| (items[i].0, Change::Put(items[i].1.clone()), Precondition::default()))
-                    .collect();
+                let batch: Vec<(EntityId, Change, Precondition)> =
+                    idx.iter().map(|&i| (items[i].0, Change::Put(items[i].1.clone()), items[i].2)).collect();
                 self.transaction_with_retries(shard, &batch).await
             })
             .await;
@@ -254,7 +301,7 @@ impl Writer {
         // First the proof that this shard owns every logical shard written
         // (a cutover cannot take them until this transaction ends).
         let logicals: Vec<u16> = ids.iter().map(|id| self.shards().logical_of_id(id)).collect();
-        topology::check_owned(shard, &mut tx, &logicals).await?;
+        let floors = topology::check_owned(shard, &mut tx, &logicals).await?;
         // Keyed writes: their records, locked before the rows they guard.
         let keys: Vec<[u8; 16]> = items.iter().filter_map(|(_, _, p)| p.guard.map(|g| g.key)).collect();
         let mut records = if keys.is_empty() {
@@ -265,14 +312,15 @@ impl Writer {
         let mut new_records = Vec::new();
         let window_us = (self.settings().writer.idempotency_window_secs as i64).saturating_mul(1_000_000);
         let current = entities::lock_entities(shard, &mut tx, &ids).await?;
+        let now = now_micros();
+        let expiry = self.settings().expiry.property.as_deref();
         // Where each entity's row is (its clustered key): the existing ones
         // now, the new ones once inserted. Events carry it for the indexes.
         let mut located: HashMap<EntityId, u64> = current.iter().map(|(id, c)| (*id, c.added_id)).collect();
         let mut rows: HashMap<EntityId, Staged> =
-            current.into_iter().map(|(id, c)| (id, Staged::stored(shard, &id, c))).collect();
+            current.into_iter().map(|(id, c)| (id, Staged::stored(shard, &id, c, expiry, now))).collect();
         let locked: std::collections::HashSet<EntityId> = rows.keys().copied().collect();
-        let now = now_micros();
-        let max_bytes = self.settings().writer.max_body_bytes;
+        let limits = Limits { max_bytes: self.settings().writer.max_body_bytes, expiry };
         let mut results = Vec::with_capacity(items.len());
         let mut kinds = Vec::new();
         let mut events = Vec::new();
@@ -290,7 +338,10 @@ impl Writer {
                     continue;
                 }
             }
-            match decide(shard, id, rows.get(id), change, *pre, now, max_bytes) {
+            // An id with no row starts above its logical shard's floor (the
+            // versions of purged tombstones).
+            let floor = floors.get(&self.shards().logical_of_id(id)).copied().unwrap_or(0);
+            match decide(shard, id, rows.get(id), floor, change, *pre, now, limits) {
                 Ok((row, event, outcome)) => {
                     if let Some(g) = pre.guard {
                         let r = idempotency::Record {
@@ -400,14 +451,15 @@ struct Staged {
     version: u64,
     /// `None` for a tombstone (or a body that could not be decoded).
     bag: Option<Bag>,
+    /// Visible: a body that is not expired.
     live: bool,
     /// The row's expiry (see `schemas::expiry`).
     expires_us: Option<i64>,
 }
 
 impl Staged {
-    fn stored(shard: usize, id: &EntityId, c: EntityRecord) -> Staged {
-        let live = c.body.is_some();
+    fn stored(shard: usize, id: &EntityId, c: EntityRecord, expiry: Option<&str>, now: i64) -> Staged {
+        let has_body = c.body.is_some();
         let bag = c.body.as_deref().and_then(|blob| match codec::decode_body(blob) {
             Ok(bag) => Some(bag),
             Err(e) => {
@@ -417,22 +469,39 @@ impl Staged {
                 None
             }
         });
+        // An expired entity is absent to writes as to reads.
+        let live = has_body && !bag.as_ref().is_some_and(|b| expiry::bag_is_expired(b, expiry, now));
         Staged { version: c.version, bag, live, expires_us: c.expires_us }
     }
 }
 
+/// What a write may produce.
+#[derive(Debug, Clone, Copy)]
+struct Limits<'a> {
+    /// The JSON size of a patched entity.
+    max_bytes: usize,
+    /// `expiry.property`.
+    expiry: Option<&'a str>,
+}
+
 /// One item's effect: the row after it, its change event, its answer; or
-/// why it does nothing. Pure: the database work is the caller's.
-/// `max_bytes` bounds the JSON size of a patched entity.
+/// why it does nothing. Pure: the database work is the caller's. `floor`
+/// is the version floor of the id's logical shard: an id with no row
+/// starts above it.
+#[allow(clippy::too_many_arguments)]
 fn decide(
     shard: usize,
     id: &EntityId,
     current: Option<&Staged>,
+    floor: u64,
     change: &Change,
     pre: Precondition,
     now: i64,
-    max_bytes: usize,
+    limits: Limits<'_>,
 ) -> Result<(Staged, ChangeEvent, Outcome), WriteError> {
+    if matches!(change, Change::Expire) && !current.is_some_and(|c| c.bag.is_some() && !c.live) {
+        return Err(WriteError::NotExpired);
+    }
     let live_version = current.filter(|c| c.live).map(|c| c.version);
     if let Some(expected) = pre.if_version {
         if live_version != Some(expected) {
@@ -450,27 +519,34 @@ fn decide(
     let must_exist = match change {
         Change::Delete => true,
         Change::Patch { upsert, .. } => !upsert,
-        Change::Put(_) => false,
+        Change::Put(_) | Change::Expire => false,
     };
     if must_exist && live_version.is_none() {
         return Err(WriteError::NotFound);
     }
-    // Tombstones keep their version, so a re-created entity continues from it.
-    let version = current.map_or(0, |c| c.version) + 1;
-    let before = current.filter(|c| c.live).and_then(|c| c.bag.clone());
+    // Tombstones keep their version, so a re-created entity continues from
+    // it; a purged one's is under the floor.
+    let version = current.map_or(floor, |c| c.version) + 1;
+    // What the row holds, expired or not: the indexes remove its rows.
+    let before = current.and_then(|c| c.bag.clone());
+    let visible = current.filter(|c| c.live).and_then(|c| c.bag.as_ref());
     let (op, after) = match change {
         Change::Put(bag) => (Op::Put, Some(bag.clone())),
-        Change::Delete => (Op::Delete, None),
+        Change::Delete | Change::Expire => (Op::Delete, None),
         Change::Patch { patch, .. } => {
-            let bag = patch.apply(before.as_ref())?;
+            let bag = patch.apply(visible)?;
             let bytes = serde_json::to_vec(&BagJson(&bag)).map_or(usize::MAX, |b| b.len());
-            if bytes > max_bytes {
-                return Err(WriteError::TooLarge { bytes, max: max_bytes });
+            if bytes > limits.max_bytes {
+                return Err(WriteError::TooLarge { bytes, max: limits.max_bytes });
             }
             (Op::Put, Some(bag))
         }
     };
-    let row = Staged { version, bag: after.clone(), live: after.is_some(), expires_us: None };
+    let expires_us = match &after {
+        Some(bag) => expiry::expires_us(bag, limits.expiry)?,
+        None => None,
+    };
+    let row = Staged { version, bag: after.clone(), live: after.is_some(), expires_us };
     // The row's location is filled in once it is known (after the insert).
     let event = ChangeEvent {
         id: *id,
@@ -483,4 +559,91 @@ fn decide(
         added_id: None,
     };
     Ok((row, event, Outcome { id: *id, version, created: live_version.is_none() }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use schemas::value::Value;
+
+    const LIMITS: Limits<'static> = Limits { max_bytes: 1 << 20, expiry: Some("expires_at") };
+
+    fn stored(version: u64, bag: Option<Bag>, now: i64) -> Staged {
+        let c = EntityRecord {
+            id: EntityId([1; 16]),
+            logical: 0,
+            added_id: 1,
+            version,
+            updated_us: 0,
+            body: bag.as_ref().map(codec::encode_body),
+            expires_us: None,
+        };
+        Staged::stored(0, &EntityId([1; 16]), c, LIMITS.expiry, now)
+    }
+
+    fn bag(pairs: &[(&str, Value)]) -> Bag {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
+    }
+
+    fn run(
+        current: Option<&Staged>,
+        floor: u64,
+        change: Change,
+        pre: Precondition,
+        now: i64,
+    ) -> Result<Outcome, WriteError> {
+        decide(0, &EntityId([1; 16]), current, floor, &change, pre, now, LIMITS).map(|(_, _, o)| o)
+    }
+
+    #[test]
+    fn an_id_without_a_row_starts_above_the_floor_and_a_live_one_goes_up_by_one() {
+        let put = || Change::Put(bag(&[("a", Value::Int(1))]));
+        assert_eq!(run(None, 0, put(), Precondition::default(), 0).unwrap().version, 1);
+        assert_eq!(run(None, 41, put(), Precondition::default(), 0).unwrap().version, 42);
+        // A row (live or tombstone) continues from its own version, whatever the floor.
+        let live = stored(7, Some(bag(&[])), 0);
+        assert_eq!(run(Some(&live), 41, put(), Precondition::default(), 0).unwrap().version, 8);
+        let tomb = stored(7, None, 0);
+        assert_eq!(run(Some(&tomb), 41, put(), Precondition::default(), 0).unwrap().version, 8);
+    }
+
+    #[test]
+    fn an_expired_entity_is_absent_to_writes_and_its_expiry_deletes_it() {
+        let old = bag(&[("expires_at", Value::Int(100)), ("a", Value::Int(1))]);
+        let now = 100_000_000; // the expiry second itself
+        let expired = stored(3, Some(old.clone()), now);
+        let create = Precondition { if_absent: true, ..Precondition::default() };
+        let o = run(Some(&expired), 0, Change::Put(bag(&[])), create, now).unwrap();
+        assert_eq!((o.version, o.created), (4, true));
+        assert!(matches!(
+            run(Some(&expired), 0, Change::Delete, Precondition::default(), now),
+            Err(WriteError::NotFound)
+        ));
+        // The expiry's delete carries the stored bag as `before`, so the
+        // indexes remove its rows.
+        let (row, event, _) = decide(
+            0,
+            &EntityId([1; 16]),
+            Some(&expired),
+            0,
+            &Change::Expire,
+            Precondition::default(),
+            now,
+            LIMITS,
+        )
+        .unwrap();
+        assert_eq!((row.live, event.op, event.before.as_ref()), (false, Op::Delete, Some(&old)));
+        // A second before, nothing expires.
+        let fresh = stored(3, Some(old), now - 1);
+        assert!(matches!(
+            run(Some(&fresh), 0, Change::Expire, Precondition::default(), now - 1),
+            Err(WriteError::NotExpired)
+        ));
+        // A malformed expiry is refused, naming the property.
+        let bad = Change::Put(bag(&[("expires_at", Value::String("soon".into()))]));
+        match run(None, 0, bad, Precondition::default(), now) {
+            Err(WriteError::BadExpiry(e)) => assert_eq!(e.property, "expires_at"),
+            other => panic!("{other:?}"),
+        }
+    }
 }

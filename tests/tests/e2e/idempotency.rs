@@ -81,16 +81,62 @@ async fn a_retried_keyed_write_gets_the_first_answer_and_writes_once() {
     let stored = entity_rows(&env).await;
     assert_eq!(stored, vec![(id.clone(), 3)], "two distinct keys, two versions");
 
-    // Bad keys, and the batch route (not keyed yet), are refused.
+    // A bad key is refused.
     let (status, _) = post(&writer.url, "has space", &body).await.expect("POST");
     assert_eq!(status, 400);
-    let r = reqwest::Client::new()
-        .post(format!("{}/v1/entities/batch", writer.url))
-        .header("idempotency-key", "batch-1")
-        .json(&json!({"entities": [{"a": 1}]}))
-        .send()
-        .await
-        .expect("batch");
-    assert_eq!(r.status().as_u16(), 400);
     assert_eq!(entity_rows(&env).await.len(), 1);
+}
+
+async fn post_batch(base: &str, key: &str, items: &Value) -> Result<(u16, Value), reqwest::Error> {
+    let r = reqwest::Client::new()
+        .post(format!("{base}/v1/entities/batch"))
+        .header("idempotency-key", key)
+        .json(&json!({ "entities": items }))
+        .send()
+        .await?;
+    let status = r.status().as_u16();
+    Ok((status, r.json().await.unwrap_or(Value::Null)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_keyed_batch_answers_every_item_as_first_and_writes_once() {
+    let env = TestEnv::new("idembatch", "").await;
+    env.migrate().await;
+    let doomed = env.spawn_env(&["writer"], &[("BAGSTORE_WRITER__DRILL_EXIT_AFTER_COMMIT", "true")]).await;
+    // Items with and without ids, spread over both shards; one invalid.
+    let mut items: Vec<Value> = (0..20).map(|n| json!({"id": format!("{:032x}", n + 1), "n": n})).collect();
+    items.extend((0..20).map(|n| json!({"n": 100 + n})));
+    items.push(json!({"id": "not-an-id"}));
+    let items = Value::Array(items);
+    let first = post_batch(&doomed.url, "batch-7", &items).await;
+    assert!(first.is_err(), "the drill writer answered: {first:?}");
+    // The drill exits after a shard's transaction commits (the other's may
+    // or may not have).
+    assert!(!entity_rows(&env).await.is_empty(), "nothing committed");
+
+    let writer = env.spawn(&["writer"]).await;
+    let (status, answer) = post_batch(&writer.url, "batch-7", &items).await.expect("batch");
+    assert_eq!(status, 200, "{answer}");
+    let results = answer["results"].as_array().expect("results").clone();
+    assert_eq!(results.len(), 41);
+    assert_eq!(results[40]["status"].as_u64(), Some(400), "the invalid item: {}", results[40]);
+    let stored = entity_rows(&env).await;
+    assert_eq!(stored.len(), 40, "every valid item exactly once");
+    assert!(stored.iter().all(|(_, v)| *v == 1), "nothing written twice: {stored:?}");
+    for r in &results[..40] {
+        assert_eq!(r["version"].as_u64(), Some(1), "{r}");
+    }
+    // Retried again: the same answers, nothing written.
+    let (status, again) = post_batch(&writer.url, "batch-7", &items).await.expect("batch");
+    assert_eq!((status, &again["results"]), (200, &answer["results"]));
+    assert_eq!(entity_rows(&env).await, stored);
+    // The same key with another body: 422, and nothing of it is written.
+    let other = json!([{"id": format!("{:032x}", 999), "n": 1}, {"id": format!("{:032x}", 1), "n": -1}]);
+    let (status, problem) = post_batch(&writer.url, "batch-7", &other).await.expect("batch");
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (422, Some("/problems/idempotency-key-reused")),
+        "{problem}"
+    );
+    assert_eq!(entity_rows(&env).await, stored);
 }

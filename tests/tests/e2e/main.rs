@@ -15,7 +15,10 @@
 //! - `shards`: logical shards: the topology guard, online moves, a frozen
 //!   writer across a cutover, resume and rollback.
 //! - `membership`: one indexer per partition after a broker outage.
-//! - `idempotency`: keyed retries after a crash between commit and answer.
+//! - `idempotency`: keyed retries (single and batch) after a crash between
+//!   commit and answer.
+//! - `expiry`: expired entities hidden, then deleted; tombstone purge and
+//!   the version floor.
 //! - `health`: readiness with a frozen or stopped shard, or no broker.
 //! - `patch`: partial updates, counters, HTTP conditionals.
 //! - `shutdown`: graceful stops under load.
@@ -36,6 +39,7 @@ mod console;
 mod convergence;
 mod delivery;
 mod edges;
+mod expiry;
 mod group_commit;
 mod health;
 mod idempotency;

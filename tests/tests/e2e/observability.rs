@@ -511,9 +511,19 @@ async fn every_metric_the_dashboard_and_the_alerts_use_is_exported_by_a_live_sta
     }
     writer.terminate().await;
     env.indexes_toml.push_str(INDEX_TITLE);
-    let dev =
-        env.spawn_env(&["dev", "--http", "127.0.0.1:0"], &[("BAGSTORE_CLEANER__INTERVAL_MS", "200")]).await;
+    let dev = env
+        .spawn_env(
+            &["dev", "--http", "127.0.0.1:0"],
+            &[
+                ("BAGSTORE_CLEANER__INTERVAL_MS", "200"),
+                ("BAGSTORE_EXPIRY__PROPERTY", "expires_at"),
+                ("BAGSTORE_CLEANER__EXPIRY_INTERVAL_MS", "200"),
+            ],
+        )
+        .await;
     let api = dev.api();
+    // An entity that expired before it was written: the cleaner deletes it.
+    assert_eq!(api.put(&entity(60), &json!({"user_id": uid(60), "expires_at": 1})).await.0, 201);
     for i in 30..40 {
         let body = json!({"user_id": uid(i), "first_name": "Ada", "last_name": format!("L{i}")});
         assert_eq!(api.put(&entity(i), &body).await.0, 201);

@@ -1,0 +1,159 @@
+//! Expiry and tombstone purge: the two ways rows leave `entities`.
+//!
+//! - Expired entities ([`Cleaner::expire_entities`]): each shard is searched
+//!   every `cleaner.expiry_interval_ms` along the `expires_us` key, and each
+//!   entity found is deleted by the writer's write path
+//!   ([`writer::Writer::expire`]): its own transaction checks under the row
+//!   lock that the entity is still expired, and commits a delete event, so
+//!   indexes and every consumer of the change topic follow. Reads hide the
+//!   entity from its expiry instant on, before the delete.
+//! - Tombstones ([`Cleaner::purge_tombstones`]): rows of deleted entities
+//!   older than `cleaner.tombstone_retention_secs`, removed under a version
+//!   floor (see `storage::purge`).
+
+use futures::StreamExt;
+use schemas::clock::now_micros;
+use std::time::Duration;
+use storage::purge::{self, ExpiryCursor, PurgeCursor};
+use tokio_util::sync::CancellationToken;
+use writer::{WriteError, Writer};
+
+use crate::Cleaner;
+
+/// Expired entities looked up per statement.
+const EXPIRY_BATCH: usize = 500;
+/// Expiry deletes in flight per shard (the writer commits them in groups).
+const EXPIRY_CONCURRENCY: usize = 64;
+/// Rows the purge walks per statement, and statements per round.
+const PURGE_BATCH: usize = 1000;
+const PURGE_STEPS_PER_ROUND: usize = 20;
+
+impl Cleaner {
+    /// Deletes expired entities until `shutdown` (nothing when
+    /// `expiry.property` is unset).
+    pub async fn expire_entities(&self, writer: Writer, shutdown: CancellationToken) {
+        // Every shard's series exist from the start (at 0).
+        for shard in self.shards().ids() {
+            self.metrics().expired.with_label_values(&[&shard.to_string()]);
+        }
+        if self.settings().expiry.property.is_none() {
+            return;
+        }
+        let every = Duration::from_millis(self.settings().cleaner.expiry_interval_ms);
+        while !shutdown.is_cancelled() {
+            for shard in self.shards().ids() {
+                if let Err(e) = self.expire_on(&writer, shard, &shutdown).await {
+                    tracing::warn!(shard, error = %e, "expiring entities failed; next round retries");
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(every) => {}
+                _ = shutdown.cancelled() => return,
+            }
+        }
+    }
+
+    /// One round on one shard: every entity expired by now, oldest expiry
+    /// first. One that will not go (rewritten meanwhile, or failing) is
+    /// passed, not retried in this round.
+    async fn expire_on(
+        &self,
+        writer: &Writer,
+        shard: usize,
+        shutdown: &CancellationToken,
+    ) -> Result<(), storage::StoreError> {
+        let now = now_micros();
+        let label = shard.to_string();
+        let mut after: Option<ExpiryCursor> = None;
+        while !shutdown.is_cancelled() {
+            let found =
+                purge::expired_entities(shard, self.shards().pool(shard), now, after, EXPIRY_BATCH).await?;
+            let Some(last) = found.last() else { break };
+            after = Some(last.at);
+            let full = found.len() == EXPIRY_BATCH;
+            let deletes = futures::stream::iter(found)
+                .map(|e| async move { (e, writer.expire(e.id).await) })
+                .buffer_unordered(EXPIRY_CONCURRENCY);
+            let mut deletes = std::pin::pin!(deletes);
+            while let Some((e, result)) = deletes.next().await {
+                match result {
+                    Ok(_) => {
+                        self.metrics().expired.with_label_values(&[&label]).inc();
+                        let late = (now_micros() - e.at.expires_us).max(0) as f64 / 1e6;
+                        self.metrics().expiry_delay.with_label_values(&[&label]).observe(late);
+                    }
+                    // Rewritten since (a new expiry or none), or deleted.
+                    Err(WriteError::NotExpired) => {}
+                    Err(err) => {
+                        tracing::warn!(shard, id = %e.id, error = %err, "could not delete an expired entity")
+                    }
+                }
+            }
+            if !full {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Purges old tombstones until `shutdown` (nothing when
+    /// `cleaner.tombstone_retention_secs` is 0). Each shard is walked in
+    /// `updated` order from where the last round stopped (from the start
+    /// after a restart, or when the shard's logical shards changed).
+    pub async fn purge_tombstones(&self, shutdown: CancellationToken) {
+        for shard in self.shards().ids() {
+            self.metrics().tombstones_purged.with_label_values(&[&shard.to_string()]);
+        }
+        let retention = self.settings().cleaner.tombstone_retention_secs;
+        if retention == 0 {
+            return;
+        }
+        let every = Duration::from_millis(self.settings().cleaner.purge_interval_ms);
+        let mut cursors: std::collections::HashMap<usize, (u64, PurgeCursor)> = Default::default();
+        while !shutdown.is_cancelled() {
+            for shard in self.shards().ids() {
+                // A shard that gained logical shards may hold old tombstones
+                // behind its cursor: walk it again from the start.
+                let epoch = self.shards().epoch_of(shard);
+                let cursor = cursors.entry(shard).or_insert((epoch, PurgeCursor::default()));
+                if cursor.0 != epoch {
+                    *cursor = (epoch, PurgeCursor::default());
+                }
+                let cutoff = now_micros() - (retention as i64).saturating_mul(1_000_000);
+                match self.purge_on(shard, cursor.1, cutoff).await {
+                    Ok(next) => cursor.1 = next,
+                    Err(e) => {
+                        tracing::warn!(shard, error = %e, "purging tombstones failed; next round retries")
+                    }
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(every) => {}
+                _ = shutdown.cancelled() => return,
+            }
+        }
+    }
+
+    /// Walks up to [`PURGE_STEPS_PER_ROUND`] steps from `from`, purging the
+    /// tombstones found; returns where it stopped.
+    async fn purge_on(
+        &self,
+        shard: usize,
+        from: PurgeCursor,
+        cutoff: i64,
+    ) -> Result<PurgeCursor, storage::StoreError> {
+        let pool = self.shards().pool(shard);
+        let label = shard.to_string();
+        let mut at = from;
+        for _ in 0..PURGE_STEPS_PER_ROUND {
+            let step = purge::walk_for_tombstones(shard, pool, at, cutoff, PURGE_BATCH).await?;
+            let done = purge::purge_tombstones(shard, pool, &step.tombstones, cutoff).await?;
+            self.metrics().tombstones_purged.with_label_values(&[&label]).inc_by(done.deleted);
+            at = step.next;
+            if step.seen < PURGE_BATCH {
+                break;
+            }
+        }
+        Ok(at)
+    }
+}
