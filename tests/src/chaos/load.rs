@@ -128,6 +128,7 @@ pub(super) async fn checker(shared: Arc<Shared>, env_dsns: Vec<String>, seed: u6
         if rng.random_bool(0.6) {
             let q = model::random_query(&mut rng);
             let req = shared.http.post(format!("{}/v1/query", shared.reader)).json(&q);
+            let sent = now_us();
             match shared.send(req).await {
                 Ok((200, body)) => {
                     let items = body["items"].as_array().cloned().unwrap_or_default();
@@ -142,6 +143,13 @@ pub(super) async fn checker(shared: Arc<Shared>, env_dsns: Vec<String>, seed: u6
                         }
                         if !seen.insert(id.clone()) {
                             shared.fail(format!("query {q} returned {id} twice"));
+                        }
+                        // Expired before the query began: hidden by the re-filter.
+                        if let Some(at) = expires_us(&item["properties"]).filter(|at| *at <= sent) {
+                            shared.fail(format!(
+                                "query {q} returned {id}, expired at {at} µs, before the query was sent at {sent} µs: {}",
+                                item["properties"]
+                            ));
                         }
                     }
                     c.queries_checked.fetch_add(1, Ordering::Relaxed);
@@ -171,7 +179,10 @@ pub(super) async fn checker(shared: Arc<Shared>, env_dsns: Vec<String>, seed: u6
                     // Wrong only if the acknowledged version is still the
                     // live one: then the 404 hid it. A tombstone at or above
                     // it, or any newer version (a later delete, maybe already
-                    // overwritten by a re-create), explains the 404.
+                    // overwritten by a re-create), explains the 404; so does
+                    // no row at all if the tombstone was purged: then its
+                    // logical shard's version floor (raised in the purge's
+                    // transaction, so read after the row) covers it.
                     // Logical shards move: the newest copy on any shard is the truth.
                     let mut row: Result<Option<(u64, bool)>, sqlx::Error> = Ok(None);
                     for pool in &pools {
@@ -193,6 +204,19 @@ pub(super) async fn checker(shared: Arc<Shared>, env_dsns: Vec<String>, seed: u6
                         Ok(None) if floor == 0 => {
                             c.gets_checked.fetch_add(1, Ordering::Relaxed);
                         }
+                        Ok(None) => match logical_floor(&pools, &id).await {
+                            Ok(f) if f >= floor => {
+                                c.gets_checked.fetch_add(1, Ordering::Relaxed);
+                                c.gets_purged.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Ok(f) => shared.fail(format!(
+                                "get {id}: 404 and the store has no row, but {floor} was acknowledged \
+                                 and its logical shard's version floor is {f}"
+                            )),
+                            Err(_) => {
+                                c.gets_unavailable.fetch_add(1, Ordering::Relaxed);
+                            }
+                        },
                         Ok(found) => shared.fail(format!(
                             "get {id}: 404 but the store has {found:?} (version, tombstone) and {floor} was acknowledged"
                         )),
@@ -214,6 +238,20 @@ pub(super) async fn checker(shared: Arc<Shared>, env_dsns: Vec<String>, seed: u6
     for p in pools {
         p.close().await;
     }
+}
+
+/// The version floor of `id`'s logical shard (the highest any shard holds).
+async fn logical_floor(pools: &[sqlx::MySqlPool], id: &str) -> Result<u64, sqlx::Error> {
+    let mut floor = 0;
+    for pool in pools {
+        let found: Option<(u64,)> =
+            sqlx::query_as("SELECT CAST(version_floor AS UNSIGNED) FROM bagstore_owned WHERE logical = ?")
+                .bind(logical_of_hex(id))
+                .fetch_optional(pool)
+                .await?;
+        floor = floor.max(found.map_or(0, |f| f.0));
+    }
+    Ok(floor)
 }
 
 /// Samples the index lag (events, from the broker; seconds, from the

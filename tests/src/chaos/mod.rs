@@ -26,9 +26,17 @@
 //!    index table equals the rows computed from the final entities: the
 //!    indexers alone lost and leaked nothing (Invariant I without help);
 //! 2. the same after the cleaner ran again (it must not break anything);
-//! 3. every acknowledged write is in the store (version ≥ acknowledged);
+//! 3. every acknowledged write is in the store (version ≥ acknowledged), or
+//!    its entity was deleted later and the tombstone purged;
 //! 4. per entity, the topic holds every committed version, first seen in
-//!    version order (Invariant W).
+//!    version order (Invariant W; a version may jump after a delete whose
+//!    tombstone was purged, as far as the logical shard's version floor);
+//! 5. the expiring client's entities: expired ones invisible to every read,
+//!    deleted (a tombstone one version up, or purged) and out of every
+//!    index; the others visible as last written (see `expiry.rs`).
+//!
+//! Every process runs with expiry on and tombstones purged 2 s after the
+//! delete (`expiry::CONFIG_TOML`).
 //!
 //! A failure prints the seed, the fault timeline and the history of the
 //! entities involved. `BAGSTORE_TEST_SEED=<n>` replays the same random
@@ -158,6 +166,11 @@ struct Counters {
     /// Rebalances after which two indexers kept claiming the same
     /// partitions (see `until_group_owns_everything`).
     overlaps: AtomicU64,
+    /// 404s of the shared keys explained by a purged tombstone (the
+    /// logical shard's version floor covers the acknowledged version).
+    gets_purged: AtomicU64,
+    /// The expiring client's.
+    exp: ExpCounters,
 }
 
 /// State the clients, the checker and the fault injector share.
@@ -173,6 +186,8 @@ struct Shared {
     max_acked: Mutex<HashMap<String, u64>>,
     /// Ids of entities created outside the shared key space (whatever the outcome).
     created: Mutex<Vec<String>>,
+    /// The expiring client's model, per id ([`exp_id`]).
+    expiring: Mutex<Vec<ExpEntity>>,
     failures: Mutex<Vec<String>>,
     counters: Counters,
     http: reqwest::Client,
@@ -223,10 +238,12 @@ impl Shared {
     }
 }
 
+mod expiry;
 mod faults;
 mod load;
 mod report;
 
+use expiry::*;
 use faults::*;
 use load::*;
 use report::*;
@@ -239,6 +256,8 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
         "chaos ({kind}) seed {} (replay with BAGSTORE_TEST_SEED={}), {} faults per kind",
         cfg.seed, cfg.seed, cfg.faults_per_kind
     );
+    // Expiry on, tombstones purged 2 s after the delete: for every process.
+    env.indexes_toml.push_str(CONFIG_TOML);
     env.migrate().await;
     if cfg.faults.contains(&Fault::Move) {
         // A third shard, owning nothing until the first move fault
@@ -268,6 +287,7 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
         ops: Mutex::new(Vec::new()),
         max_acked: Mutex::new(HashMap::new()),
         created: Mutex::new(Vec::new()),
+        expiring: Mutex::new(vec![ExpEntity::default(); EXP_KEYS]),
         failures: Mutex::new(Vec::new()),
         counters: Counters::default(),
         http: reqwest::Client::new(),
@@ -277,6 +297,7 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
     for n in 0..cfg.clients {
         tasks.push(tokio::spawn(client(shared.clone(), n, cfg.seed, cfg.keys)));
     }
+    tasks.push(tokio::spawn(expiring_client(shared.clone(), cfg.seed)));
     tasks.push(tokio::spawn(checker(shared.clone(), env.dsns.clone(), cfg.seed, cfg.keys)));
     tasks.push(tokio::spawn(monitor(shared.clone(), env.kafka_settings(), cleaner_url.clone())));
 
@@ -318,6 +339,10 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
         t.await.expect("a chaos task panicked");
     }
     let load_secs = shared.started.elapsed().as_secs_f64();
+    // Every expiry the expiring client left passes, and the cleaner that
+    // ran during the load deletes those entities.
+    let exp_fin = exp_final(&shared);
+    let exp_delete_wait = until_expired_are_deleted(env, &exp_fin).await;
 
     // End checks, stage 1: the indexers alone. The cleaner that swept
     // during the load must have found no drift: with a lossless pipeline
@@ -331,13 +356,18 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
         .flat_map(|t| ["missing", "dangling"].map(|k| (*t, k)))
         .filter_map(|(t, k)| {
             let n = metric_sum(&m, "bagstore_cleaner_drift_found_total", &[("index", t), ("kind", k)]);
-            (n > 0.0).then(|| format!("{t} {k} {n}"))
+            // Fixed: rows the cleaner wrote or deleted (a missing row's
+            // repair may then be undone as overtaken by a newer write).
+            let f = metric_sum(&m, "bagstore_cleaner_drift_fixed_total", &[("index", t), ("kind", k)]);
+            (n > 0.0).then(|| format!("{t} {k} {n} (fixed {f})"))
         })
         .collect();
     if !load_drift.is_empty() {
         shared.fail(format!("the cleaner found drift during the load: {}", load_drift.join(", ")));
     }
     let swept = metric_sum(&m, "bagstore_cleaner_sweeps_total", &[]);
+    let mut expired_total = metric_sum(&m, "bagstore_cleaner_expired_total", &[]);
+    let mut purged_total = metric_sum(&m, "bagstore_cleaner_tombstones_purged_total", &[]);
     let cleaner_code = load_cleaner.terminate().await;
     if cleaner_code != Some(0) {
         shared.fail(format!("the cleaner exited with {cleaner_code:?} on SIGTERM"));
@@ -349,6 +379,7 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
     for d in model::row_differences(&want, &model::actual_rows(env).await) {
         shared.fail(format!("after catch-up, cleaner stopped: {d}"));
     }
+    let exp_sum = check_expiring(&shared, env, &exp_fin).await;
 
     // Stage 2: a cleaner sweeps again and must leave the tables exact.
     let cleaner = env.spawn_env(&["cleaner"], &CLEANER_ENV).await;
@@ -359,26 +390,37 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
         (sweeps().await >= s0 + 2.0).then_some(())
     })
     .await;
-    let drift = metric_sum(&cleaner.api().metrics().await, "bagstore_cleaner_drift_found_total", &[]);
+    let m = cleaner.api().metrics().await;
+    let drift = metric_sum(&m, "bagstore_cleaner_drift_found_total", &[]);
+    expired_total += metric_sum(&m, "bagstore_cleaner_expired_total", &[]);
+    purged_total += metric_sum(&m, "bagstore_cleaner_tombstones_purged_total", &[]);
     for d in model::row_differences(&want, &model::actual_rows(env).await) {
         shared.fail(format!("after a cleaner sweep: {d}"));
     }
     let rows: usize = want.values().map(BTreeSet::len).sum();
 
-    // Invariant W: acknowledged writes are stored; the topic has every version in order.
+    // Invariant W: acknowledged writes are stored (or were deleted later,
+    // and the tombstone purged); the topic has every version in order.
     let stored = model::stored_versions(env).await;
-    for (id, v) in shared.max_acked.lock().unwrap().iter() {
-        let have = stored.get(id).copied().unwrap_or(0);
-        if have < *v {
-            shared.fail(format!("entity {id}: version {v} was acknowledged but the store has {have}"));
-        }
-    }
     let brokers = env.brokers();
     let topic = env.topic.clone();
     let events = tokio::task::spawn_blocking(move || model::read_topic(&brokers, &topic, PARTITIONS))
         .await
         .expect("topic read");
-    for breach in model::check_topic_order(&events, &stored) {
+    // After `stored`: a row purged since has its floor raised already.
+    let floors = version_floors(env).await;
+    let newest = newest_on_topic(&events);
+    let mut purged_ids = 0;
+    for (id, v) in shared.max_acked.lock().unwrap().iter() {
+        match (stored.get(id), newest.get(id)) {
+            (Some(have), _) if have >= v => {}
+            (None, Some((last, schemas::event::Op::Delete))) if last >= v => purged_ids += 1,
+            (have, last) => shared.fail(format!(
+                "entity {id}: version {v} was acknowledged but the store has {have:?} and the topic's newest is {last:?}"
+            )),
+        }
+    }
+    for breach in check_versions(&events, &stored, &floors) {
         shared.fail(format!("Invariant W: {breach}"));
     }
     let stale = model::stale_redeliveries(&events);
@@ -444,6 +486,38 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
         n(&c.gets_unavailable)
     )
     .ok();
+    let e = &c.exp;
+    writeln!(
+        report,
+        "  expiring client ({EXP_KEYS} ids): writes acknowledged {}, {} of them with an expiry 1-7 s ahead ({} in fractional seconds); \
+         rewritten before the expiry {} times with a later one, {} without one; re-created after expiring {}; \
+         conditional writes refused (412) {}; bad expiries refused (422) {}; reads checked {} ({} hid an expired entity, {} unavailable)",
+        n(&e.acked),
+        n(&e.with_expiry),
+        n(&e.fractional),
+        n(&e.extended),
+        n(&e.cleared),
+        n(&e.recreated),
+        n(&e.refused),
+        n(&e.bad_expiry),
+        n(&e.reads),
+        n(&e.hidden),
+        n(&e.unavailable)
+    )
+    .ok();
+    writeln!(
+        report,
+        "  expiry at the end: {} entities expired (rows: {} tombstones, {} purged), {} visible; all deleted {} ms after the latest expiry; \
+         the cleaners expired {expired_total} entities and purged {purged_total} tombstones; \
+         {purged_ids} acknowledged ids had their rows purged; {} gets of shared keys found a purged row",
+        exp_sum.expired,
+        exp_sum.tombstones,
+        exp_sum.purged,
+        exp_sum.visible,
+        exp_delete_wait.as_millis(),
+        n(&c.gets_purged)
+    )
+    .ok();
     writeln!(
         report,
         "  cleaner during the load: {swept} full sweeps, drift found {}",
@@ -488,6 +562,7 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
 async fn final_entities(shared: &Shared, keys: usize) -> HashMap<String, Value> {
     let mut ids: Vec<String> = (0..keys).map(entity_id).collect();
     ids.extend(shared.created.lock().unwrap().iter().cloned());
+    ids.extend((0..EXP_KEYS).map(exp_id));
     let mut out = HashMap::new();
     for chunk in ids.chunks(500) {
         let req = shared.http.post(format!("{}/v1/entities/get", shared.reader)).json(&json!({"ids": chunk}));

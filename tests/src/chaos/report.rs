@@ -13,6 +13,7 @@ pub(super) fn print_history(
 ) {
     let mut ours: BTreeSet<String> = (0..keys).map(entity_id).collect();
     ours.extend(shared.created.lock().unwrap().iter().cloned());
+    ours.extend((0..EXP_KEYS).map(exp_id));
     eprintln!("---- {} failed checks ----", failures.len());
     for f in failures.iter().take(50) {
         eprintln!("  {f}");
