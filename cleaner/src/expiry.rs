@@ -8,8 +8,8 @@
 //!   indexes and every consumer of the change topic follow. Reads hide the
 //!   entity from its expiry instant on, before the delete.
 //! - Tombstones ([`Cleaner::purge_tombstones`]): rows of deleted entities
-//!   older than `cleaner.tombstone_retention_secs`, removed under a version
-//!   floor (see `storage::purge`).
+//!   older than `cleaner.tombstone_retention_secs` and settled in every
+//!   index, removed under a version floor (see `storage::purge`).
 
 use futures::StreamExt;
 use schemas::clock::now_micros;
@@ -119,7 +119,13 @@ impl Cleaner {
                 if cursor.0 != epoch {
                     *cursor = (epoch, PurgeCursor::default());
                 }
-                let cutoff = now_micros() - (retention as i64).saturating_mul(1_000_000);
+                let cutoff = match self.purge_cutoff(retention).await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot read the index catalog; purging waits");
+                        break;
+                    }
+                };
                 match self.purge_on(shard, cursor.1, cutoff).await {
                     Ok(next) => cursor.1 = next,
                     Err(e) => {
@@ -132,6 +138,23 @@ impl Cleaner {
                 _ = shutdown.cancelled() => return,
             }
         }
+    }
+
+    /// Tombstones updated before this may go: older than the retention, and
+    /// settled in every index (each index has applied every event committed
+    /// before it, see [`crate::lag`]). A delete event an indexer has not
+    /// applied yet thus always finds its tombstone, and the cleaner never
+    /// takes the index rows it is about to remove for dangling ones. An
+    /// index whose settled time is not known yet holds the purge back.
+    async fn purge_cutoff(&self, retention_secs: u64) -> Result<i64, storage::StoreError> {
+        let mut cutoff = now_micros() - (retention_secs as i64).saturating_mul(1_000_000);
+        for m in self.index_metas().await? {
+            if m.state == schemas::index::IndexState::Dropping {
+                continue;
+            }
+            cutoff = cutoff.min(self.settled_us(&m.spec.table).unwrap_or(i64::MIN));
+        }
+        Ok(cutoff)
     }
 
     /// Walks up to [`PURGE_STEPS_PER_ROUND`] steps from `from`, purging the

@@ -120,16 +120,19 @@ pub async fn reconcile(
     let table = spec.table.as_str();
     let m = cleaner.metrics();
     if missing_count > 0 {
-        m.drift_found.with_label_values(&[table, "missing"]).inc_by(missing_count);
         for (shard, rows) in missing.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
             let logicals: Vec<u16> = rows.iter().map(|r| r.logical).collect();
             let mut tx = topology::begin_owned(shard, shards.pool(shard), &logicals).await?;
             index_rows::upsert_index_rows(shard, &mut tx, spec, rows).await?;
             tx.commit().await.on(shard)?;
         }
-        m.drift_fixed.with_label_values(&[table, "missing"]).inc_by(missing_count);
-        tracing::info!(index = table, rows = missing_count, "wrote missing index rows");
-        undo_overtaken(cleaner, spec, &missing).await?;
+        // A row the entity's newer write made unneeded meanwhile was a
+        // race with the indexer, not drift: counted only once confirmed.
+        let undone = undo_overtaken(cleaner, spec, &missing).await?;
+        let drift = missing_count - undone;
+        m.drift_found.with_label_values(&[table, "missing"]).inc_by(drift);
+        m.drift_fixed.with_label_values(&[table, "missing"]).inc_by(drift);
+        tracing::info!(index = table, rows = drift, undone, "wrote missing index rows");
     }
     if mislocated_count > 0 {
         m.drift_found.with_label_values(&[table, "location"]).inc_by(mislocated_count);
@@ -146,12 +149,13 @@ pub async fn reconcile(
     if candidates.is_empty() {
         return Ok(());
     }
-    m.drift_found.with_label_values(&[table, "dangling"]).inc_by(candidates.len() as u64);
     // Re-read right before deleting: the entity may have changed since the scan.
     let reread_ids: Vec<EntityId> = candidates.iter().map(|(_, r)| r.entity).collect();
     let reread = cleaner.read_any(&reread_ids).await?;
     let now: HashMap<EntityId, &EntityRecord> = reread.iter().map(|e| (e.id, e)).collect();
-    let mut fixed = 0u64;
+    // Drift is what the re-read confirms; a candidate the entity's newer
+    // write explains is the indexer's business, not drift.
+    let (mut confirmed, mut fixed) = (0u64, 0u64);
     for (shard, row) in candidates {
         if now.get(&row.entity).is_some_and(|e| e.updated_us > settled_us) {
             continue; // Changed since the scan and not yet indexed: the indexer's turn.
@@ -163,10 +167,12 @@ pub async fn reconcile(
         // Only rows no newer than what we judged: a row rewritten by a newer
         // event (higher version) is the indexer's, and stays.
         let upto = version.max(row.version);
+        confirmed += 1;
         let mut tx = topology::begin_owned(shard, shards.pool(shard), &[row.logical]).await?;
         fixed += index_rows::delete_index_row_upto(shard, &mut tx, spec, &row.key, &row.entity, upto).await?;
         tx.commit().await.on(shard)?;
     }
+    m.drift_found.with_label_values(&[table, "dangling"]).inc_by(confirmed);
     m.drift_fixed.with_label_values(&[table, "dangling"]).inc_by(fixed);
     if fixed > 0 {
         tracing::info!(index = table, rows = fixed, "deleted dangling index rows");
@@ -180,22 +186,25 @@ pub async fn reconcile(
 /// the indexer found no K to delete then, so K at v would linger. Re-read
 /// the entities after the write: a row whose entity moved on and no longer
 /// produces its key is deleted, but only at versions no newer than the one
-/// written, so an indexer row of a later version stays.
+/// written, so an indexer row of a later version stays. Returns how many
+/// written rows the entity's newer version had made unneeded.
 async fn undo_overtaken(
     cleaner: &Cleaner,
     spec: &IndexSpec,
     written: &[Vec<IndexRow>],
-) -> Result<(), CleanerError> {
+) -> Result<u64, CleanerError> {
     let ids: Vec<EntityId> = written.iter().flatten().map(|row| row.entity).collect();
     let now = cleaner.read_any(&ids).await?;
     let now: HashMap<EntityId, &EntityRecord> = now.iter().map(|e| (e.id, e)).collect();
     let shards = cleaner.shards();
+    let mut undone = 0;
     for (shard, rows) in written.iter().enumerate() {
         for row in rows {
             let (current, keys) = expected_keys(spec, now.get(&row.entity).copied());
             if current == row.version || keys.contains(&row.key) {
                 continue;
             }
+            undone += 1;
             let mut tx = topology::begin_owned(shard, shards.pool(shard), &[row.logical]).await?;
             index_rows::delete_index_row_upto(shard, &mut tx, spec, &row.key, &row.entity, row.version)
                 .await?;
@@ -203,5 +212,5 @@ async fn undo_overtaken(
             tracing::debug!(index = %spec.table, entity = %row.entity, "undid a repair overtaken by a newer write");
         }
     }
-    Ok(())
+    Ok(undone)
 }

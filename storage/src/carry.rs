@@ -166,15 +166,7 @@ pub async fn copy_idempotency_records(
         );
         let mut q = sqlx::query(&sql);
         for row in chunk {
-            let r = &row.record;
-            q = q
-                .bind(&row.key_hash[..])
-                .bind(row.logical)
-                .bind(&r.request_hash[..])
-                .bind(&r.entity_id.0[..])
-                .bind(r.version)
-                .bind(r.created)
-                .bind(r.recorded_us);
+            q = crate::idempotency::bind_record(q, &row.key_hash, row.logical, &row.record);
         }
         q.execute(&mut *conn).await.on(shard)?;
     }

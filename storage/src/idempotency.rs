@@ -96,18 +96,28 @@ pub async fn put_records(
         );
         let mut q = sqlx::query(&sql);
         for (key, logical, r) in chunk {
-            q = q
-                .bind(&key[..])
-                .bind(logical)
-                .bind(&r.request_hash[..])
-                .bind(&r.entity_id.0[..])
-                .bind(r.version)
-                .bind(r.created)
-                .bind(r.recorded_us);
+            q = bind_record(q, key, *logical, r);
         }
         q.execute(&mut *conn).await.on(shard)?;
     }
     Ok(())
+}
+
+/// Binds one record's seven columns, in the order
+/// `(key_hash, logical, request_hash, entity_id, version, created, recorded_us)`.
+pub(crate) fn bind_record<'q>(
+    q: sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments>,
+    key: &'q [u8; 16],
+    logical: u16,
+    r: &'q Record,
+) -> sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments> {
+    q.bind(&key[..])
+        .bind(logical)
+        .bind(&r.request_hash[..])
+        .bind(&r.entity_id.0[..])
+        .bind(r.version)
+        .bind(r.created)
+        .bind(r.recorded_us)
 }
 
 /// Deletes up to `limit` records recorded before `before_us`; how many.
