@@ -53,7 +53,8 @@ const PROGRESS_EVERY: Duration = Duration::from_millis(100);
 /// How often an idle consumer checks its membership and reports.
 const IDLE_TICK: Duration = Duration::from_millis(250);
 
-/// How often a consumer compares its partitions' claims.
+/// How often an idle consumer compares its partitions' claims (a busy one
+/// compares them before every batch it applies).
 const CLAIMS_EVERY: Duration = Duration::from_secs(1);
 
 /// How long a consumer may keep receiving events of partitions it does not
@@ -193,7 +194,7 @@ impl IndexConsumer {
                         return Exit::Lost(why);
                     }
                     let held = held_partitions(consumer, &k.topic);
-                    if let Some(why) = self.fence(consumer, &held, &mut claims_checked).await {
+                    if let Some(why) = self.fence(consumer, &held, &mut claims_checked, false).await {
                         return Exit::Lost(why);
                     }
                     // Idle, and no consumer error for a while: well.
@@ -250,7 +251,12 @@ impl IndexConsumer {
             } else {
                 strays_since = None;
             }
-            if let Some(why) = self.fence(consumer, &held, &mut claims_checked).await {
+            // Before every batch: a consumer replaced by another stops
+            // within one batch, so a stale consumer cannot apply old events
+            // after the new owner applied newer ones (which would bring
+            // back an index row a newer event deleted) for longer than a
+            // batch takes.
+            if let Some(why) = self.fence(consumer, &held, &mut claims_checked, true).await {
                 return Exit::Lost(why);
             }
             if self.is_dropped(&mut dropped).await {
@@ -289,8 +295,9 @@ impl IndexConsumer {
     }
 
     /// The partition claims (see [`crate::membership`]): records this
-    /// consumer's new assignments, then (at most once per CLAIMS_EVERY)
-    /// whether another consumer has claimed one of `held` since. A
+    /// consumer's new assignments, then (every time when `always`, else at
+    /// most once per CLAIMS_EVERY) whether another consumer has claimed one
+    /// of `held` since. A
     /// metadata shard that does not answer decides nothing: the claims are
     /// written and compared at the next chance.
     async fn fence(
@@ -298,6 +305,7 @@ impl IndexConsumer {
         consumer: &StreamConsumer<Membership>,
         held: &std::collections::BTreeSet<i32>,
         checked: &mut Option<Instant>,
+        always: bool,
     ) -> Option<String> {
         let watch = consumer.context();
         let group = self.group();
@@ -309,7 +317,7 @@ impl IndexConsumer {
                 return None;
             }
         }
-        if checked.is_some_and(|t| t.elapsed() < CLAIMS_EVERY) || held.is_empty() {
+        if (!always && checked.is_some_and(|t| t.elapsed() < CLAIMS_EVERY)) || held.is_empty() {
             return None;
         }
         let held: Vec<i32> = held.iter().copied().collect();
