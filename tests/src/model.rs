@@ -15,7 +15,7 @@ use rand::rngs::StdRng;
 use rand::Rng;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
-use schemas::event::ChangeEvent;
+use schemas::event::{ChangeEvent, Op};
 use serde_json::{json, Map, Value};
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
@@ -340,8 +340,15 @@ pub fn topic_history(events: &[TopicEvent], id: &str) -> Vec<String> {
         .collect()
 }
 
-pub fn check_topic_order(events: &[TopicEvent], final_versions: &HashMap<String, u64>) -> Vec<String> {
-    let mut firsts: HashMap<String, Vec<u64>> = HashMap::new();
+/// Per entity id, its versions (with their kind) in first-seen order.
+pub type FirstSeen = HashMap<String, Vec<(u64, Op)>>;
+
+/// Per entity, the versions (with their kind) in the order they first
+/// appear on the topic; and a breach for every version two different
+/// events carry (a redelivery is the same event again; two different
+/// writes with one version would be a lost update).
+pub fn first_occurrences(events: &[TopicEvent]) -> (FirstSeen, Vec<String>) {
+    let mut firsts = FirstSeen::new();
     let mut seen: HashMap<(String, u64), &ChangeEvent> = HashMap::new();
     let mut out = Vec::new();
     for e in events {
@@ -349,10 +356,8 @@ pub fn check_topic_order(events: &[TopicEvent], final_versions: &HashMap<String,
         match seen.get(&(id.clone(), e.event.version)) {
             None => {
                 seen.insert((id.clone(), e.event.version), &e.event);
-                firsts.entry(id).or_default().push(e.event.version);
+                firsts.entry(id).or_default().push((e.event.version, e.event.op));
             }
-            // A redelivery is the same event again; two different writes
-            // with one version would be a lost update.
             Some(first) if **first != e.event => out.push(format!(
                 "entity {id}: two different events carry version {} (partition {} offset {})",
                 e.event.version, e.partition, e.offset
@@ -360,6 +365,13 @@ pub fn check_topic_order(events: &[TopicEvent], final_versions: &HashMap<String,
             Some(_) => {}
         }
     }
+    (firsts, out)
+}
+
+pub fn check_topic_order(events: &[TopicEvent], final_versions: &HashMap<String, u64>) -> Vec<String> {
+    let (firsts, mut out) = first_occurrences(events);
+    let firsts: HashMap<String, Vec<u64>> =
+        firsts.into_iter().map(|(id, v)| (id, v.into_iter().map(|(v, _)| v).collect())).collect();
     for (id, versions) in &firsts {
         let want: Vec<u64> = (1..=versions.len() as u64).collect();
         if *versions != want {

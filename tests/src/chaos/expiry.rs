@@ -666,23 +666,7 @@ pub(super) fn check_versions(
     stored: &HashMap<String, u64>,
     floors: &HashMap<u16, u64>,
 ) -> Vec<String> {
-    let mut firsts: HashMap<String, Vec<(u64, Op)>> = HashMap::new();
-    let mut seen: HashMap<(String, u64), &schemas::event::ChangeEvent> = HashMap::new();
-    let mut out = Vec::new();
-    for e in events {
-        let id = e.event.id.to_hex();
-        match seen.get(&(id.clone(), e.event.version)) {
-            None => {
-                seen.insert((id.clone(), e.event.version), &e.event);
-                firsts.entry(id).or_default().push((e.event.version, e.event.op));
-            }
-            Some(first) if **first != e.event => out.push(format!(
-                "entity {id}: two different events carry version {} (partition {} offset {})",
-                e.event.version, e.partition, e.offset
-            )),
-            Some(_) => {}
-        }
-    }
+    let (firsts, mut out) = model::first_occurrences(events);
     for (id, versions) in &firsts {
         let floor = floors.get(&logical_of_hex(id)).copied().unwrap_or(0);
         let mut before: Option<(u64, Op)> = None;
