@@ -46,8 +46,9 @@ use storage::conns::Conns;
 mod moves;
 
 const USAGE: &str =
-    "usage: bench [--quick] [--entities N] [--phase-secs S] [--clients C] [--steady-rate R]\n\
+    "usage: bench [--quick] [--only-move] [--entities N] [--phase-secs S] [--clients C] [--steady-rate R]\n\
   --quick          CI smoke run: 3000 entities, 2 s phases, 4 clients\n\
+  --only-move      load bagstore's N entities, then run the move phase alone (for working on the mover)\n\
   --entities N     entities loaded before queries and the index build (default 1000000)\n\
   --phase-secs S   length of each measured phase (default 20)\n\
   --clients C      concurrent clients (connections, requests in flight) for every contender (default 16)\n\
@@ -72,6 +73,8 @@ const INDEX_NEW: &str = "index_link";
 #[derive(Debug, Clone)]
 struct Options {
     quick: bool,
+    /// Load bagstore alone, then go straight to the move phase.
+    only_move: bool,
     entities: usize,
     phase: Duration,
     clients: usize,
@@ -86,12 +89,14 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
         v.parse().map_err(|_| format!("{flag}: cannot parse {v:?}"))
     }
     let mut quick = false;
+    let mut only_move = false;
     let mut backfill_rate = 0;
     let (mut entities, mut phase, mut clients, mut rate) = (None, None, None, None);
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--quick" => quick = true,
+            "--only-move" => only_move = true,
             "--entities" => entities = Some(value::<usize>(a, it.next())?),
             "--phase-secs" => phase = Some(value::<f64>(a, it.next())?),
             "--clients" => clients = Some(value::<usize>(a, it.next())?),
@@ -103,6 +108,7 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
     }
     let o = Options {
         quick,
+        only_move,
         entities: entities.unwrap_or(if quick { 3000 } else { 1_000_000 }),
         phase: Duration::from_secs_f64(phase.unwrap_or(if quick { 2.0 } else { 20.0 })),
         clients: clients.unwrap_or(if quick { 4 } else { 16 }),
@@ -1113,7 +1119,9 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     report.section(&format!("Loading {n} entities (batches of {BATCH}, {c} clients)"));
     let next = Arc::new(AtomicU64::new(0));
     let t = Instant::now();
-    let load_json = {
+    let load_json = if opts.only_move {
+        0
+    } else {
         let (next, native) = (next.clone(), native.clone());
         closed_loop_until(c, move || {
             let (next, native) = (next.clone(), native.clone());
@@ -1161,6 +1169,16 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         format!("{:.0} entities/s", n as f64 / bag_secs),
         format!("{bag_secs:.1} s; index caught up {idx_secs:.1} s later ({})", ratio(json_secs, bag_secs)),
     );
+    if opts.only_move {
+        let (h, wb) = (http.clone(), wbase.clone());
+        let third =
+            moves::move_phase(opts, world, report, move || bag_put(h.clone(), wb.clone(), fresh())).await?;
+        for p in [writer, indexer, reader] {
+            p.terminate().await;
+        }
+        let _ = third.stop().await;
+        return Ok(());
+    }
 
     // ---- Queries: same answers first, then latency.
     let users: Vec<String> = (0..USERS).map(user_id).collect();

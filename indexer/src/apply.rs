@@ -12,6 +12,7 @@
 
 use schemas::IndexSpec;
 use std::collections::HashMap;
+use storage::fences::{self, Claim};
 use storage::index_rows::{self, IndexRow, IndexRowDelete};
 use storage::{topology, Shards, StoreError};
 
@@ -55,11 +56,26 @@ pub fn collapse(ops: &[RowOp], slots: usize, owner_of: impl Fn(u16) -> usize) ->
         .collect()
 }
 
+/// The consumer's claims on the partitions a batch came from, which each
+/// of its transactions proves (`storage::fences`).
+#[derive(Debug, Clone, Copy)]
+pub struct Fence<'a> {
+    pub group: &'a str,
+    pub claims: &'a [Claim],
+}
+
 /// Applies `ops`, one transaction per physical shard, each proving its
-/// shard owns the logical shards it writes; a [`StoreError::NotOwner`]
-/// means the map was stale (the caller reloads it and runs the batch again,
-/// harmlessly).
-pub async fn apply(shards: &Shards, spec: &IndexSpec, ops: &[RowOp]) -> Result<(), StoreError> {
+/// shard owns the logical shards it writes and that `fence`'s claims are
+/// still the newest; a [`StoreError::NotOwner`] means the map was stale
+/// (the caller reloads it and runs the batch again, harmlessly), a
+/// [`StoreError::Fenced`] that the partitions belong to another consumer
+/// now (the caller stops applying them).
+pub async fn apply(
+    shards: &Shards,
+    spec: &IndexSpec,
+    ops: &[RowOp],
+    fence: &Fence<'_>,
+) -> Result<(), StoreError> {
     let per_shard = collapse(ops, shards.slots_len(), |k| shards.of_logical(k));
     let done = shards
         .each_with(&per_shard, |shard, pool, ops| async move {
@@ -79,6 +95,7 @@ pub async fn apply(shards: &Shards, spec: &IndexSpec, ops: &[RowOp]) -> Result<(
             let mut tx = pool.begin().await.map_err(|source| StoreError::Shard { shard, source })?;
             let logicals: Vec<u16> = ops.iter().map(|o| o.logical).collect();
             topology::check_owned(shard, &mut tx, &logicals).await?;
+            fences::check(shard, &mut tx, fence.group, fence.claims).await?;
             if !deletes.is_empty() {
                 index_rows::delete_index_rows_before(shard, &mut tx, spec, &deletes).await?;
             }

@@ -18,11 +18,12 @@ use schemas::event::ChangeEvent;
 use schemas::{IndexSpec, Settings};
 use service::health::Health;
 use service::kafka;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
-use storage::{catalog, Shards};
+use storage::{catalog, fences, Shards, StoreError};
 use tokio_util::sync::CancellationToken;
 
+use crate::apply::Fence;
 use crate::membership::Membership;
 use crate::metrics::Metrics;
 use crate::plan::{plan, RowOp};
@@ -308,20 +309,14 @@ impl IndexConsumer {
         always: bool,
     ) -> Option<String> {
         let watch = consumer.context();
-        let group = self.group();
-        let new = watch.take_claims();
-        if !new.is_empty() {
-            if let Err(e) = catalog::claim_partitions(&self.shards, &group, watch.instance(), &new).await {
-                tracing::debug!(index = %self.spec.table, error = %e, "cannot record partition claims yet");
-                watch.retry_claims(new);
-                return None;
-            }
+        if !self.record_claims(consumer).await {
+            return None;
         }
         if (!always && checked.is_some_and(|t| t.elapsed() < CLAIMS_EVERY)) || held.is_empty() {
             return None;
         }
         let held: Vec<i32> = held.iter().copied().collect();
-        match catalog::partitions_claimed_by_others(&self.shards, &group, watch.instance(), &held).await {
+        match fences::claimed_by_others(&self.shards, &self.group(), watch.instance(), &held).await {
             Ok(taken) if !taken.is_empty() => Some(format!(
                 "partitions {taken:?} were assigned to another consumer after this one took them"
             )),
@@ -332,6 +327,27 @@ impl IndexConsumer {
             Err(e) => {
                 tracing::debug!(index = %self.spec.table, error = %e, "cannot compare partition claims");
                 None
+            }
+        }
+    }
+
+    /// Records claims on the partitions assigned since the last call;
+    /// false if the metadata shard did not take them (tried again later).
+    async fn record_claims(&self, consumer: &StreamConsumer<Membership>) -> bool {
+        let watch = consumer.context();
+        let new = watch.take_claims();
+        if new.is_empty() {
+            return true;
+        }
+        match fences::claim(&self.shards, &self.group(), watch.instance(), &new).await {
+            Ok(claims) => {
+                watch.claimed(&claims);
+                true
+            }
+            Err(e) => {
+                tracing::debug!(index = %self.spec.table, error = %e, "cannot record partition claims yet");
+                watch.retry_claims(new);
+                false
             }
         }
     }
@@ -384,20 +400,39 @@ impl IndexConsumer {
                 Err(reason) => poison.push(Poison { message: m.clone(), reason }),
             }
         }
+        let partitions: BTreeSet<i32> = batch.iter().map(|m| m.partition()).collect();
+        let group = self.group();
         let retry_max = Duration::from_millis(self.settings.indexer.retry_max_ms);
         let mut backoff = Duration::from_millis(50);
         loop {
             if let Some(why) = consumer.context().lost(consumer) {
                 return Applied::Lost(why);
             }
+            // Nothing is written without this consumer's claims on the
+            // batch's partitions (the metadata shard may be out of reach).
+            self.record_claims(consumer).await;
+            let Some(claims) = consumer.context().claims_for(&partitions) else {
+                self.health.report(&self.part(), Err("cannot record partition claims".into()));
+                if !sleep_or_stop(shutdown, backoff).await {
+                    return Applied::Stopped;
+                }
+                backoff = (backoff * 2).min(retry_max);
+                continue;
+            };
             let start = Instant::now();
-            match crate::apply::apply(&self.shards, &self.spec, &ops).await {
+            let fence = Fence { group: &group, claims: &claims };
+            match crate::apply::apply(&self.shards, &self.spec, &ops, &fence).await {
                 Ok(()) => {
                     self.metrics
                         .apply_seconds
                         .with_label_values(&[table])
                         .observe(start.elapsed().as_secs_f64());
                     break;
+                }
+                Err(StoreError::Fenced { partitions, shard, .. }) => {
+                    return Applied::Lost(format!(
+                        "shard {shard} refused a write: partitions {partitions:?} were claimed by another consumer"
+                    ));
                 }
                 Err(e) if e.is_stale_map() => {
                     // A move took a logical shard away (or is cutting it

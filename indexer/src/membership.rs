@@ -35,7 +35,10 @@
 //!   own, for brokers that do not tell a replaced member so: tansu accepts
 //!   its heartbeats and commits). Each assignment is recorded as a claim
 //!   per group and partition on the metadata shard, the newest winning,
-//!   and the loop compares before applying (at most once a second).
+//!   and the loop compares before each batch (at most once a second while
+//!   idle). Every index write then proves its claims in its own
+//!   transaction (`storage::fences`), so even a batch already under way
+//!   when the partitions moved cannot land after the new owner's.
 //!
 //! The consumer loop then stops applying at once and rebuilds its consumer
 //! (a new member that joins with nothing), see `consume.rs`. Rebuilding
@@ -47,9 +50,11 @@ use rdkafka::client::ClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::{Statistics, TopicPartitionList};
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::CStr;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+use storage::fences::Claim;
 
 /// The consumer context that tracks whether the assignment is still ours.
 #[derive(Debug)]
@@ -73,6 +78,9 @@ struct State {
     lost: Option<String>,
     /// Partitions assigned and not yet claimed.
     to_claim: Vec<i32>,
+    /// The claims recorded for partitions held (partition → generation);
+    /// every index write proves them (`storage::fences`).
+    claims: BTreeMap<i32, u64>,
 }
 
 impl ClientContext for Membership {
@@ -105,15 +113,24 @@ impl ConsumerContext for Membership {
         match rebalance {
             Rebalance::Assign(tpl) => {
                 s.assigned_as = member_id(consumer);
-                let topic = &self.topic;
-                s.to_claim
-                    .extend(tpl.elements().iter().filter(|e| e.topic() == topic).map(|e| e.partition()));
+                let assigned = partitions_of(tpl, &self.topic);
+                // An old claim on a partition assigned again may have been
+                // overtaken meanwhile: nothing is applied until it is renewed.
+                for p in &assigned {
+                    s.claims.remove(p);
+                }
+                s.to_claim.extend(assigned);
             }
-            Rebalance::Revoke(_) if consumer.assignment_lost() => {
-                // librdkafka saw the loss itself and has taken the partitions away.
-                tracing::info!("partitions revoked as lost by the consumer");
+            Rebalance::Revoke(tpl) => {
+                for p in partitions_of(tpl, &self.topic) {
+                    s.claims.remove(&p);
+                }
+                if consumer.assignment_lost() {
+                    // librdkafka saw the loss itself and has taken the partitions away.
+                    tracing::info!("partitions revoked as lost by the consumer");
+                }
             }
-            _ => {}
+            Rebalance::Error(_) => {}
         }
     }
 
@@ -151,6 +168,23 @@ impl Membership {
         self.state.lock().expect("not poisoned").to_claim.extend(partitions);
     }
 
+    /// Notes claims recorded (of partitions still to be claimed, unless
+    /// assigned again meanwhile: those are claimed once more).
+    pub fn claimed(&self, claims: &[Claim]) {
+        let mut s = self.state.lock().expect("not poisoned");
+        for c in claims {
+            if !s.to_claim.contains(&c.partition) {
+                s.claims.insert(c.partition, c.gen);
+            }
+        }
+    }
+
+    /// The recorded claims on `partitions`, or None if one is not (yet).
+    pub fn claims_for(&self, partitions: &BTreeSet<i32>) -> Option<Vec<Claim>> {
+        let s = self.state.lock().expect("not poisoned");
+        partitions.iter().map(|p| s.claims.get(p).map(|gen| Claim { partition: *p, gen: *gen })).collect()
+    }
+
     /// Why this member's partitions are no longer its own, if they are not:
     /// a recorded refusal, or partitions held under a member id other than
     /// the current one.
@@ -175,6 +209,10 @@ impl Membership {
         let mut s = self.state.lock().expect("not poisoned");
         s.lost.get_or_insert(why);
     }
+}
+
+fn partitions_of(tpl: &TopicPartitionList, topic: &str) -> Vec<i32> {
+    tpl.elements().iter().filter(|e| e.topic() == topic).map(|e| e.partition()).collect()
 }
 
 /// Commit errors by which the coordinator says "you are not a member of

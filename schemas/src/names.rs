@@ -37,6 +37,9 @@ pub mod tables {
     pub const PROCESSES: &str = "bagstore_processes";
     /// `Idempotency-Key`s and the answers they were given, on every shard.
     pub const IDEMPOTENCY: &str = "bagstore_idempotency";
+    /// Per consumer group and partition, the newest claim's generation, on
+    /// every shard: an index write of an older claim is refused there.
+    pub const PARTITION_FENCES: &str = "bagstore_partition_fences";
     /// Which indexer consumer last took each partition of each consumer
     /// group (metadata shard): the indexers' own fence.
     pub const PARTITION_CLAIMS: &str = "bagstore_partition_claims";
@@ -52,6 +55,7 @@ pub const RESERVED_TABLES: &[&str] = &[
     tables::JOURNAL,
     tables::INCOMING,
     tables::IDEMPOTENCY,
+    tables::PARTITION_FENCES,
     tables::INDEX_CATALOG,
     tables::INDEX_PROGRESS,
     tables::CLUSTER,

@@ -170,51 +170,6 @@ pub async fn record_index_progress(shards: &Shards, table: &str, commit_us: i64)
     Ok(())
 }
 
-/// Records that consumer `consumer` of group `group` was assigned
-/// `partitions` (the newest assignment wins).
-pub async fn claim_partitions(
-    shards: &Shards,
-    group: &str,
-    consumer: [u8; 16],
-    partitions: &[i32],
-) -> Result<()> {
-    if partitions.is_empty() {
-        return Ok(());
-    }
-    let sql = format!(
-        "INSERT INTO bagstore_partition_claims (grp, part, consumer) VALUES {}          ON DUPLICATE KEY UPDATE consumer = VALUES(consumer), claimed = NOW(6)",
-        vec!["(?, ?, ?)"; partitions.len()].join(", ")
-    );
-    let mut q = sqlx::query(&sql);
-    for p in partitions {
-        q = q.bind(group).bind(p).bind(&consumer[..]);
-    }
-    q.execute(shards.meta()).await.on(META_SHARD)?;
-    Ok(())
-}
-
-/// Of `partitions` of `group`, those claimed by a consumer other than
-/// `consumer`.
-pub async fn partitions_claimed_by_others(
-    shards: &Shards,
-    group: &str,
-    consumer: [u8; 16],
-    partitions: &[i32],
-) -> Result<Vec<i32>> {
-    if partitions.is_empty() {
-        return Ok(Vec::new());
-    }
-    let sql = format!(
-        "SELECT part FROM bagstore_partition_claims WHERE grp = ? AND consumer <> ? AND part IN ({})",
-        vec!["?"; partitions.len()].join(", ")
-    );
-    let mut q = sqlx::query_as::<_, (i32,)>(&sql).bind(group).bind(&consumer[..]);
-    for p in partitions {
-        q = q.bind(p);
-    }
-    Ok(q.fetch_all(shards.meta()).await.on(META_SHARD)?.into_iter().map(|r| r.0).collect())
-}
-
 /// The commit time of the newest event an index applied, if any.
 pub async fn index_progress(shards: &Shards, table: &str) -> Result<Option<i64>> {
     let row = sqlx::query("SELECT last_applied_commit_us FROM bagstore_index_progress WHERE name = ?")

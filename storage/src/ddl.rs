@@ -288,8 +288,18 @@ pub fn processes() -> String {
 }
 
 /// What every physical shard has.
-pub fn shard_tables() -> [String; 8] {
-    [entities(), outbox(), shard_identity(), owned(), moving(), journal(), incoming(), idempotency()]
+pub fn shard_tables() -> [String; 9] {
+    [
+        entities(),
+        outbox(),
+        shard_identity(),
+        owned(),
+        moving(),
+        journal(),
+        incoming(),
+        idempotency(),
+        partition_fences(),
+    ]
 }
 
 /// Each `Idempotency-Key` a write carried (hashed), on the shard of the
@@ -330,9 +340,9 @@ pub fn meta_tables() -> [String; 8] {
 }
 
 /// Per consumer group and partition, the indexer consumer that was last
-/// assigned it (see `indexer::membership`): a consumer that finds its
-/// partition claimed by another since has lost it, whatever the broker
-/// told it.
+/// assigned it (see `indexer::membership`) and the claim's generation (one
+/// more than the claim before): a consumer that finds its partition
+/// claimed by another since has lost it, whatever the broker told it.
 pub fn partition_claims() -> String {
     format!(
         "CREATE TABLE IF NOT EXISTS `{}` (
@@ -340,9 +350,27 @@ pub fn partition_claims() -> String {
     part INT NOT NULL,
     consumer BINARY(16) NOT NULL,
     claimed TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    {CLAIM_GEN_COLUMN},
     PRIMARY KEY (grp, part)
 ) ENGINE=InnoDB",
         tables::PARTITION_CLAIMS
+    )
+}
+
+/// A partition claim's generation (0 for a claim made before generations).
+pub const CLAIM_GEN_COLUMN: &str = "gen BIGINT UNSIGNED NOT NULL DEFAULT 0";
+
+/// On every shard, per consumer group and partition, the newest claim
+/// generation seen there (see [`crate::fences`]).
+pub fn partition_fences() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    grp VARCHAR(255) NOT NULL,
+    part INT NOT NULL,
+    {CLAIM_GEN_COLUMN},
+    PRIMARY KEY (grp, part)
+) ENGINE=InnoDB",
+        tables::PARTITION_FENCES
     )
 }
 

@@ -29,6 +29,10 @@ pub enum StoreError {
     /// A read found a shard's epoch moved: its map is stale.
     #[error("physical shard {shard} changed ownership since the map was loaded")]
     StaleMap { shard: usize },
+    /// An indexer consumer's claim on these partitions is older than the
+    /// shard's fence: another consumer has been assigned them since.
+    #[error("partitions {partitions:?} of group {group:?} were claimed by another consumer (shard {shard})")]
+    Fenced { shard: usize, group: String, partitions: Vec<i32> },
     #[error("{0}")]
     BadTopology(String),
     #[error(transparent)]

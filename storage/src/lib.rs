@@ -18,6 +18,7 @@
 //! - [`index_rows`]: index rows: upserts, version-guarded deletes, repairs.
 //! - [`index_scan`]: ordered, keyset-paged index scans for queries.
 //! - [`catalog`]: index definitions, states and progress (metadata shard).
+//! - [`fences`]: partition claims proven inside each index write.
 //! - [`locks`]: named locks: one relay per shard, one backfiller per index.
 //! - [`moves`]: moving logical shards: the move record, fence, flip.
 //! - [`journal`]: what changed on a move's source while it copied.
@@ -40,6 +41,7 @@ pub mod conns;
 pub mod ddl;
 pub mod entities;
 pub mod error;
+pub mod fences;
 pub mod idempotency;
 pub mod index_rows;
 pub mod index_scan;

@@ -27,7 +27,8 @@ pub async fn create_database(shard: usize, dsn: &Dsn) -> Result<()> {
 /// [`fill_logical`] runs); tables made before expiry and tombstone purge
 /// get `entities.expires_us` (NULL: an entity written before expiry was on
 /// is found by the cleaner once rewritten), `bagstore_owned.version_floor`
-/// (0) and the idempotency records' key by logical shard.
+/// (0) and the idempotency records' key by logical shard; partition claims
+/// made before generations get theirs (0, older than any new claim).
 pub async fn create_base_tables(shard: usize, pool: &MySqlPool) -> Result<()> {
     for stmt in ddl::shard_tables() {
         sqlx::query(&stmt).execute(pool).await.on(shard)?;
@@ -42,6 +43,7 @@ pub async fn create_base_tables(shard: usize, pool: &MySqlPool) -> Result<()> {
         for stmt in ddl::meta_tables() {
             sqlx::query(&stmt).execute(pool).await.on(shard)?;
         }
+        add_column(shard, pool, "bagstore_partition_claims", "gen", ddl::CLAIM_GEN_COLUMN).await?;
     }
     Ok(())
 }

@@ -185,6 +185,15 @@ pub async fn actual_rows(env: &TestEnv) -> HashMap<&'static str, Rows> {
     out
 }
 
+/// The versions of entity `id`'s rows in index `table`, on every shard, as
+/// `shard:version` (what a failed comparison prints beside a row).
+pub async fn row_versions(env: &TestEnv, table: &str, id: &str) -> String {
+    let sql = format!("SELECT version FROM `{table}` WHERE entity_id = UNHEX('{id}') ORDER BY version");
+    let rows: Vec<(usize, (u64,))> = env.fetch_all_shards(&sql).await;
+    let v: Vec<String> = rows.iter().map(|(s, (v,))| format!("{s}:v{v}")).collect();
+    format!("[{}]", v.join(", "))
+}
+
 /// Differences between what each index should hold and what it holds, one
 /// line each (`<table>: missing|dangling (shard, key, entity)`).
 pub fn row_differences(
@@ -336,8 +345,15 @@ pub fn topic_history(events: &[TopicEvent], id: &str) -> Vec<String> {
     events
         .iter()
         .filter(|e| e.event.id.to_hex() == id)
-        .map(|e| format!("v{}@{}:{}", e.event.version, e.partition, e.offset))
+        .map(|e| format!("v{}{}@{}:{}", e.event.version, op_letter(e.event.op), e.partition, e.offset))
         .collect()
+}
+
+fn op_letter(op: Op) -> &'static str {
+    match op {
+        Op::Delete => "d",
+        _ => "",
+    }
 }
 
 /// Per entity id, its versions (with their kind) in first-seen order.

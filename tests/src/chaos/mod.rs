@@ -377,7 +377,11 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
     let entities = final_entities(&shared, cfg.keys).await;
     let want = model::expected_rows(&entities, &model::Placement::load(env).await);
     for d in model::row_differences(&want, &model::actual_rows(env).await) {
-        shared.fail(format!("after catch-up, cleaner stopped: {d}"));
+        // With the entity's rows in that index as stored (shard:version).
+        let table = d.split(':').next().unwrap_or_default();
+        let id = d.rsplit('"').nth(1).unwrap_or_default();
+        let versions = model::row_versions(env, table, id).await;
+        shared.fail(format!("after catch-up, cleaner stopped: {d}; its rows there: {versions}"));
     }
     let exp_sum = check_expiring(&shared, env, &exp_fin).await;
 

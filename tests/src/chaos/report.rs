@@ -3,7 +3,11 @@
 
 use super::*;
 
-/// The seed, the faults, and every operation on the entities the failures name.
+/// Operations printed per entity involved (its latest).
+const HISTORY_OPS: usize = 16;
+
+/// The seed, the faults, the entities' events on the topic, and the latest
+/// operations on the entities the failures name.
 pub(super) fn print_history(
     shared: &Shared,
     timeline: &[FaultRecord],
@@ -31,12 +35,20 @@ pub(super) fn print_history(
                 .collect::<Vec<_>>()
         })
         .collect();
-    eprintln!("---- history of the {} entities involved ----", involved.len());
-    for op in shared.ops.lock().unwrap().iter().filter(|o| involved.contains(&o.id)) {
-        eprintln!("  {:>7} ms client {} {}: {} -> {}", op.at_ms, op.client, op.id, op.what, op.outcome);
-    }
-    eprintln!("---- their events in topic order (version@partition:offset) ----");
+    // The events first: a log cut short keeps them.
+    eprintln!("---- their events in topic order (version, d for a delete, @partition:offset) ----");
     for id in &involved {
         eprintln!("  {id}: {}", model::topic_history(events, id).join(" "));
+    }
+    eprintln!(
+        "---- the last {HISTORY_OPS} operations on each of the {} entities involved ----",
+        involved.len()
+    );
+    let ops = shared.ops.lock().unwrap();
+    for id in &involved {
+        let of_id: Vec<_> = ops.iter().filter(|o| &o.id == id).collect();
+        for op in &of_id[of_id.len().saturating_sub(HISTORY_OPS)..] {
+            eprintln!("  {:>7} ms client {} {}: {} -> {}", op.at_ms, op.client, op.id, op.what, op.outcome);
+        }
     }
 }
