@@ -291,9 +291,11 @@ impl Mover {
                 return Err(MoveError::Stopped);
             }
             let entries = journal::read_journal(source, src, JOURNAL_BATCH).await?;
-            let Some(last) = entries.last().map(|e| e.seq) else { break };
+            if entries.is_empty() {
+                break;
+            }
             let n = self.apply(run, &entries).await?;
-            journal::trim_journal(source, src, last).await?;
+            journal::trim_journal(source, src, &entries).await?;
             applied += entries.len() as u64;
             run.rows_caught_up += n;
             run.outcome.rows_copied += n;

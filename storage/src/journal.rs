@@ -17,6 +17,7 @@ use sqlx::mysql::MySqlPool;
 use sqlx::{Executor, Row};
 use std::collections::BTreeMap;
 
+use crate::entities::marks;
 use crate::error::{id_column, OnShard, Result};
 
 /// The name of one of the journal triggers of `table`: short and fixed
@@ -120,9 +121,21 @@ pub async fn read_journal(shard: usize, pool: &MySqlPool, limit: usize) -> Resul
         .collect()
 }
 
-/// Forgets journal entries up to `seq` (they have been applied).
-pub async fn trim_journal(shard: usize, pool: &MySqlPool, seq: u64) -> Result<()> {
-    sqlx::query("DELETE FROM bagstore_journal WHERE seq <= ?").bind(seq).execute(pool).await.on(shard)?;
+/// Forgets the journal entries `applied`, and only those. Not "every
+/// entry up to the last one read": a sequence number is taken when a
+/// write's trigger runs, not when the write commits, so a write that
+/// commits late adds an entry below entries already read, and trimming by
+/// range would drop it unapplied (the verification then found the entity
+/// differing, and the move copied it again at the cutover).
+pub async fn trim_journal(shard: usize, pool: &MySqlPool, applied: &[JournalEntry]) -> Result<()> {
+    for chunk in applied.chunks(1000) {
+        let sql = format!("DELETE FROM bagstore_journal WHERE seq IN ({})", marks(chunk.len()));
+        let mut q = sqlx::query(&sql);
+        for e in chunk {
+            q = q.bind(e.seq);
+        }
+        q.execute(pool).await.on(shard)?;
+    }
     Ok(())
 }
 

@@ -1036,3 +1036,37 @@ properties = [{ name = "score", type = "float" }, { name = "tag", type = "string
         assert_eq!(compare().await, (vec![], vec![]), "after {undo}");
     }
 }
+
+/// A move's journal loses no change that commits late: a write whose
+/// trigger ran (taking a sequence number) before another write's, but
+/// which commits after the mover read and trimmed the other's entry, is
+/// still in the journal for the next catch-up round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_entry_committed_after_a_later_one_was_trimmed_is_kept() {
+    use storage::journal;
+
+    let env = TestEnv::new("journal", "").await;
+    env.migrate().await;
+    let pool = env.pool(0).await;
+    let logical = 7u16;
+    journal::start_journal(0, &pool, &[logical], &[]).await.unwrap();
+    let insert = "INSERT INTO entities (id, logical, version, body) VALUES (?, ?, 1, 'x')";
+
+    // The slow write: its trigger runs first, it commits last.
+    let mut slow = pool.begin().await.unwrap();
+    sqlx::query(insert).bind(&[1u8; 16][..]).bind(logical).execute(&mut *slow).await.unwrap();
+    sqlx::query(insert).bind(&[2u8; 16][..]).bind(logical).execute(&pool).await.unwrap();
+
+    let read = journal::read_journal(0, &pool, 100).await.unwrap();
+    assert_eq!(read.iter().map(|e| e.entity.0[0]).collect::<Vec<_>>(), vec![2], "only the committed entry");
+    journal::trim_journal(0, &pool, &read).await.unwrap();
+    slow.commit().await.unwrap();
+
+    let left = journal::read_journal(0, &pool, 100).await.unwrap();
+    assert_eq!(
+        left.iter().map(|e| e.entity.0[0]).collect::<Vec<_>>(),
+        vec![1],
+        "the late entry was trimmed unread"
+    );
+    assert!(left[0].seq < read[0].seq, "the late entry has the lower sequence number");
+}
