@@ -199,7 +199,8 @@ impl Run {
                 for o in outcomes {
                     println!(
                         "move {} done: {} logical shards, {} rows copied in {:.1}s ({:.0} rows/s; the first copy {:.1} s, \
-                         catch-up and verification {:.1} s), writes paused {:.0} ms at the cutover",
+                         catch-up and verification {:.1} s), writes paused {:.0} ms at the cutover; \
+                         {} of {} table slices verified against the copy's digests, the rest against the source",
                         o.move_id,
                         o.logicals,
                         o.rows_copied,
@@ -207,7 +208,9 @@ impl Run {
                         o.rows_per_sec,
                         o.first_copy_secs,
                         o.copy_secs - o.first_copy_secs,
-                        o.pause_secs * 1000.0
+                        o.pause_secs * 1000.0,
+                        o.verified_against_copy,
+                        o.verified_slices,
                     );
                 }
                 Ok(())

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 use storage::carry::{self, IdempotencyRow, RecordCursor};
 use storage::entities::{self, LogicalCursor};
-use storage::journal::{self, JournalEntry};
+use storage::journal;
 use storage::moves;
 use storage::{checksums, index_rows, migrate, server, EntityRecord, IndexRow, OnShard};
 use tokio_util::sync::CancellationToken;
@@ -56,6 +56,30 @@ enum Batch<'t> {
 /// Entities whose rows differed between source and target, by table
 /// (`entities` or an index table).
 pub type Differs = BTreeMap<String, Vec<EntityId>>;
+
+/// What a run's copy read from the source, summed up per table and
+/// logical shard: the checksums the source had then. Where the journal
+/// names no change since, the source still has them, and the verification
+/// compares the target with these instead of reading the source again.
+#[derive(Debug, Clone, Default)]
+pub struct CopySums {
+    /// Per table (`entities` or an index table).
+    pub tables: BTreeMap<String, checksums::Sums>,
+    /// The logical shards whose every row this run read.
+    pub logicals: BTreeSet<u16>,
+}
+
+impl CopySums {
+    fn merge(&mut self, other: CopySums) {
+        for (table, sums) in other.tables {
+            let mine = self.tables.entry(table).or_default();
+            for (k, c) in sums.0 {
+                mine.0.insert(k, c);
+            }
+        }
+        self.logicals.extend(other.logicals);
+    }
+}
 
 impl Mover {
     /// Turns the source's journal on, then copies every logical shard not
@@ -148,7 +172,8 @@ impl Mover {
         // A failed write ends the reader too (its sends fail): the write's
         // error is the one to report.
         write?;
-        read
+        run.copy_sums.merge(read?);
+        Ok(())
     }
 
     /// Waits for the oldest write in flight and counts it, or saves the
@@ -174,6 +199,7 @@ impl Mover {
     /// Reads the logical shards of `todo` from the source, a step at a time
     /// (entities in batches, then each index's rows, then the idempotency
     /// records in batches), and sends them to the writer, throttled.
+    /// Returns the digests of the rows read.
     async fn read_batches<'t>(
         &self,
         source: usize,
@@ -181,8 +207,9 @@ impl Mover {
         indexes: &[schemas::index::IndexSpec],
         stop: &tokio_util::sync::CancellationToken,
         out: tokio::sync::mpsc::Sender<Batch<'t>>,
-    ) -> Result<()> {
+    ) -> Result<CopySums> {
         let src = self.shards().pool(source);
+        let mut sums = CopySums::default();
         let batch = self.settings().batch;
         let start = Instant::now();
         let mut read = 0u64;
@@ -195,21 +222,29 @@ impl Mover {
             loop {
                 self.throttle(stop, source, read, start).await?;
                 let rows = entities::scan_logicals(source, src, step, cursor, batch).await?;
-                let Some(last) = rows.last() else { break };
+                let Some((last, _)) = rows.last() else { break };
                 cursor = Some(LogicalCursor { logical: last.logical, added_id: last.added_id });
                 let full = rows.len() == batch;
                 read += rows.len() as u64;
-                send(Batch::Entities(step, rows)).await?;
+                let entity_sums = sums.tables.entry(tables::ENTITIES.to_string()).or_default();
+                for (row, digest) in &rows {
+                    entity_sums.add(row.logical, *digest);
+                }
+                send(Batch::Entities(step, rows.into_iter().map(|(row, _)| row).collect())).await?;
                 if !full {
                     break;
                 }
             }
             for (i, spec) in indexes.iter().enumerate() {
                 self.throttle(stop, source, read, start).await?;
-                let rows = index_rows::rows_in_logicals(source, src, spec, step).await?;
+                let rows = index_rows::digested_rows_in_logicals(source, src, spec, step).await?;
                 read += rows.len() as u64;
+                let index_sums = sums.tables.entry(spec.table.clone()).or_default();
+                for (row, digest) in &rows {
+                    index_sums.add(row.logical, *digest);
+                }
                 if !rows.is_empty() {
-                    send(Batch::Index(step, i, rows)).await?;
+                    send(Batch::Index(step, i, rows.into_iter().map(|(row, _)| row).collect())).await?;
                 }
             }
             let mut after: Option<RecordCursor> = None;
@@ -226,8 +261,9 @@ impl Mover {
                 }
             }
             send(Batch::StepDone(step)).await?;
+            sums.logicals.extend(step);
         }
-        Ok(())
+        Ok(sums)
     }
 
     fn copied(&self, run: &mut Running<'_>, n: u64) {
@@ -294,7 +330,8 @@ impl Mover {
             if entries.is_empty() {
                 break;
             }
-            let n = self.apply(run, &entries).await?;
+            run.touched.extend(entries.iter().map(|e| (e.table.clone(), e.logical)));
+            let n = self.apply(run, &journal::by_table(&entries)).await?;
             journal::trim_journal(source, src, &entries).await?;
             applied += entries.len() as u64;
             run.rows_caught_up += n;
@@ -314,11 +351,11 @@ impl Mover {
     /// Makes the target's rows of the journaled entities what the source
     /// has now (none, where the source has none). Returns the rows written
     /// or deleted.
-    async fn apply(&self, run: &Running<'_>, entries: &[JournalEntry]) -> Result<u64> {
+    async fn apply(&self, run: &Running<'_>, changed: &BTreeMap<String, Vec<EntityId>>) -> Result<u64> {
         let (source, target) = (run.rec.source as usize, run.rec.target as usize);
         let (src, dst) = (self.shards().pool(source), self.shards().pool(target));
         let mut written = 0;
-        for (table, ids) in journal::by_table(entries) {
+        for (table, ids) in changed {
             if table == tables::ENTITIES {
                 let rows = entities::read_entities_any(source, src, &ids).await?.records;
                 // An entity the source no longer has (a purged tombstone)
@@ -338,7 +375,7 @@ impl Mover {
                 let deleted = carry::delete_entities(target, &mut tx, &gone).await?;
                 tx.commit().await.on(target)?;
                 written += rows.len() as u64 + deleted;
-            } else if let Some(spec) = run.indexes.iter().find(|s| s.table == table) {
+            } else if let Some(spec) = run.indexes.iter().find(|s| s.table == *table) {
                 let logicals = &run.rec.logicals;
                 let rows: Vec<_> = index_rows::index_rows_of(source, src, spec, &ids)
                     .await?
@@ -362,16 +399,10 @@ impl Mover {
     /// connections), and without this the cutover compared, differed and
     /// retried forever.
     pub(crate) async fn recopy(&self, run: &Running<'_>, differs: &Differs) -> Result<u64> {
-        let entries: Vec<JournalEntry> = differs
-            .iter()
-            .flat_map(|(table, ids)| {
-                ids.iter().map(|id| JournalEntry { seq: 0, table: table.clone(), entity: *id })
-            })
-            .collect();
-        if entries.is_empty() {
+        if differs.values().all(Vec::is_empty) {
             return Ok(0);
         }
-        self.apply(run, &entries).await
+        self.apply(run, differs).await
     }
 
     /// Copies again the idempotency records of the moving logical shards
@@ -443,16 +474,22 @@ impl Mover {
     /// Compares source and target: every row of the moving logical shards
     /// (by checksums, then row by row where those differ), or (with `only`)
     /// the rows of those entities. Source and target are read at once.
-    pub(crate) async fn verify(&self, run: &Running<'_>, only: Option<&Differs>) -> Result<Differs> {
+    pub(crate) async fn verify(&self, run: &mut Running<'_>, only: Option<&Differs>) -> Result<Differs> {
         if only.is_some() {
             return self.compare_rows(run, &run.rec.logicals, only).await;
         }
+        // Changes the journal holds and the catch-up has not applied yet.
+        let source = run.rec.source as usize;
+        let pending: BTreeSet<(String, u16)> =
+            journal::pending_logicals(source, self.shards().pool(source)).await?.into_iter().collect();
         let mut out = Differs::new();
+        let mut against_copy = 0;
         for step in run.rec.logicals.chunks(LOGICALS_PER_VERIFY) {
             if run.stop.is_cancelled() {
                 return Err(MoveError::Stopped);
             }
-            let differing = self.differing_logicals(run, step).await?;
+            let (differing, trusted) = self.differing_logicals(run, step, &pending).await?;
+            against_copy += trusted;
             if !differing.is_empty() {
                 for (table, ids) in self.compare_rows(run, &differing, None).await? {
                     out.entry(table).or_default().extend(ids);
@@ -464,25 +501,65 @@ impl Mover {
             ids.sort_unstable();
             ids.dedup();
         }
+        let slices = run.rec.logicals.len() * (1 + run.indexes.len());
+        run.outcome.verified_against_copy = against_copy;
+        run.outcome.verified_slices = slices;
+        tracing::debug!(
+            id = run.rec.id,
+            against_copy,
+            against_source = slices - against_copy,
+            "compared (table, logical shard) slices with the copy's digests or the source's rows"
+        );
         Ok(out)
     }
 
     /// The logical shards of `step` whose checksums differ between source
-    /// and target, in any table.
-    async fn differing_logicals(&self, run: &Running<'_>, step: &[u16]) -> Result<Vec<u16>> {
+    /// and target, in any table; and how many (table, logical shard)s were
+    /// compared with the copy's digests. The target is always summed up
+    /// by its server. The source is only where this run's copy did not read
+    /// the logical shard, or the journal has named a change to it in that
+    /// table since (applied, or `pending`): elsewhere it still has what the
+    /// copy read.
+    async fn differing_logicals(
+        &self,
+        run: &Running<'_>,
+        step: &[u16],
+        pending: &BTreeSet<(String, u16)>,
+    ) -> Result<(Vec<u16>, usize)> {
         let (source, target) = (run.rec.source as usize, run.rec.target as usize);
         let (src, dst) = (self.shards().pool(source), self.shards().pool(target));
-        let (a, b) =
-            tokio::try_join!(checksums::entities(source, src, step), checksums::entities(target, dst, step))?;
-        let mut out: BTreeSet<u16> = checksums::differing(&a, &b).into_iter().collect();
-        for spec in &run.indexes {
-            let (a, b) = tokio::try_join!(
-                checksums::index_rows(source, src, spec, step),
-                checksums::index_rows(target, dst, spec, step)
-            )?;
-            out.extend(checksums::differing(&a, &b));
+        let mut out: BTreeSet<u16> = BTreeSet::new();
+        let mut trusted_total = 0;
+        let mut tables: Vec<Option<&schemas::index::IndexSpec>> = vec![None];
+        tables.extend(run.indexes.iter().map(Some));
+        for spec in tables {
+            let table = spec.map_or(tables::ENTITIES, |s| s.table.as_str());
+            let copied = run.copy_sums.tables.get(table);
+            let key = |k: u16| (table.to_string(), k);
+            let (trusted, reread): (Vec<u16>, Vec<u16>) = step.iter().partition(|k| {
+                copied.is_some()
+                    && run.copy_sums.logicals.contains(k)
+                    && !run.touched.contains(&key(**k))
+                    && !pending.contains(&key(**k))
+            });
+            trusted_total += trusted.len();
+            let (source_sums, target_sums) = match spec {
+                None => tokio::try_join!(
+                    checksums::entities(source, src, &reread),
+                    checksums::entities(target, dst, step)
+                )?,
+                Some(spec) => tokio::try_join!(
+                    checksums::index_rows(source, src, spec, &reread),
+                    checksums::index_rows(target, dst, spec, step)
+                )?,
+            };
+            let mut want = source_sums;
+            if let Some(copied) = copied {
+                want.extend(trusted.iter().filter_map(|k| copied.0.get(k).map(|c| (*k, *c))));
+            }
+            out.extend(checksums::differing(&want, &target_sums));
         }
-        Ok(out.into_iter().collect())
+        Ok((out.into_iter().collect(), trusted_total))
     }
 
     /// Compares the rows of `logicals` (or, with `only`, of those entities

@@ -9,8 +9,10 @@
 //!    are copied to Q in `(logical, clustered key)` order, throttled, a
 //!    few logical shards at a time, progress saved after each; the journal
 //!    is replayed onto Q until it is short (an entity P no longer has goes
-//!    from Q too); Q is compared with P ([`copy::verify`]); the
-//!    idempotency records written meanwhile are copied again.
+//!    from Q too); Q is compared with P ([`copy::verify`]: with the digests
+//!    of the rows the copy read, where the journal says P has not changed
+//!    since, else with P's rows as they are now); the idempotency records
+//!    written meanwhile are copied again.
 //! 2. **cutover** ([`cutover`]): P's ownership rows of S are locked
 //!    exclusively (writes to S wait), the journal is replayed to empty,
 //!    the rows that differed at verification are compared again, the
@@ -105,6 +107,10 @@ pub struct Outcome {
     pub pause_secs: f64,
     pub cutover_attempts: u32,
     pub total_secs: f64,
+    /// (table, logical shard) slices the last full verification compared
+    /// with the copy's digests, and all it compared.
+    pub verified_against_copy: usize,
+    pub verified_slices: usize,
 }
 
 /// Receives progress; called at most every few hundred milliseconds.
@@ -146,6 +152,10 @@ pub(crate) struct Running<'a> {
     pub journal_backlog: u64,
     pub last_report: Option<Instant>,
     pub outcome: Outcome,
+    /// The digests of the rows this run's copy read from the source.
+    pub copy_sums: copy::CopySums,
+    /// The `(table, logical shard)`s the journal has named to this run.
+    pub touched: std::collections::BTreeSet<(String, u16)>,
 }
 
 impl Mover {
@@ -294,6 +304,8 @@ impl Mover {
             journal_backlog: 0,
             last_report: None,
             outcome,
+            copy_sums: copy::CopySums::default(),
+            touched: Default::default(),
         };
         tracing::info!(
             id = run.rec.id,

@@ -34,6 +34,36 @@ pub type Checksums = BTreeMap<u16, Checksum>;
 const ENTITY_ROW: &str =
     "CONCAT_WS(',', HEX(id), version, IFNULL(CRC32C(body), '-'), IFNULL(CRC32(body), '-'))";
 
+/// One row's 64-bit digest, as SQL over the row described by `row`.
+fn digest_of(row: &str) -> String {
+    format!("CAST(CONV(LEFT(MD5({row}), 16), 16, 10) AS UNSIGNED)")
+}
+
+/// An entity row's digest, as a SQL expression over `entities`' columns:
+/// a query that reads rows anyway (a move's copy) selects it beside them,
+/// and its [`Sums`] then equal what [`entities`] computes.
+pub fn entity_digest() -> String {
+    digest_of(ENTITY_ROW)
+}
+
+/// An index row's digest, as a SQL expression over `spec`'s table.
+pub fn index_digest(spec: &IndexSpec) -> String {
+    digest_of(&index_row(spec))
+}
+
+/// Checksums summed up from rows read elsewhere, each with its digest.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Sums(pub Checksums);
+
+impl Sums {
+    /// Counts one row of `logical` with its digest.
+    pub fn add(&mut self, logical: u16, digest: u64) {
+        let c = self.0.entry(logical).or_insert(Checksum { rows: 0, digest: 0 });
+        c.rows += 1;
+        c.digest ^= digest;
+    }
+}
+
 /// Checksums of the entity rows of `logicals`.
 pub async fn entities(shard: usize, conn: impl MySqlExecutor<'_>, logicals: &[u16]) -> Result<Checksums> {
     checksums(shard, conn, "entities", ENTITY_ROW, logicals).await
@@ -47,6 +77,11 @@ pub async fn index_rows(
     spec: &IndexSpec,
     logicals: &[u16],
 ) -> Result<Checksums> {
+    checksums(shard, conn, &spec.table, &index_row(spec), logicals).await
+}
+
+/// What an index row's digest covers: its key, entity and version.
+fn index_row(spec: &IndexSpec) -> String {
     let mut cols: Vec<String> = spec
         .properties
         .iter()
@@ -60,8 +95,7 @@ pub async fn index_rows(
         .collect();
     cols.push("HEX(entity_id)".into());
     cols.push("version".into());
-    let row = format!("CONCAT_WS(',', {})", cols.join(", "));
-    checksums(shard, conn, &spec.table, &row, logicals).await
+    format!("CONCAT_WS(',', {})", cols.join(", "))
 }
 
 async fn checksums(
@@ -75,9 +109,9 @@ async fn checksums(
         return Ok(Checksums::new());
     }
     let sql = format!(
-        "SELECT logical, COUNT(*) AS n, \
-         BIT_XOR(CAST(CONV(LEFT(MD5({row}), 16), 16, 10) AS UNSIGNED)) AS digest \
+        "SELECT logical, COUNT(*) AS n, BIT_XOR({}) AS digest \
          FROM `{table}` WHERE logical IN ({}) GROUP BY logical",
+        digest_of(row),
         marks(logicals.len())
     );
     let mut q = sqlx::query(&sql);

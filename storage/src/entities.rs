@@ -397,7 +397,8 @@ pub struct LogicalCursor {
 }
 
 /// Rows of `logicals` (tombstones included) after `after`, in
-/// `(logical, added_id)` order, along the `entities_logical` key.
+/// `(logical, added_id)` order, along the `entities_logical` key, each with
+/// its digest ([`crate::checksums::entity_digest`]).
 #[tracing::instrument(level = "debug", skip_all, fields(shard))]
 pub async fn scan_logicals(
     shard: usize,
@@ -405,14 +406,15 @@ pub async fn scan_logicals(
     logicals: &[u16],
     after: Option<LogicalCursor>,
     limit: usize,
-) -> Result<Vec<EntityRecord>> {
+) -> Result<Vec<(EntityRecord, u64)>> {
     if logicals.is_empty() {
         return Ok(Vec::new());
     }
     let (l, a) = after.map_or((0, 0), |c| (c.logical, c.added_id));
     let sql = format!(
-        "SELECT {COLUMNS} FROM entities FORCE INDEX (entities_logical) WHERE logical IN ({}) \
+        "SELECT {COLUMNS}, {} AS digest FROM entities FORCE INDEX (entities_logical) WHERE logical IN ({}) \
          AND (logical > ? OR (logical = ? AND added_id > ?)) ORDER BY logical, added_id LIMIT ?",
+        crate::checksums::entity_digest(),
         marks(logicals.len())
     );
     let mut q = sqlx::query(&sql);
@@ -428,11 +430,13 @@ pub async fn scan_logicals(
         .fetch_all(pool)
         .await
         .on(shard)?;
-    rows.iter().map(|r| record(shard, r)).collect()
+    rows.iter().map(|r| Ok((record(shard, r)?, r.try_get("digest").on(shard)?))).collect()
 }
 
 /// Copies rows made on another shard (a move): a row is written unless this
-/// shard has the id at the same or a newer version. Its `added_id` is this
+/// shard has the id at a newer version (at the same version it is written
+/// too: a copy that differs from its source at the same version, which
+/// verification found, is repaired by copying it again). Its `added_id` is this
 /// shard's own (locations in index rows then cost a fetch by id until the
 /// cleaner rewrites them).
 #[tracing::instrument(level = "debug", skip_all, fields(shard))]
@@ -443,9 +447,9 @@ pub async fn copy_entities(shard: usize, conn: &mut MySqlConnection, rows: &[Ent
         // others compare with the row's version before the copy.
         let sql = format!(
             "INSERT INTO entities (id, logical, version, updated, body, expires_us) VALUES {} \
-             ON DUPLICATE KEY UPDATE body = IF(VALUES(version) > version, VALUES(body), body), \
-             updated = IF(VALUES(version) > version, VALUES(updated), updated), \
-             expires_us = IF(VALUES(version) > version, VALUES(expires_us), expires_us), \
+             ON DUPLICATE KEY UPDATE body = IF(VALUES(version) >= version, VALUES(body), body), \
+             updated = IF(VALUES(version) >= version, VALUES(updated), updated), \
+             expires_us = IF(VALUES(version) >= version, VALUES(expires_us), expires_us), \
              version = GREATEST(version, VALUES(version))",
             vec![tuple; chunk.len()].join(", ")
         );

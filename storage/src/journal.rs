@@ -95,17 +95,19 @@ pub async fn stop_journal(shard: usize, pool: &MySqlPool, indexes: &[IndexSpec])
     Ok(())
 }
 
-/// One journaled change: some row of `table` for `entity` changed.
+/// One journaled change: some row of `table` for `entity` changed, in
+/// logical shard `logical` (an index row's own, not its entity's).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JournalEntry {
     pub seq: u64,
     pub table: String,
     pub entity: EntityId,
+    pub logical: u16,
 }
 
 /// Up to `limit` journal entries, oldest first.
 pub async fn read_journal(shard: usize, pool: &MySqlPool, limit: usize) -> Result<Vec<JournalEntry>> {
-    let rows = sqlx::query("SELECT seq, tbl, entity_id FROM bagstore_journal ORDER BY seq LIMIT ?")
+    let rows = sqlx::query("SELECT seq, tbl, entity_id, logical FROM bagstore_journal ORDER BY seq LIMIT ?")
         .bind(limit as u64)
         .fetch_all(pool)
         .await
@@ -116,6 +118,7 @@ pub async fn read_journal(shard: usize, pool: &MySqlPool, limit: usize) -> Resul
                 seq: r.try_get("seq").on(shard)?,
                 table: r.try_get("tbl").on(shard)?,
                 entity: id_column(shard, r, "entity_id")?,
+                logical: r.try_get("logical").on(shard)?,
             })
         })
         .collect()
@@ -137,6 +140,11 @@ pub async fn trim_journal(shard: usize, pool: &MySqlPool, applied: &[JournalEntr
         q.execute(pool).await.on(shard)?;
     }
     Ok(())
+}
+
+/// The `(table, logical shard)`s of the entries waiting in the journal.
+pub async fn pending_logicals(shard: usize, pool: &MySqlPool) -> Result<Vec<(String, u16)>> {
+    sqlx::query_as("SELECT DISTINCT tbl, logical FROM bagstore_journal").fetch_all(pool).await.on(shard)
 }
 
 /// How many journal entries wait.
