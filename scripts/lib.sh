@@ -78,3 +78,27 @@ ensure_postgresql() {
     fi
     export BAGSTORE_POSTGRES_BIN="$bin"
 }
+
+# The OpenAPI document's checks (tests/tests/e2e/clients.rs): PyPI
+# openapi-spec-validator validates it and openapi-python-client generates a
+# client from it, in a private venv made once per pinned version pair.
+# Exports BAGSTORE_OPENAPI_TOOLS (the venv) for the test.
+OPENAPI_SPEC_VALIDATOR_VERSION=0.9.0
+OPENAPI_PYTHON_CLIENT_VERSION=0.29.1
+ensure_openapi_tools() {
+    local dir
+    dir="${HOME}/.cache/bagstore/openapi-tools-$OPENAPI_SPEC_VALIDATOR_VERSION-$OPENAPI_PYTHON_CLIENT_VERSION"
+    if [ ! -f "$dir/.complete" ]; then
+        if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
+            apt_install python3-venv
+        fi
+        echo "$(basename "$0"): installing openapi-spec-validator and openapi-python-client (PyPI) in $dir" >&2
+        rm -rf "$dir"
+        python3 -m venv "$dir"
+        "$dir/bin/python" -m pip install --quiet --disable-pip-version-check \
+            "openapi-spec-validator==$OPENAPI_SPEC_VALIDATOR_VERSION" \
+            "openapi-python-client==$OPENAPI_PYTHON_CLIENT_VERSION"
+        touch "$dir/.complete"
+    fi
+    export BAGSTORE_OPENAPI_TOOLS="$dir"
+}

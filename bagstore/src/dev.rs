@@ -91,7 +91,11 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     // The mock cluster is not Send; it lives on this task until the end.
     let mut cluster = None;
     if settings.kafka.brokers.is_empty() {
-        cluster = Some(devstack::kafka::start(&mut settings.kafka).context("starting the embedded Kafka")?);
+        // The public change stream's topic too, when on.
+        let changes = settings.changes.clone();
+        let also: Vec<&str> = if changes.enabled { vec![changes.topic.as_str()] } else { Vec::new() };
+        cluster =
+            Some(devstack::kafka::start(&mut settings.kafka, &also).context("starting the embedded Kafka")?);
     }
 
     let result = serve(settings, &args, layout, cluster.is_none()).await;

@@ -66,7 +66,9 @@ pub async fn migrate(settings: &Settings, kafka: bool) -> anyhow::Result<(Report
     }
     if kafka {
         let k = &settings.kafka;
-        if !kafka::topics_exist(k).await.context("reading the Kafka topics")? {
+        let changes = &settings.changes;
+        let also: Vec<&str> = if changes.enabled { vec![changes.topic.as_str()] } else { Vec::new() };
+        if !kafka::topics_exist(k, &also).await.context("reading the Kafka topics")? {
             // Said here, before any topic is made: brokers may not (Kafka
             // refuses, some Kafka-protocol brokers ignore replicas).
             let brokers = kafka::broker_count(k).await.context("reading the Kafka cluster's brokers")?;
@@ -78,7 +80,7 @@ pub async fn migrate(settings: &Settings, kafka: bool) -> anyhow::Result<(Report
                 k.replication_factor
             );
         }
-        kafka::ensure_topics(k).await.context("creating the Kafka topics")?;
+        kafka::ensure_topics(k, &also).await.context("creating the Kafka topics")?;
     }
     // A CREATING index has not been scanned yet, so its consumer group may
     // start at the end of the topic: the backfill covers everything older.

@@ -811,6 +811,7 @@ async fn setup(opts: &Options) -> anyhow::Result<World> {
     let topic = "bench.entity-changes".to_string();
     kafka.create_topic(&topic, PARTITIONS, 1)?;
     kafka.create_topic(&format!("{topic}.dlq"), 1, 1)?;
+    kafka.create_topic("bagstore.changes.v1", PARTITIONS, 1)?;
     let http = reqwest::Client::builder().pool_max_idle_per_host(opts.clients * 2).build()?;
     Ok(World { dir, servers, bag_dsns, native, kafka, topic, http, procs })
 }

@@ -10,14 +10,18 @@ use schemas::settings::KafkaSettings;
 /// made it.
 pub type EmbeddedKafka = MockCluster<'static, DefaultProducerContext>;
 
-/// Starts a mock cluster with the change topic and its dead-letter topic
-/// (as `bagstore migrate` would create them), and points `k` at it.
-pub fn start(k: &mut KafkaSettings) -> anyhow::Result<EmbeddedKafka> {
+/// Starts a mock cluster with the change topic, its dead-letter topic and
+/// each of `also` (the public change stream; as `bagstore migrate` would
+/// create them: the mock has no admin API), and points `k` at it.
+pub fn start(k: &mut KafkaSettings, also: &[&str]) -> anyhow::Result<EmbeddedKafka> {
     let c = MockCluster::new(1)?;
     k.brokers = c.bootstrap_servers();
     // One broker: one replica (production's default is 3).
     k.replication_factor = 1;
     c.create_topic(&k.topic, k.partitions, 1)?;
     c.create_topic(&k.dlq_topic(), 1, 1)?;
+    for t in also {
+        c.create_topic(t, k.partitions, 1)?;
+    }
     Ok(c)
 }

@@ -357,7 +357,7 @@ impl Mover {
         let mut written = 0;
         for (table, ids) in changed {
             if table == tables::ENTITIES {
-                let rows = entities::read_entities_any(source, src, &ids).await?.records;
+                let rows = entities::read_entities_any(source, src, ids).await?.records;
                 // An entity the source no longer has (a purged tombstone)
                 // goes from the target too, or the two would differ for
                 // good. Only ids of the moving logical shards: nothing else
@@ -377,13 +377,13 @@ impl Mover {
                 written += rows.len() as u64 + deleted;
             } else if let Some(spec) = run.indexes.iter().find(|s| s.table == *table) {
                 let logicals = &run.rec.logicals;
-                let rows: Vec<_> = index_rows::index_rows_of(source, src, spec, &ids)
+                let rows: Vec<_> = index_rows::index_rows_of(source, src, spec, ids)
                     .await?
                     .into_iter()
                     .filter(|r| logicals.binary_search(&r.logical).is_ok())
                     .collect();
                 let mut tx = moves::begin_incoming(target, dst, logicals, run.token).await?;
-                index_rows::replace_rows_of(target, &mut tx, spec, logicals, &ids, &rows).await?;
+                index_rows::replace_rows_of(target, &mut tx, spec, logicals, ids, &rows).await?;
                 tx.commit().await.on(target)?;
                 written += rows.len() as u64;
             }

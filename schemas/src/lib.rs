@@ -25,6 +25,7 @@
 //! - [`settings`]: typed `Settings` from TOML + `BAGSTORE_…` variables.
 //! - [`clock`]: the wall clock in microseconds.
 
+pub mod changes;
 pub mod clock;
 pub mod codec;
 pub mod event;

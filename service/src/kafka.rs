@@ -112,17 +112,22 @@ async fn topic_exists(k: &KafkaSettings, topic: &str) -> Result<bool, KafkaError
     .map_err(|_| KafkaError::Canceled)?
 }
 
-/// Creates the change topic and its dead-letter topic if missing.
-pub async fn ensure_topics(k: &KafkaSettings) -> Result<(), KafkaError> {
-    if topics_exist(k).await? {
+/// Creates the change topic and its dead-letter topic if missing, and each
+/// of `also` (topics with the change topic's partitions: the public change
+/// stream).
+pub async fn ensure_topics(k: &KafkaSettings, also: &[&str]) -> Result<(), KafkaError> {
+    if topics_exist(k, also).await? {
         return Ok(());
     }
     let admin: AdminClient<DefaultClientContext> = create(&base_config(k))?;
     let dlq = k.dlq_topic();
-    let topics = [
+    let mut topics = vec![
         NewTopic::new(&k.topic, k.partitions, TopicReplication::Fixed(k.replication_factor)),
         NewTopic::new(&dlq, 1, TopicReplication::Fixed(k.replication_factor)),
     ];
+    topics.extend(
+        also.iter().map(|t| NewTopic::new(t, k.partitions, TopicReplication::Fixed(k.replication_factor))),
+    );
     let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
     for result in admin.create_topics(&topics, &opts).await? {
         match result {
@@ -136,9 +141,17 @@ pub async fn ensure_topics(k: &KafkaSettings) -> Result<(), KafkaError> {
     Ok(())
 }
 
-/// Whether the change topic and its dead-letter topic both exist.
-pub async fn topics_exist(k: &KafkaSettings) -> Result<bool, KafkaError> {
-    Ok(topic_exists(k, &k.topic).await? && topic_exists(k, &k.dlq_topic()).await?)
+/// Whether the change topic, its dead-letter topic and each of `also` exist.
+pub async fn topics_exist(k: &KafkaSettings, also: &[&str]) -> Result<bool, KafkaError> {
+    if !(topic_exists(k, &k.topic).await? && topic_exists(k, &k.dlq_topic()).await?) {
+        return Ok(false);
+    }
+    for t in also {
+        if !topic_exists(k, t).await? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 /// How many brokers the cluster's metadata lists.

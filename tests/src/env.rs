@@ -124,6 +124,9 @@ impl TestEnv {
         let topic = format!("{name}.changes");
         kafka.create_topic(&topic, 4, 1).expect("topic");
         kafka.create_topic(&format!("{topic}.dlq"), 1, 1).expect("dlq topic");
+        // The public change stream (on by default): the mock cluster has no
+        // admin API for `migrate` to create it with.
+        kafka.create_topic("bagstore.changes.v1", 4, 1).expect("change stream topic");
         let dir = tempfile::Builder::new().prefix(&format!("{name}-")).tempdir().expect("tempdir");
         TestEnv { name, dir, kafka: Kafka::Mock(kafka), dsns, topic, indexes_toml: indexes_toml.to_string() }
     }

@@ -9,7 +9,10 @@
 //! sent again next round, so an entity's events are never skipped and
 //! re-sends always end with the latest version.
 
+use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use schemas::changes;
+use schemas::event::ChangeEvent;
 use service::kafka;
 use sqlx::MySqlConnection;
 use std::time::{Duration, Instant};
@@ -223,12 +226,16 @@ impl Writer {
         }
     }
 
-    /// Sends the rows in order and returns how many leading rows Kafka
-    /// acknowledged.
+    /// Sends the rows in order, each to the change topic and (when on) as
+    /// its envelope to the public change stream, and returns how many
+    /// leading rows Kafka acknowledged on both.
     async fn publish(&self, shard: usize, producer: &FutureProducer, rows: &[OutboxRow]) -> usize {
         let topic = &self.settings().kafka.topic;
-        let mut pending = Vec::with_capacity(rows.len());
-        for row in rows {
+        let changes = &self.settings().changes;
+        let mut pending = Vec::with_capacity(rows.len() * 2);
+        // Messages enqueued per row, for the rows enqueued whole.
+        let mut per_row: Vec<usize> = Vec::with_capacity(rows.len());
+        'rows: for row in rows {
             let record = FutureRecord::to(topic).key(&row.entity_id.0[..]).payload(&row.event[..]);
             match producer.send_result(record) {
                 Ok(f) => pending.push(f),
@@ -237,9 +244,33 @@ impl Writer {
                     break;
                 }
             }
+            let mut sent = 1;
+            if let Some(m) = changes.enabled.then(|| self.public_message(shard, row)).flatten() {
+                let headers = OwnedHeaders::new()
+                    .insert(Header { key: changes::HEADER_VERSION, value: Some(&m.version) })
+                    .insert(Header { key: changes::HEADER_OP, value: Some(m.op.as_str()) });
+                let record = FutureRecord::to(&changes.topic).key(&m.key).payload(&m.value).headers(headers);
+                match producer.send_result(record) {
+                    Ok(f) => pending.push(f),
+                    Err((e, _)) => {
+                        tracing::warn!(shard, error = %e, "cannot enqueue a change stream message");
+                        break 'rows;
+                    }
+                }
+                sent += 1;
+            }
+            per_row.push(sent);
         }
         let results = futures::future::join_all(pending).await;
-        let acked = results.iter().take_while(|r| matches!(r, Ok(Ok(_)))).count();
+        // A row counts once every message it was sent as is acknowledged.
+        let (mut at, mut acked) = (0, 0);
+        for n in per_row {
+            if !results[at..at + n].iter().all(|r| matches!(r, Ok(Ok(_)))) {
+                break;
+            }
+            at += n;
+            acked += 1;
+        }
         if acked < rows.len() {
             let failed = rows.len() - acked;
             self.inner
@@ -247,11 +278,27 @@ impl Writer {
                 .publish_failures
                 .with_label_values(&[&shard.to_string()])
                 .inc_by(failed as u64);
-            if let Some(Ok(Err((e, _)))) = results.get(acked) {
+            if let Some(Ok(Err((e, _)))) = results.iter().find(|r| !matches!(r, Ok(Ok(_)))) {
                 tracing::warn!(shard, error = %e, failed, "Kafka did not acknowledge change events; will retry");
             }
         }
         acked
+    }
+
+    /// A row's message on the public change stream; None (logged) for an
+    /// event that does not decode, which the change topic still carries
+    /// (its consumers dead-letter it).
+    fn public_message(&self, shard: usize, row: &OutboxRow) -> Option<changes::ChangeMessage> {
+        match ChangeEvent::decode(&row.event) {
+            Ok(event) => {
+                let logical = self.shards().logical_of_id(&event.id);
+                Some(changes::change_message(&event, logical, self.shards().name(shard)))
+            }
+            Err(e) => {
+                tracing::error!(shard, id = %row.entity_id, error = %e, "an outbox event does not decode; left out of the change stream");
+                None
+            }
+        }
     }
 
     async fn report_backlog(&self, shard: usize) {

@@ -13,8 +13,8 @@ mod sections;
 
 pub use secrets::{is_secret_kafka_option, Dsn, Secret};
 pub use sections::{
-    AuthSettings, CleanerSettings, ExpirySettings, HttpSettings, IndexerSettings, KafkaSettings,
-    MoverSettings, MysqlSettings, ReaderSettings, WriterSettings,
+    AuthSettings, ChangesSettings, CleanerSettings, ExpirySettings, HttpSettings, IndexerSettings,
+    KafkaSettings, MoverSettings, MysqlSettings, ReaderSettings, WriterSettings,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +52,8 @@ pub struct Settings {
     pub cleaner: CleanerSettings,
     #[serde(default)]
     pub expiry: ExpirySettings,
+    #[serde(default)]
+    pub changes: ChangesSettings,
     #[serde(default)]
     pub mover: MoverSettings,
     #[serde(default)]
@@ -136,6 +138,16 @@ impl Settings {
                 "writer and reader limits must be positive, and writer.max_pending_writes at least writer.max_batch"
                     .into(),
             ));
+        }
+        if self.changes.enabled
+            && (self.changes.topic.is_empty()
+                || self.changes.topic == self.kafka.topic
+                || self.changes.topic == self.kafka.dlq_topic())
+        {
+            return Err(SettingsError::Invalid(format!(
+                "changes.topic {:?} must be a topic of its own (not kafka.topic or its dead-letter topic)",
+                self.changes.topic
+            )));
         }
         if self.expiry.property.as_deref().is_some_and(|p| p.is_empty()) {
             return Err(SettingsError::Invalid(

@@ -312,6 +312,22 @@ pub struct ExpirySettings {
     pub property: Option<String>,
 }
 
+/// The public change stream (see `crate::changes`), on by default.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ChangesSettings {
+    /// Whether the relay writes the change stream.
+    pub enabled: bool,
+    /// Its topic (created by `migrate` with the change topic's partitions).
+    pub topic: String,
+}
+
+impl Default for ChangesSettings {
+    fn default() -> Self {
+        ChangesSettings { enabled: true, topic: "bagstore.changes.v1".into() }
+    }
+}
+
 /// Moving logical shards between physical shards (`bagstore shards …`).
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]

@@ -26,14 +26,19 @@
 //! - `auth`, `tls`: bearer tokens; TLS to MariaDB and Kafka.
 //! - `backpressure`: a flood of writes against a bounded writer.
 //! - `cli`, `config`: the `bagstore` command; configuration and compose.
+//! - `changes`: the public change stream: envelopes, schema, order.
+//! - `clients`: the OpenAPI document validated, and a client generated
+//!   from it running the seed's scenario.
 //! - `console`: the operator console in headless chromium.
 //! - `bench_quick`: the benchmark's smoke run.
 
 mod auth;
 mod backpressure;
 mod bench_quick;
+mod changes;
 mod cleaner;
 mod cli;
+mod clients;
 mod config;
 mod console;
 mod convergence;
