@@ -1140,12 +1140,14 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         .await?
     };
     let json_secs = t.elapsed().as_secs_f64();
-    report.line(
-        "load_json",
-        "json: load",
-        format!("{:.0} entities/s", n as f64 / json_secs),
-        format!("{load_json} batches, {json_secs:.1} s"),
-    );
+    if !opts.only_move {
+        report.line(
+            "load_json",
+            "json: load",
+            format!("{:.0} entities/s", n as f64 / json_secs),
+            format!("{load_json} batches, {json_secs:.1} s"),
+        );
+    }
     let next = Arc::new(AtomicU64::new(0));
     let t = Instant::now();
     {
@@ -1168,7 +1170,11 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         "load_bagstore",
         "bagstore: load (batch API)",
         format!("{:.0} entities/s", n as f64 / bag_secs),
-        format!("{bag_secs:.1} s; index caught up {idx_secs:.1} s later ({})", ratio(json_secs, bag_secs)),
+        if opts.only_move {
+            format!("{bag_secs:.1} s; index caught up {idx_secs:.1} s later")
+        } else {
+            format!("{bag_secs:.1} s; index caught up {idx_secs:.1} s later ({})", ratio(json_secs, bag_secs))
+        },
     );
     if opts.only_move {
         let (h, wb) = (http.clone(), wbase.clone());
