@@ -11,12 +11,15 @@
 //!   (infrastructure from `devstack`).
 //! - [`admin`]: one-shot operator commands (backfill one index, drop one).
 //! - [`shards`]: `bagstore shards …`: physical shards, moves, rebalancing.
+//! - [`changes`]: `bagstore changes snapshot`: a new change stream consumer
+//!   group brought up to date.
 //! - [`progress`]: progress bars and lines for long commands.
 //! - [`client_commands`]: `put`, `get`, `query`, `lag`, … over HTTP.
 //! - [`logging`]: tracing setup.
 
 pub mod admin;
 pub mod app;
+pub mod changes;
 pub mod client_commands;
 pub mod dev;
 pub mod logging;

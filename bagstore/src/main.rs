@@ -2,7 +2,7 @@
 
 use anyhow::Context;
 use bagstore::client_commands::{self as client, ClientArgs};
-use bagstore::{admin, app, dev, logging, migrate, shards};
+use bagstore::{admin, app, changes, dev, logging, migrate, shards};
 use clap::{Parser, Subcommand};
 use schemas::Settings;
 use std::path::PathBuf;
@@ -58,6 +58,11 @@ enum Command {
     Shards {
         #[command(subcommand)]
         command: ShardsCommand,
+    },
+    /// The public change stream.
+    Changes {
+        #[command(subcommand)]
+        command: ChangesCommand,
     },
     /// Create or replace an entity: JSON inline, `@file` or `-` (stdin).
     Put {
@@ -129,6 +134,25 @@ enum IndexCommand {
         config: Option<PathBuf>,
         #[command(flatten)]
         client: ClientArgs,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ChangesCommand {
+    /// Bring a new consumer group up to date: place its offsets at the
+    /// stream's end, then emit every live entity as op "r" (resumable).
+    Snapshot {
+        /// The consumer group (it must have no live consumers).
+        #[arg(long)]
+        group: String,
+        /// Speed limit, entities per second (0: unlimited).
+        #[arg(long, default_value_t = 0)]
+        rate: u64,
+        /// Take the snapshot again from the start (places the offsets again).
+        #[arg(long)]
+        restart: bool,
+        #[arg(long)]
+        config: PathBuf,
     },
 }
 
@@ -330,6 +354,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Index { command: IndexCommand::List { client } } => client::index_list(&client).await,
         Command::Shards { command } => shards_command(command).await,
+        Command::Changes { command: ChangesCommand::Snapshot { group, rate, restart, config } } => {
+            let s = load(Some(&config))?;
+            s.require_external()?;
+            changes::snapshot(s, &group, rate, restart).await
+        }
         Command::Put { client, body, id, if_match } => {
             client::put(&client, id.as_deref(), client::json_arg(&body)?, if_match).await
         }

@@ -40,6 +40,9 @@ pub mod tables {
     /// Per consumer group and partition, the newest claim's generation, on
     /// every shard: an index write of an older claim is refused there.
     pub const PARTITION_FENCES: &str = "bagstore_partition_fences";
+    /// Change stream snapshots: per consumer group, where the scan stands
+    /// (metadata shard).
+    pub const SNAPSHOTS: &str = "bagstore_snapshots";
     /// Which indexer consumer last took each partition of each consumer
     /// group (metadata shard): the indexers' own fence.
     pub const PARTITION_CLAIMS: &str = "bagstore_partition_claims";
@@ -64,6 +67,7 @@ pub const RESERVED_TABLES: &[&str] = &[
     tables::MOVES,
     tables::PROCESSES,
     tables::PARTITION_CLAIMS,
+    tables::SNAPSHOTS,
 ];
 /// Columns every index table has besides its property columns; a property
 /// may not take these names.

@@ -245,17 +245,30 @@ pub async fn group_members(k: &KafkaSettings, group: &str) -> Result<usize, Kafk
 /// backfill that follows reads every entity as it is now, and later events
 /// are consumed normally. Fails (harmlessly) if the group has live members.
 pub async fn start_group_at_end(k: &KafkaSettings, group: &str) -> Result<(), KafkaError> {
+    commit_group_at_end(k, group, &k.topic).await.map(|_| ())
+}
+
+/// Commits `group`'s offsets on `topic` at its current end; returns them
+/// (partition, offset). Fails if the group has live members.
+pub async fn commit_group_at_end(
+    k: &KafkaSettings,
+    group: &str,
+    topic: &str,
+) -> Result<Vec<(i32, i64)>, KafkaError> {
     let k = k.clone();
-    let group = group.to_string();
+    let (group, topic) = (group.to_string(), topic.to_string());
     tokio::task::spawn_blocking(move || {
         let consumer = group_consumer(&k, &group)?;
         let timeout = Duration::from_secs(5);
         let mut tpl = TopicPartitionList::new();
-        for p in topic_partitions(&consumer, &k.topic, timeout)? {
-            let (_, high) = consumer.fetch_watermarks(&k.topic, p, timeout)?;
-            tpl.add_partition_offset(&k.topic, p, Offset::Offset(high))?;
+        let mut out = Vec::new();
+        for p in topic_partitions(&consumer, &topic, timeout)? {
+            let (_, high) = consumer.fetch_watermarks(&topic, p, timeout)?;
+            tpl.add_partition_offset(&topic, p, Offset::Offset(high))?;
+            out.push((p, high));
         }
-        consumer.commit(&tpl, CommitMode::Sync)
+        consumer.commit(&tpl, CommitMode::Sync)?;
+        Ok(out)
     })
     .await
     .map_err(|_| KafkaError::Canceled)?

@@ -326,7 +326,7 @@ pub fn idempotency() -> String {
 }
 
 /// What only the metadata shard has.
-pub fn meta_tables() -> [String; 8] {
+pub fn meta_tables() -> [String; 9] {
     [
         index_catalog(),
         index_progress(),
@@ -336,7 +336,28 @@ pub fn meta_tables() -> [String; 8] {
         moves(),
         processes(),
         partition_claims(),
+        snapshots(),
     ]
+}
+
+/// Per consumer group, a change stream snapshot (`bagstore changes
+/// snapshot`, see `storage::snapshots`): the map epoch its scan runs
+/// under, how far it has read each physical shard (JSON: shard id to the
+/// last `added_id` emitted), and when it finished.
+pub fn snapshots() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    grp VARCHAR(255) NOT NULL,
+    topic VARCHAR(255) NOT NULL,
+    epoch BIGINT UNSIGNED NOT NULL,
+    cursors TEXT NOT NULL,
+    rows_emitted BIGINT UNSIGNED NOT NULL DEFAULT 0,
+    started TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    finished TIMESTAMP(6) NULL,
+    PRIMARY KEY (grp)
+) ENGINE=InnoDB",
+        tables::SNAPSHOTS
+    )
 }
 
 /// Per consumer group and partition, the indexer consumer that was last

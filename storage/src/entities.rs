@@ -57,10 +57,10 @@ pub struct EntityBounds {
 }
 
 /// The columns every read of [`EntityRecord`]s selects, in its order.
-const COLUMNS: &str = "id, logical, added_id, version, \
+pub(crate) const COLUMNS: &str = "id, logical, added_id, version, \
      TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', updated) AS updated_us, body, expires_us";
 
-fn record(shard: usize, r: &MySqlRow) -> Result<EntityRecord> {
+pub(crate) fn record(shard: usize, r: &MySqlRow) -> Result<EntityRecord> {
     Ok(EntityRecord {
         id: id_column(shard, r, "id")?,
         logical: r.try_get("logical").on(shard)?,

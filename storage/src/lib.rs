@@ -25,6 +25,7 @@
 //! - [`checksums`]: per-logical-shard digests a move's verify compares.
 //! - [`carry`]: what a move carries besides rows: version floors,
 //!   idempotency records, entities deleted on the source.
+//! - [`snapshots`]: change stream snapshots: each group's scan.
 //! - [`topology`]: the map in the database; the ownership a write proves,
 //!   the epoch a read checks.
 //! - [`server`]: statements about a server itself (private dev servers).
@@ -53,6 +54,7 @@ pub mod outbox;
 pub mod purge;
 pub mod server;
 pub mod shards;
+pub mod snapshots;
 pub mod topology;
 
 pub use catalog::IndexMeta;

@@ -181,3 +181,146 @@ async fn every_write_reaches_the_public_change_stream_as_a_documented_envelope()
     assert!(out.status.success(), "{said}");
     assert!(said.contains(&format!("{} valid", changes.len())), "{said}");
 }
+
+/// Reads group `group`'s view of the change stream: from its committed
+/// offsets to the end, without committing.
+fn read_from_group(brokers: &str, topic: &str, group: &str) -> Vec<Change> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    let mut parts = TopicPartitionList::new();
+    for p in 0..4 {
+        parts.add_partition(topic, p);
+    }
+    let committed = consumer.committed_offsets(parts, Duration::from_secs(10)).unwrap();
+    let mut out = Vec::new();
+    for p in 0..4 {
+        let Offset::Offset(from) = committed.find_partition(topic, p).unwrap().offset() else {
+            panic!("group {group} has no offset on partition {p}");
+        };
+        let (_, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(10)).unwrap();
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(topic, p, Offset::Offset(from)).unwrap();
+        consumer.assign(&tpl).unwrap();
+        let mut next = from;
+        while next < high {
+            let m = consumer.poll(Duration::from_secs(10)).expect("a message in time").unwrap();
+            next = m.offset() + 1;
+            out.push(Change {
+                partition: p,
+                key: String::from_utf8(m.key().unwrap().to_vec()).unwrap(),
+                headers: BTreeMap::new(),
+                value: serde_json::from_slice(m.payload().unwrap()).unwrap(),
+            });
+        }
+    }
+    out
+}
+
+/// `bagstore changes snapshot --group G` brings a new group up to date
+/// while writes go on: killed half way and run again, it finishes; then
+/// reading G from its offsets, keeping a message only when its version is
+/// above the last one kept for its id, gives exactly the live entities
+/// and their versions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_then_the_tail_give_a_new_group_every_live_entity() {
+    let env = TestEnv::new("snapshot", STANDARD_INDEXES).await;
+    env.migrate().await;
+    let writer = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;
+    let reader = env.spawn(&["reader", "--http", "127.0.0.1:0"]).await;
+    let (api, read) = (writer.api(), reader.api());
+    let id = |i: u32| format!("{i:032x}");
+    for chunk in 0..6u32 {
+        let items: Vec<Value> =
+            (0..100).map(|i| json!({"id": id(chunk * 100 + i), "n": i, "v": 0})).collect();
+        assert_eq!(api.batch(&items).await.0, 200);
+    }
+    for i in 0..40 {
+        assert_eq!(api.delete(&id(i * 7)).await.0, 200);
+    }
+
+    // Writes go on during the snapshot: updates, deletes, new ids.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let (api, stop) = (api.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut k = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                k += 1;
+                let target = (k * 37) % 700;
+                if k.is_multiple_of(5) {
+                    let _ = api.delete(&format!("{target:032x}")).await;
+                } else {
+                    let _ = api.put(&format!("{target:032x}"), &json!({"n": target, "v": k})).await;
+                }
+            }
+            k
+        })
+    };
+    let group = "search-indexer";
+    let args = env.args(&["changes", "snapshot", "--group", group, "--rate", "400"]);
+    let meta = env.pool(0).await;
+    let mut child = tokio::process::Command::new(bagstore_tests::bagstore_bin())
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    eventually("the snapshot emitted something", Duration::from_secs(60), || async {
+        let n: Option<(u64,)> = sqlx::query_as("SELECT rows_emitted FROM bagstore_snapshots WHERE grp = ?")
+            .bind(group)
+            .fetch_optional(&meta)
+            .await
+            .unwrap();
+        n.filter(|(n,)| *n > 0).map(|_| ())
+    })
+    .await;
+    child.kill().await.unwrap();
+    let (ok, out, err) = env.run(&args, &[]).await;
+    assert!(ok && out.contains("done"), "{out}{err}");
+    assert!(err.contains("resuming"), "the second run did not resume: {err}");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let writes = load.await.unwrap();
+    assert!(writes > 20, "only {writes} writes ran beside the snapshot");
+    env.until_caught_up(&[]).await;
+
+    let topic = "bagstore.changes.v1";
+    let brokers = env.brokers();
+    let seen = tokio::task::spawn_blocking(move || read_from_group(&brokers, topic, group)).await.unwrap();
+    let reads = seen.iter().filter(|c| c.value["op"] == "r").count();
+    assert!(reads > 0, "no snapshot message");
+    let mut state: BTreeMap<String, (u64, Value)> = BTreeMap::new();
+    for c in &seen {
+        let v = c.value["source"]["version"].as_u64().unwrap();
+        if state.get(&c.key).is_some_and(|(last, _)| *last >= v) {
+            continue;
+        }
+        state.insert(c.key.clone(), (v, c.value["after"].clone()));
+    }
+    let mut live = 0;
+    for i in 0..700u32 {
+        let (status, got) = read.get(&id(i)).await;
+        let have = state.get(&id(i));
+        match status {
+            200 => {
+                live += 1;
+                let (v, after) =
+                    have.unwrap_or_else(|| panic!("{}: live but never reached the group", id(i)));
+                assert_eq!((got["version"].as_u64().unwrap(), &got["properties"]), (*v, after), "{}", id(i));
+            }
+            404 => assert!(
+                have.is_none_or(|(_, after)| after.is_null()),
+                "{}: gone but the group has {have:?}",
+                id(i)
+            ),
+            other => panic!("{}: {other}", id(i)),
+        }
+    }
+    assert!(live > 400, "{live} live entities");
+    let (ok, out, err) = env.run(&args, &[]).await;
+    assert!(ok && out.contains("already done"), "{out}{err}");
+}
