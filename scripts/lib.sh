@@ -79,26 +79,22 @@ ensure_postgresql() {
     export BAGSTORE_POSTGRES_BIN="$bin"
 }
 
-# The OpenAPI document's checks (tests/tests/e2e/clients.rs): PyPI
-# openapi-spec-validator validates it and openapi-python-client generates a
-# client from it, in a private venv made once per pinned version pair.
-# Exports BAGSTORE_OPENAPI_TOOLS (the venv) for the test.
-OPENAPI_SPEC_VALIDATOR_VERSION=0.9.0
-OPENAPI_PYTHON_CLIENT_VERSION=0.29.1
-ensure_openapi_tools() {
-    local dir
-    dir="${HOME}/.cache/bagstore/openapi-tools-$OPENAPI_SPEC_VALIDATOR_VERSION-$OPENAPI_PYTHON_CLIENT_VERSION"
-    if [ ! -f "$dir/.complete" ]; then
+# The Python tools of the tests (tests/python/requirements.txt: the OpenAPI
+# document's validator and client generator, jsonschema, kafka-python), in
+# a private venv, made again whenever that file changes. Exports
+# BAGSTORE_PYTHON_TOOLS (the venv) for the tests.
+ensure_python_tools() {
+    local dir="${HOME}/.cache/bagstore/python-tools"
+    local want="tests/python/requirements.txt"
+    if ! cmp -s "$want" "$dir/.complete"; then
         if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
             apt_install python3-venv
         fi
-        echo "$(basename "$0"): installing openapi-spec-validator and openapi-python-client (PyPI) in $dir" >&2
+        echo "$(basename "$0"): installing the tests' Python tools (PyPI, $want) in $dir" >&2
         rm -rf "$dir"
         python3 -m venv "$dir"
-        "$dir/bin/python" -m pip install --quiet --disable-pip-version-check \
-            "openapi-spec-validator==$OPENAPI_SPEC_VALIDATOR_VERSION" \
-            "openapi-python-client==$OPENAPI_PYTHON_CLIENT_VERSION"
-        touch "$dir/.complete"
+        "$dir/bin/python" -m pip install --quiet --disable-pip-version-check -r "$want"
+        cp "$want" "$dir/.complete"
     fi
-    export BAGSTORE_OPENAPI_TOOLS="$dir"
+    export BAGSTORE_PYTHON_TOOLS="$dir"
 }

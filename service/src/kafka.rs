@@ -9,7 +9,9 @@ use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::types::RDKafkaConfRes;
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use schemas::settings::{is_secret_kafka_option, KafkaSettings};
 
@@ -173,6 +175,52 @@ fn group_consumer(k: &KafkaSettings, group: &str) -> Result<BaseConsumer, KafkaE
     create(&cfg)
 }
 
+/// How long a new client's watermark queries are not trusted. Measured on
+/// tansu 0.6: a client's first queries, for about its first second, answer
+/// (0, 0) for partitions holding hundreds of messages, without an error. A
+/// high watermark of 0 reads as "no lag", so a lag check (and the
+/// cleaner's line between lag and drift) believed the indexes caught up
+/// while they were not; a group placed at "the end" started at 0.
+const WATERMARK_WARMUP: Duration = Duration::from_secs(2);
+
+/// A client unused for this long is dropped from [`GROUP_CLIENTS`].
+const CLIENT_IDLE: Duration = Duration::from_secs(60);
+
+type GroupClients = HashMap<String, (Arc<BaseConsumer>, Instant, Instant)>;
+
+/// [`group_consumer`]s kept for their group (keyed by the settings that
+/// reach the cluster and the group), with when each was made and last used,
+/// so periodic lag reads pay the warm-up once.
+static GROUP_CLIENTS: Mutex<Option<GroupClients>> = Mutex::new(None);
+
+/// A warmed-up client for `group`: kept from an earlier call, or made now
+/// and waited on until its watermark queries can be trusted (blocking:
+/// call from a blocking task).
+fn warm_group_consumer(k: &KafkaSettings, group: &str) -> Result<Arc<BaseConsumer>, KafkaError> {
+    let key = format!("{}|{:?}|{group}", k.brokers, k.options);
+    let now = Instant::now();
+    let (client, made) = {
+        let mut all = GROUP_CLIENTS.lock().expect("not poisoned");
+        let all = all.get_or_insert_with(HashMap::new);
+        all.retain(|_, (_, _, used)| now.duration_since(*used) < CLIENT_IDLE);
+        match all.get_mut(&key) {
+            Some((c, made, used)) => {
+                *used = now;
+                (c.clone(), *made)
+            }
+            None => {
+                let c = Arc::new(group_consumer(k, group)?);
+                all.insert(key, (c.clone(), now, now));
+                (c, now)
+            }
+        }
+    };
+    if let Some(rest) = WATERMARK_WARMUP.checked_sub(made.elapsed()) {
+        std::thread::sleep(rest);
+    }
+    Ok(client)
+}
+
 fn topic_partitions(consumer: &BaseConsumer, topic: &str, timeout: Duration) -> Result<Vec<i32>, KafkaError> {
     let md = consumer.fetch_metadata(Some(topic), timeout)?;
     Ok(md.topics().iter().flat_map(|t| t.partitions().iter().map(|p| p.id())).collect())
@@ -203,7 +251,7 @@ pub async fn group_lag(k: &KafkaSettings, group: &str) -> Result<Vec<PartitionLa
     let k = k.clone();
     let group = group.to_string();
     tokio::task::spawn_blocking(move || {
-        let consumer = group_consumer(&k, &group)?;
+        let consumer = warm_group_consumer(&k, &group)?;
         let timeout = Duration::from_secs(5);
         let partitions = topic_partitions(&consumer, &k.topic, timeout)?;
         let mut tpl = TopicPartitionList::new();
@@ -258,7 +306,7 @@ pub async fn commit_group_at_end(
     let k = k.clone();
     let (group, topic) = (group.to_string(), topic.to_string());
     tokio::task::spawn_blocking(move || {
-        let consumer = group_consumer(&k, &group)?;
+        let consumer = warm_group_consumer(&k, &group)?;
         let timeout = Duration::from_secs(5);
         let mut tpl = TopicPartitionList::new();
         let mut out = Vec::new();

@@ -24,6 +24,7 @@ pub mod membership;
 pub mod model;
 pub mod poll;
 pub mod process;
+pub mod python;
 mod servers;
 pub mod tansu;
 

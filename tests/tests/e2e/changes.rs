@@ -1,10 +1,14 @@
 //! The public change stream (issue 19): every write reaches
 //! `changes.topic` as a JSON envelope in Debezium's shape, keyed by the id
 //! in hex, with version and op headers, each valid against the shipped
-//! JSON Schema (checked with PyPI `jsonschema`, from the venv of
-//! `clients.rs`); per entity the versions come in order; deduplicated on
-//! (id, version) and replayed, the stream rebuilds exactly the live
-//! entities.
+//! JSON Schema (checked with PyPI `jsonschema`); per entity the versions
+//! come in order; deduplicated on (id, version) and replayed, the stream
+//! rebuilds exactly the live entities. `bagstore changes snapshot` brings
+//! a new group up to date while writes go on, read back both here and by
+//! a PyPI `kafka-python` consumer (`tests/python/change_stream_consumer.py`)
+//! on librdkafka's mock cluster, the broker `bagstore dev` embeds; the
+//! same consumer on the standalone broker, across a writer kill, is in
+//! `chaos_tansu.rs`.
 
 use bagstore_tests::{eventually, TestEnv, STANDARD_INDEXES};
 use rdkafka::config::ClientConfig;
@@ -13,7 +17,6 @@ use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::time::Duration;
 
 /// One message of the change stream.
@@ -153,15 +156,10 @@ async fn every_write_reaches_the_public_change_stream_as_a_documented_envelope()
     }
 
     // The JSON Schema, by a validator that is not ours.
-    let tools =
-        std::env::var_os("BAGSTORE_OPENAPI_TOOLS").map(std::path::PathBuf::from).unwrap_or_else(|| {
-            Path::new(&std::env::var_os("HOME").unwrap_or_default())
-                .join(".cache/bagstore/openapi-tools-0.9.0-0.29.1")
-        });
     let dir = tempfile::tempdir().unwrap();
     let values: Vec<&Value> = changes.iter().map(|c| &c.value).collect();
     std::fs::write(dir.path().join("values.json"), serde_json::to_vec(&values).unwrap()).unwrap();
-    let schema = Path::new(env!("CARGO_MANIFEST_DIR")).join("../schemas/json/change-event.v1.json");
+    let schema = bagstore_tests::python::repo_file("schemas/json/change-event.v1.json");
     let check = "import json, sys, jsonschema\n\
                  schema = json.load(open(sys.argv[1]))\n\
                  jsonschema.Draft202012Validator.check_schema(schema)\n\
@@ -171,12 +169,12 @@ async fn every_write_reaches_the_public_change_stream_as_a_documented_envelope()
                  bad = {'op': 'd', 'before': None, 'after': {'a': 1}, 'ts_ms': 1, 'source': values[0]['source']}\n\
                  assert not v.is_valid(bad), 'a delete with an after passed'\n\
                  print(f'{len(values)} valid')\n";
-    let out = std::process::Command::new(tools.join("bin/python"))
+    let out = std::process::Command::new(bagstore_tests::python::python())
         .args(["-c", check])
         .arg(&schema)
         .arg(dir.path().join("values.json"))
         .output()
-        .expect("python from the OpenAPI tools venv (scripts/test installs it)");
+        .expect("python from the tests' venv (scripts/test installs it)");
     let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{said}");
     assert!(said.contains(&format!("{} valid", changes.len())), "{said}");
@@ -321,6 +319,22 @@ async fn a_snapshot_then_the_tail_give_a_new_group_every_live_entity() {
         }
     }
     assert!(live > 400, "{live} live entities");
+
+    // The same group read by kafka-python, a client that shares no code
+    // with librdkafka (the mock cluster needs its protocol version pinned),
+    // every message checked against the JSON Schema.
+    let brokers = env.brokers();
+    let (doc, said) = tokio::task::spawn_blocking(move || {
+        bagstore_tests::python::consume_change_stream(&brokers, topic, group, Some("1.0.0"))
+    })
+    .await
+    .unwrap();
+    let by_python = doc["live"].as_object().unwrap();
+    assert_eq!(by_python.len(), live, "{said}");
+    for (id, e) in by_python {
+        let (v, after) = &state[id];
+        assert_eq!((e["version"].as_u64(), &e["properties"]), (Some(*v), after), "{id}: {said}");
+    }
     let (ok, out, err) = env.run(&args, &[]).await;
     assert!(ok && out.contains("already done"), "{out}{err}");
 }

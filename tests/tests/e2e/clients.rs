@@ -4,43 +4,16 @@
 //! `openapi-python-client` (a generator sharing no code with bagstore) runs
 //! the seed's scenario against a running bagstore: put the FriendFeed
 //! entity, get it, query it by `user_id`. The tools live in the venv
-//! `scripts/test` makes (`ensure_openapi_tools`, exported as
-//! `BAGSTORE_OPENAPI_TOOLS`).
+//! `scripts/test` makes (`bagstore_tests::python`).
 
+use bagstore_tests::python::{python, python_tools, repo_file as workspace, run_tool as run};
 use bagstore_tests::{TestEnv, STANDARD_INDEXES};
-use std::path::{Path, PathBuf};
 use std::process::Command;
-
-fn workspace(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
-}
-
-fn tools() -> PathBuf {
-    let dir = std::env::var_os("BAGSTORE_OPENAPI_TOOLS").map(PathBuf::from).unwrap_or_else(|| {
-        let home = std::env::var_os("HOME").unwrap_or_default();
-        Path::new(&home).join(".cache/bagstore/openapi-tools-0.9.0-0.29.1")
-    });
-    assert!(
-        dir.join(".complete").exists(),
-        "no OpenAPI tools in {}: scripts/test installs them (ensure_openapi_tools in scripts/lib.sh)",
-        dir.display()
-    );
-    dir
-}
-
-/// Runs `cmd`; panics with its output unless it succeeds. Returns stdout
-/// and stderr.
-fn run(cmd: &mut Command, what: &str) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{what} failed ({}):\n{text}", out.status);
-    text
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_generated_from_the_openapi_document_runs_the_seed_scenario() {
-    let tools = tools();
-    let python = tools.join("bin/python");
+    let tools = python_tools();
+    let python = python();
     let doc_path = workspace("service/src/openapi.json");
 
     // Valid OpenAPI 3.0, and every operation named.
