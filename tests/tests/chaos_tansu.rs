@@ -70,7 +70,8 @@ async fn after_a_broker_kill_past_the_session_timeout_each_partition_has_one_wor
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kafka_python_consumer_rebuilds_the_live_entities_from_snapshot_and_tail() {
     use serde_json::json;
-    let env = TestEnv::with_tansu("streamtansu", STANDARD_INDEXES).await;
+    let env =
+        TestEnv::with_tansu("streamtansu", &format!("{STANDARD_INDEXES}\n[changes]\nenabled = true\n")).await;
     env.migrate().await;
     let reader = env.spawn(&["reader", "--http", "127.0.0.1:0"]).await;
     let read = reader.api();

@@ -312,7 +312,12 @@ pub struct ExpirySettings {
     pub property: Option<String>,
 }
 
-/// The public change stream (see `crate::changes`), on by default.
+/// The public change stream (see `crate::changes`). Off by default for
+/// now: with it on, the relay sends twice the messages per round, and a
+/// known fault of the relay (after a message times out in a broker outage,
+/// the idempotent producer delivers the round's later messages, so an
+/// entity's later version can reach the topic before an earlier one) shows
+/// in the chaos suite. On in `deploy/bagstore.dev.toml`.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ChangesSettings {
@@ -324,7 +329,7 @@ pub struct ChangesSettings {
 
 impl Default for ChangesSettings {
     fn default() -> Self {
-        ChangesSettings { enabled: true, topic: "bagstore.changes.v1".into() }
+        ChangesSettings { enabled: false, topic: "bagstore.changes.v1".into() }
     }
 }
 

@@ -19,6 +19,11 @@ use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+/// The standard indexes, with the change stream on (it is off by default).
+fn with_changes() -> String {
+    format!("{STANDARD_INDEXES}\n[changes]\nenabled = true\n")
+}
+
 /// One message of the change stream.
 #[derive(Debug, Clone)]
 struct Change {
@@ -72,7 +77,7 @@ fn read_all(brokers: &str, topic: &str) -> Vec<Change> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_write_reaches_the_public_change_stream_as_a_documented_envelope() {
-    let env = TestEnv::new("changes", STANDARD_INDEXES).await;
+    let env = TestEnv::new("changes", &with_changes()).await;
     let dev = env.dev().await;
     let api = dev.api();
     let (a, b) = ("aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb");
@@ -225,7 +230,7 @@ fn read_from_group(brokers: &str, topic: &str, group: &str) -> Vec<Change> {
 /// and their versions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_then_the_tail_give_a_new_group_every_live_entity() {
-    let env = TestEnv::new("snapshot", STANDARD_INDEXES).await;
+    let env = TestEnv::new("snapshot", &with_changes()).await;
     env.migrate().await;
     let writer = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;
     let reader = env.spawn(&["reader", "--http", "127.0.0.1:0"]).await;
