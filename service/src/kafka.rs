@@ -218,7 +218,19 @@ fn warm_group_consumer(k: &KafkaSettings, group: &str) -> Result<Arc<BaseConsume
     if let Some(rest) = WATERMARK_WARMUP.checked_sub(made.elapsed()) {
         std::thread::sleep(rest);
     }
+    // Serve what the client has queued (broker state changes, errors): it
+    // is used only through calls that wait for their own answers.
+    while client.poll(Duration::ZERO).is_some() {}
     Ok(client)
+}
+
+/// Forgets `group`'s kept client (after it failed: the next call makes a
+/// new one).
+fn forget_group_consumer(k: &KafkaSettings, group: &str) {
+    let key = format!("{}|{:?}|{group}", k.brokers, k.options);
+    if let Some(all) = GROUP_CLIENTS.lock().expect("not poisoned").as_mut() {
+        all.remove(&key);
+    }
 }
 
 fn topic_partitions(consumer: &BaseConsumer, topic: &str, timeout: Duration) -> Result<Vec<i32>, KafkaError> {
@@ -252,26 +264,34 @@ pub async fn group_lag(k: &KafkaSettings, group: &str) -> Result<Vec<PartitionLa
     let group = group.to_string();
     tokio::task::spawn_blocking(move || {
         let consumer = warm_group_consumer(&k, &group)?;
-        let timeout = Duration::from_secs(5);
-        let partitions = topic_partitions(&consumer, &k.topic, timeout)?;
-        let mut tpl = TopicPartitionList::new();
-        for p in &partitions {
-            tpl.add_partition(&k.topic, *p);
+        let result = lag_of(&consumer, &k);
+        if result.is_err() {
+            forget_group_consumer(&k, &group);
         }
-        let committed = consumer.committed_offsets(tpl, timeout)?;
-        let mut out = Vec::new();
-        for p in partitions {
-            let (_, high) = consumer.fetch_watermarks(&k.topic, p, timeout)?;
-            let committed = committed.find_partition(&k.topic, p).and_then(|e| match e.offset() {
-                Offset::Offset(o) => Some(o),
-                _ => None,
-            });
-            out.push(PartitionLag { partition: p, high_watermark: high, committed });
-        }
-        Ok(out)
+        result
     })
     .await
     .map_err(|_| KafkaError::Canceled)?
+}
+
+fn lag_of(consumer: &BaseConsumer, k: &KafkaSettings) -> Result<Vec<PartitionLag>, KafkaError> {
+    let timeout = Duration::from_secs(5);
+    let partitions = topic_partitions(consumer, &k.topic, timeout)?;
+    let mut tpl = TopicPartitionList::new();
+    for p in &partitions {
+        tpl.add_partition(&k.topic, *p);
+    }
+    let committed = consumer.committed_offsets(tpl, timeout)?;
+    let mut out = Vec::new();
+    for p in partitions {
+        let (_, high) = consumer.fetch_watermarks(&k.topic, p, timeout)?;
+        let committed = committed.find_partition(&k.topic, p).and_then(|e| match e.offset() {
+            Offset::Offset(o) => Some(o),
+            _ => None,
+        });
+        out.push(PartitionLag { partition: p, high_watermark: high, committed });
+    }
+    Ok(out)
 }
 
 /// Members of a consumer group (the indexer processes consuming for one
@@ -307,16 +327,22 @@ pub async fn commit_group_at_end(
     let (group, topic) = (group.to_string(), topic.to_string());
     tokio::task::spawn_blocking(move || {
         let consumer = warm_group_consumer(&k, &group)?;
-        let timeout = Duration::from_secs(5);
-        let mut tpl = TopicPartitionList::new();
-        let mut out = Vec::new();
-        for p in topic_partitions(&consumer, &topic, timeout)? {
-            let (_, high) = consumer.fetch_watermarks(&topic, p, timeout)?;
-            tpl.add_partition_offset(&topic, p, Offset::Offset(high))?;
-            out.push((p, high));
+        let placed = (|| {
+            let timeout = Duration::from_secs(5);
+            let mut tpl = TopicPartitionList::new();
+            let mut out = Vec::new();
+            for p in topic_partitions(&consumer, &topic, timeout)? {
+                let (_, high) = consumer.fetch_watermarks(&topic, p, timeout)?;
+                tpl.add_partition_offset(&topic, p, Offset::Offset(high))?;
+                out.push((p, high));
+            }
+            consumer.commit(&tpl, CommitMode::Sync)?;
+            Ok(out)
+        })();
+        if placed.is_err() {
+            forget_group_consumer(&k, &group);
         }
-        consumer.commit(&tpl, CommitMode::Sync)?;
-        Ok(out)
+        placed
     })
     .await
     .map_err(|_| KafkaError::Canceled)?
