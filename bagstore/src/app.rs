@@ -69,6 +69,7 @@ pub fn routes(
     }
     if let (true, Some(w)) = (roles.writer, &write_path) {
         w.spawn_relays(&pipeline.tracker, pipeline.stop.clone())?;
+        w.spawn_ingest(&pipeline.tracker, pipeline.stop.clone());
         routes = routes.merge(writer::http::routes(w.clone()));
     }
     if roles.reader {

@@ -91,9 +91,9 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     // The mock cluster is not Send; it lives on this task until the end.
     let mut cluster = None;
     if settings.kafka.brokers.is_empty() {
-        // The public change stream's topic too, when on.
-        let changes = settings.changes.clone();
-        let also: Vec<&str> = if changes.enabled { vec![changes.topic.as_str()] } else { Vec::new() };
+        // The public change stream's and Kafka ingest's topics too.
+        let extra = settings.extra_topics();
+        let also: Vec<&str> = extra.iter().map(String::as_str).collect();
         cluster =
             Some(devstack::kafka::start(&mut settings.kafka, &also).context("starting the embedded Kafka")?);
     }

@@ -66,8 +66,8 @@ pub async fn migrate(settings: &Settings, kafka: bool) -> anyhow::Result<(Report
     }
     if kafka {
         let k = &settings.kafka;
-        let changes = &settings.changes;
-        let also: Vec<&str> = if changes.enabled { vec![changes.topic.as_str()] } else { Vec::new() };
+        let extra = settings.extra_topics();
+        let also: Vec<&str> = extra.iter().map(String::as_str).collect();
         if !kafka::topics_exist(k, &also).await.context("reading the Kafka topics")? {
             // Said here, before any topic is made: brokers may not (Kafka
             // refuses, some Kafka-protocol brokers ignore replicas).

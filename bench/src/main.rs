@@ -812,6 +812,9 @@ async fn setup(opts: &Options) -> anyhow::Result<World> {
     kafka.create_topic(&topic, PARTITIONS, 1)?;
     kafka.create_topic(&format!("{topic}.dlq"), 1, 1)?;
     kafka.create_topic("bagstore.changes.v1", PARTITIONS, 1)?;
+    for t in ["bagstore.ingest.v1", "bagstore.ingest.v1.dlq", "bagstore.ingest.v1.replies"] {
+        kafka.create_topic(t, PARTITIONS, 1)?;
+    }
     let http = reqwest::Client::builder().pool_max_idle_per_host(opts.clients * 2).build()?;
     Ok(World { dir, servers, bag_dsns, native, kafka, topic, http, procs })
 }

@@ -270,7 +270,24 @@ async fn lag(State(r): State<Reader>) -> Result<Json<JsonValue>, Problem> {
             "applied_through_us": fresh.applied_through_us,
         }));
     }
-    Ok(Json(json!({ "indexes": out })))
+    let ingest = &r.settings().ingest;
+    let ingest = if ingest.enabled {
+        let group = k.ingest_group();
+        let parts = if k.brokers.is_empty() {
+            None
+        } else {
+            kafka::group_lag_on(k, &group, &ingest.topic).await.ok()
+        };
+        json!({
+            "group": group,
+            "topic": ingest.topic,
+            "lag_events": parts.as_ref().map(|p| p.iter().map(|p| p.lag()).sum::<i64>()),
+            "partitions": parts.map(|p| p.iter().map(|p| json!({"partition": p.partition, "lag": p.lag()})).collect::<Vec<_>>()),
+        })
+    } else {
+        JsonValue::Null
+    };
+    Ok(Json(json!({ "indexes": out, "ingest": ingest })))
 }
 
 #[cfg(test)]

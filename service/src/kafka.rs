@@ -56,9 +56,10 @@ fn redact_config_error(e: KafkaError) -> KafkaError {
     }
 }
 
-/// The relay's producer: idempotent with `acks=all`, so retries inside
-/// librdkafka neither duplicate nor reorder events of one partition.
-/// Bodies are already lz4-compressed, so no second compression.
+/// An idempotent producer with `acks=all`, so retries inside librdkafka
+/// neither duplicate nor reorder the messages of one partition; a message
+/// fails after `kafka.message_timeout_ms`. Bodies are already compressed
+/// (lz4 events, small JSON), so no second compression.
 pub fn producer_config(k: &KafkaSettings) -> ClientConfig {
     let mut c = base_config(k);
     c.set("enable.idempotence", "true")
@@ -66,6 +67,19 @@ pub fn producer_config(k: &KafkaSettings) -> ClientConfig {
         .set("linger.ms", "2")
         .set("compression.type", "none")
         .set("message.timeout.ms", k.message_timeout_ms.to_string());
+    with_options(c, k)
+}
+
+/// The relay's producer: as [`producer_config`], but its messages never time
+/// out inside librdkafka (`message.timeout.ms=0`). When an idempotent
+/// producer times a message out, it bumps its epoch and goes on delivering
+/// the later ones (KIP-360), so an entity's version 10 could reach the topic
+/// before the version 8 that timed out. The relay keeps its own deadline
+/// (`kafka.message_timeout_ms`) and, when it passes, throws the whole
+/// producer away instead, which then sends nothing more.
+pub fn relay_producer_config(k: &KafkaSettings) -> ClientConfig {
+    let mut c = producer_config(k);
+    c.set("message.timeout.ms", "0");
     with_options(c, k)
 }
 
@@ -257,14 +271,24 @@ impl PartitionLag {
     }
 }
 
-/// Reads the group's committed offsets and the topic's high watermarks. The
-/// consumer used here never subscribes, so it does not join the group.
+/// Reads the group's committed offsets and the change topic's high
+/// watermarks. The consumer used here never subscribes, so it does not
+/// join the group.
 pub async fn group_lag(k: &KafkaSettings, group: &str) -> Result<Vec<PartitionLag>, KafkaError> {
+    group_lag_on(k, group, &k.topic).await
+}
+
+/// [`group_lag`] on another topic (the Kafka ingest group's on its topic).
+pub async fn group_lag_on(
+    k: &KafkaSettings,
+    group: &str,
+    topic: &str,
+) -> Result<Vec<PartitionLag>, KafkaError> {
     let k = k.clone();
-    let group = group.to_string();
+    let (group, topic) = (group.to_string(), topic.to_string());
     tokio::task::spawn_blocking(move || {
         let consumer = warm_group_consumer(&k, &group)?;
-        let result = lag_of(&consumer, &k);
+        let result = lag_of(&consumer, &topic);
         if result.is_err() {
             forget_group_consumer(&k, &group);
         }
@@ -274,18 +298,18 @@ pub async fn group_lag(k: &KafkaSettings, group: &str) -> Result<Vec<PartitionLa
     .map_err(|_| KafkaError::Canceled)?
 }
 
-fn lag_of(consumer: &BaseConsumer, k: &KafkaSettings) -> Result<Vec<PartitionLag>, KafkaError> {
+fn lag_of(consumer: &BaseConsumer, topic: &str) -> Result<Vec<PartitionLag>, KafkaError> {
     let timeout = Duration::from_secs(5);
-    let partitions = topic_partitions(consumer, &k.topic, timeout)?;
+    let partitions = topic_partitions(consumer, topic, timeout)?;
     let mut tpl = TopicPartitionList::new();
     for p in &partitions {
-        tpl.add_partition(&k.topic, *p);
+        tpl.add_partition(topic, *p);
     }
     let committed = consumer.committed_offsets(tpl, timeout)?;
     let mut out = Vec::new();
     for p in partitions {
-        let (_, high) = consumer.fetch_watermarks(&k.topic, p, timeout)?;
-        let committed = committed.find_partition(&k.topic, p).and_then(|e| match e.offset() {
+        let (_, high) = consumer.fetch_watermarks(topic, p, timeout)?;
+        let committed = committed.find_partition(topic, p).and_then(|e| match e.offset() {
             Offset::Offset(o) => Some(o),
             _ => None,
         });

@@ -47,7 +47,7 @@ pub async fn version_floors(shard: usize, pool: &MySqlPool, logicals: &[u16]) ->
 }
 
 /// One row of `bagstore_idempotency`, as a move copies it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdempotencyRow {
     pub key_hash: [u8; 16],
     /// The logical shard of the entity the record guards: where it lives.
@@ -81,6 +81,7 @@ fn idempotency_row(shard: usize, r: &MySqlRow) -> Result<IdempotencyRow> {
             entity_id: id_column(shard, r, "entity_id")?,
             version: r.try_get("version").on(shard)?,
             created: r.try_get("created").on(shard)?,
+            refusal: r.try_get("refusal").on(shard)?,
             recorded_us: r.try_get("recorded_us").on(shard)?,
         },
     })
@@ -108,7 +109,7 @@ pub async fn idempotency_records_in(
         None => "",
     };
     let sql = format!(
-        "SELECT key_hash, logical, request_hash, entity_id, version, created, recorded_us \
+        "SELECT key_hash, logical, request_hash, entity_id, version, created, refusal, recorded_us \
          FROM bagstore_idempotency WHERE logical IN ({}) AND recorded_us >= ?{resume} \
          ORDER BY logical, recorded_us, key_hash LIMIT ?",
         marks(logicals.len())
@@ -155,14 +156,15 @@ pub async fn copy_idempotency_records(
             |col: &str| format!("{col} = IF(VALUES(recorded_us) > recorded_us, VALUES({col}), {col})");
         let sql = format!(
             "INSERT INTO bagstore_idempotency \
-             (key_hash, logical, request_hash, entity_id, version, created, recorded_us) VALUES {} \
-             ON DUPLICATE KEY UPDATE {}, {}, {}, {}, {}, recorded_us = GREATEST(recorded_us, VALUES(recorded_us))",
-            vec!["(?, ?, ?, ?, ?, ?, ?)"; chunk.len()].join(", "),
+             (key_hash, logical, request_hash, entity_id, version, created, refusal, recorded_us) VALUES {} \
+             ON DUPLICATE KEY UPDATE {}, {}, {}, {}, {}, {}, recorded_us = GREATEST(recorded_us, VALUES(recorded_us))",
+            vec!["(?, ?, ?, ?, ?, ?, ?, ?)"; chunk.len()].join(", "),
             newer("logical"),
             newer("request_hash"),
             newer("entity_id"),
             newer("version"),
             newer("created"),
+            newer("refusal"),
         );
         let mut q = sqlx::query(&sql);
         for row in chunk {

@@ -125,6 +125,11 @@ pub const EXPIRES_COLUMN: &str = "expires_us BIGINT NULL";
 /// The version floor of a logical shard (on its `bagstore_owned` row):
 /// every version a purged tombstone had is at or below it, so an id
 /// created from nothing starts above it.
+/// An idempotency record's refusal: what a guarded write that the write
+/// path refused answered (JSON, the writer's), NULL when it wrote. Added
+/// to tables made before refusals were recorded.
+pub const REFUSAL_COLUMN: &str = "refusal TEXT NULL";
+
 pub const FLOOR_COLUMN: &str = "version_floor BIGINT UNSIGNED NOT NULL DEFAULT 0";
 
 pub const LOCATION_COLUMN: &str = "entity_added_id BIGINT UNSIGNED NULL";
@@ -316,6 +321,7 @@ pub fn idempotency() -> String {
     entity_id BINARY(16) NOT NULL,
     version BIGINT UNSIGNED NOT NULL,
     created BOOLEAN NOT NULL,
+    {REFUSAL_COLUMN},
     recorded_us BIGINT NOT NULL,
     PRIMARY KEY (key_hash),
     KEY idempotency_recorded (recorded_us),

@@ -10,12 +10,15 @@ use std::collections::HashMap;
 use crate::error::{id_column, OnShard, Result};
 
 /// What a guarded write answered.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
     pub request_hash: [u8; 16],
     pub entity_id: EntityId,
     pub version: u64,
     pub created: bool,
+    /// The refusal the guarded write got (the writer's JSON), so a retry
+    /// is refused the same way; None when it wrote.
+    pub refusal: Option<String>,
     pub recorded_us: i64,
 }
 
@@ -49,7 +52,7 @@ async fn select_records(
     let mut out = HashMap::new();
     for chunk in keys.chunks(500) {
         let sql = format!(
-            "SELECT key_hash, request_hash, entity_id, version, created, recorded_us FROM bagstore_idempotency \
+            "SELECT key_hash, request_hash, entity_id, version, created, refusal, recorded_us FROM bagstore_idempotency \
              WHERE key_hash IN ({}){lock}",
             vec!["?"; chunk.len()].join(", ")
         );
@@ -71,6 +74,7 @@ async fn select_records(
                     entity_id: id_column(shard, &r, "entity_id")?,
                     version: r.try_get("version").on(shard)?,
                     created: r.try_get("created").on(shard)?,
+                    refusal: r.try_get("refusal").on(shard)?,
                     recorded_us: r.try_get("recorded_us").on(shard)?,
                 },
             );
@@ -88,11 +92,11 @@ pub async fn put_records(
     for chunk in records.chunks(500) {
         let sql = format!(
             "INSERT INTO bagstore_idempotency \
-             (key_hash, logical, request_hash, entity_id, version, created, recorded_us) VALUES {} \
+             (key_hash, logical, request_hash, entity_id, version, created, refusal, recorded_us) VALUES {} \
              ON DUPLICATE KEY UPDATE logical = VALUES(logical), request_hash = VALUES(request_hash), \
              entity_id = VALUES(entity_id), version = VALUES(version), created = VALUES(created), \
-             recorded_us = VALUES(recorded_us)",
-            vec!["(?, ?, ?, ?, ?, ?, ?)"; chunk.len()].join(", ")
+             refusal = VALUES(refusal), recorded_us = VALUES(recorded_us)",
+            vec!["(?, ?, ?, ?, ?, ?, ?, ?)"; chunk.len()].join(", ")
         );
         let mut q = sqlx::query(&sql);
         for (key, logical, r) in chunk {
@@ -103,8 +107,8 @@ pub async fn put_records(
     Ok(())
 }
 
-/// Binds one record's seven columns, in the order
-/// `(key_hash, logical, request_hash, entity_id, version, created, recorded_us)`.
+/// Binds one record's eight columns, in the order `(key_hash, logical,
+/// request_hash, entity_id, version, created, refusal, recorded_us)`.
 pub(crate) fn bind_record<'q>(
     q: sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments>,
     key: &'q [u8; 16],
@@ -117,6 +121,7 @@ pub(crate) fn bind_record<'q>(
         .bind(&r.entity_id.0[..])
         .bind(r.version)
         .bind(r.created)
+        .bind(r.refusal.as_deref())
         .bind(r.recorded_us)
 }
 

@@ -39,6 +39,7 @@ pub async fn create_base_tables(shard: usize, pool: &MySqlPool) -> Result<()> {
     add_key(shard, pool, "entities", "entities_expires", "expires_us").await?;
     add_column(shard, pool, "bagstore_owned", "version_floor", ddl::FLOOR_COLUMN).await?;
     add_key(shard, pool, "bagstore_idempotency", "idempotency_logical", "logical, recorded_us").await?;
+    add_column(shard, pool, "bagstore_idempotency", "refusal", ddl::REFUSAL_COLUMN).await?;
     if shard == META_SHARD {
         for stmt in ddl::meta_tables() {
             sqlx::query(&stmt).execute(pool).await.on(shard)?;

@@ -127,6 +127,10 @@ impl TestEnv {
         // The public change stream (on by default): the mock cluster has no
         // admin API for `migrate` to create it with.
         kafka.create_topic("bagstore.changes.v1", 4, 1).expect("change stream topic");
+        // Kafka ingest's topics (on by default).
+        for t in ["bagstore.ingest.v1", "bagstore.ingest.v1.dlq", "bagstore.ingest.v1.replies"] {
+            kafka.create_topic(t, 4, 1).expect("ingest topic");
+        }
         let dir = tempfile::Builder::new().prefix(&format!("{name}-")).tempdir().expect("tempdir");
         TestEnv { name, dir, kafka: Kafka::Mock(kafka), dsns, topic, indexes_toml: indexes_toml.to_string() }
     }

@@ -20,6 +20,7 @@
 pub mod api;
 pub mod chaos;
 pub mod env;
+pub mod ingest;
 pub mod membership;
 pub mod model;
 pub mod poll;

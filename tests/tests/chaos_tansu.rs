@@ -139,3 +139,20 @@ async fn a_kafka_python_consumer_rebuilds_the_live_entities_from_snapshot_and_ta
     assert_eq!(live.len(), expected, "the consumer has entities the store does not");
     assert!(expected > 250, "{expected} live entities");
 }
+
+/// Kafka ingest from a PyPI `kafka-python` producer (a client sharing no
+/// code with librdkafka) on the standalone broker: 10,000 commands, with
+/// malformed ones, refused ones and resends of keyed ones, while two
+/// writers consume them and one is killed with `kill -9` and started again.
+/// Every valid command is applied exactly once (each entity's version and
+/// properties are the producer's valid commands applied once each), every
+/// malformed or refused one is in the dead-letter topic with its reason,
+/// and every correlation id is answered, always the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_python_commands_apply_exactly_once_across_a_writer_kill() {
+    let env = TestEnv::with_tansu("ingesttansu", STANDARD_INDEXES).await;
+    env.migrate().await;
+    let tally = bagstore_tests::ingest::producer_scenario(&env, 10_000, None).await;
+    eprintln!("ingest: {tally:?}");
+    assert!(tally.applied_entities > 250, "{tally:?}");
+}

@@ -71,7 +71,10 @@ fn if_none_match(headers: &HeaderMap, mut pre: Precondition) -> Result<Precondit
 /// Turns a JSON body into `(id from the body, properties without "id")`.
 /// `max_bytes` is the entity limit to check, for a batch item; a single
 /// entity's request body was already held to that limit as it was read.
-fn entity_body(v: JsonValue, max_bytes: Option<usize>) -> Result<(Option<EntityId>, Bag), Problem> {
+pub(crate) fn entity_body(
+    v: JsonValue,
+    max_bytes: Option<usize>,
+) -> Result<(Option<EntityId>, Bag), Problem> {
     let JsonValue::Object(mut map) = v else {
         return Err(Problem::bad_request("not-an-object", "an entity must be a JSON object of properties"));
     };
@@ -126,7 +129,7 @@ fn answer(o: Outcome, status: StatusCode) -> Response {
     r
 }
 
-fn write_problem(e: WriteError) -> Problem {
+pub(crate) fn write_problem(e: WriteError) -> Problem {
     match e {
         WriteError::VersionConflict { expected, actual } => Problem::new(
             StatusCode::PRECONDITION_FAILED,

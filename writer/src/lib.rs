@@ -10,6 +10,7 @@
 //! - [`write`]: the write transaction (lock, check, version+1, outbox row).
 //! - [`group`]: group commit, concurrent single writes share a transaction.
 //! - [`relay`]: one publisher per shard, elected by a MySQL named lock.
+//! - [`ingest`]: Kafka ingest, commands from a topic through the write path.
 //! - [`metrics`]: the series this crate exports.
 //!
 //! Invariant W (every committed write reaches Kafka at least once, one
@@ -19,6 +20,7 @@
 
 mod group;
 pub mod http;
+pub mod ingest;
 pub mod metrics;
 pub mod relay;
 pub mod write;

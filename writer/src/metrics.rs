@@ -27,6 +27,12 @@ pub struct Metrics {
     pub pending: prometheus::IntGauge,
     /// Writes refused with 429 because the bound was reached.
     pub refused: prometheus::IntCounter,
+    /// Kafka ingest commands by outcome: `applied`, `duplicate` (a replay
+    /// under its guard: nothing written), `refused` (the write path said
+    /// no), `malformed` (not a command).
+    pub ingest_commands: IntCounterVec,
+    /// Commands on the ingest topic the writers' group has not committed.
+    pub ingest_lag: prometheus::IntGauge,
 }
 
 impl Metrics {
@@ -89,7 +95,23 @@ impl Metrics {
                 "bagstore_writer_overload_refusals_total",
                 "Writes answered 429 because writer.max_pending_writes were in hand",
             )?,
+            ingest_commands: IntCounterVec::new(
+                Opts::new(
+                    "bagstore_ingest_commands_total",
+                    "Kafka ingest commands by outcome (applied, duplicate, refused, malformed)",
+                ),
+                &["outcome"],
+            )?,
+            ingest_lag: prometheus::IntGauge::new(
+                "bagstore_ingest_lag_messages",
+                "Commands on the ingest topic not yet committed by the writers' consumer group",
+            )?,
         };
+        for outcome in ["applied", "duplicate", "refused", "malformed"] {
+            m.ingest_commands.with_label_values(&[outcome]);
+        }
+        r.register(Box::new(m.ingest_commands.clone()))?;
+        r.register(Box::new(m.ingest_lag.clone()))?;
         r.register(Box::new(m.pending.clone()))?;
         r.register(Box::new(m.refused.clone()))?;
         r.register(Box::new(m.stale_map_retries.clone()))?;

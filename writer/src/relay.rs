@@ -4,11 +4,14 @@
 //! and a follower (polling every few hundred ms) takes over.
 //!
 //! A round: read the oldest rows in `seq` order, enqueue them all on the
-//! idempotent producer in that order, await every acknowledgement, then
-//! delete the acknowledged prefix. Rows after the first failure stay and are
-//! sent again next round, so an entity's events are never skipped and
-//! re-sends always end with the latest version.
+//! idempotent producer in that order, await every acknowledgement (up to
+//! `kafka.message_timeout_ms`), then delete the acknowledged prefix. Rows
+//! after the first failure stay and are sent again next round by a new
+//! producer, so an entity's events are never skipped, re-sends always end
+//! with the latest version, and no version reaches the topic before an
+//! earlier one first does.
 
+use futures::stream::{FuturesOrdered, StreamExt};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use schemas::changes;
@@ -61,7 +64,8 @@ impl Writer {
             }
             // One producer per shard: a fatal idempotence error then costs
             // only that shard a producer rebuild.
-            let producer: FutureProducer = kafka::create(&kafka::producer_config(&self.settings().kafka))?;
+            let producer: FutureProducer =
+                kafka::create(&kafka::relay_producer_config(&self.settings().kafka))?;
             let writer = self.clone();
             let shutdown = shutdown.clone();
             tracker.spawn(async move { writer.relay(shard, producer, shutdown).await });
@@ -196,19 +200,22 @@ impl Writer {
                 // A round Kafka did not fully acknowledge ends this producer
                 // session; the next round starts a new one (a new producer
                 // id). The rows are still in the outbox, so nothing is lost.
-                // Why not keep the producer: after its messages timed out,
-                // librdkafka bumps the idempotent producer's epoch by itself
-                // (KIP-360), and brokers without that protocol (Kafka before
-                // 2.5, tansu 0.6) refuse every later batch of the bumped
-                // epoch, so the relay would stall for good; and after a fatal
-                // idempotence error the producer cannot go on at all.
+                // Why not keep the producer: its messages never time out
+                // inside librdkafka (see `kafka::relay_producer_config`), so the
+                // ones still out would be delivered later, after the ones
+                // the next round sends again. Dropped, it sends nothing
+                // more: what it had in flight lands or not, and the broker's
+                // sequence check for its producer id lets it land only as a
+                // prefix of what it was given, so an entity's first
+                // occurrences on the topic stay in version order. And after
+                // a fatal idempotence error a producer cannot go on at all.
                 let reason = producer.client().fatal_error().map(|(_, why)| why);
                 let unsent = rows.len() - acked;
                 self.inner
                     .health
                     .report(&part, Err(format!("Kafka did not acknowledge {unsent} change events")));
                 tracing::warn!(shard, ?reason, "round not acknowledged; starting a new producer");
-                match kafka::create(&kafka::producer_config(&self.settings().kafka)) {
+                match kafka::create(&kafka::relay_producer_config(&self.settings().kafka)) {
                     Ok(p) => {
                         let old = std::mem::replace(producer, p);
                         // Dropping purges its queue and waits up to 500 ms:
@@ -261,11 +268,19 @@ impl Writer {
             }
             per_row.push(sent);
         }
-        let results = futures::future::join_all(pending).await;
+        // Acknowledgements in send order, up to the relay's deadline; those
+        // still out then count as failed (the caller replaces the producer).
+        let deadline =
+            tokio::time::Instant::now() + Duration::from_millis(self.settings().kafka.message_timeout_ms);
+        let mut in_order: FuturesOrdered<_> = pending.into_iter().collect();
+        let mut results = Vec::with_capacity(in_order.len());
+        while let Ok(Some(r)) = tokio::time::timeout_at(deadline, in_order.next()).await {
+            results.push(r);
+        }
         // A row counts once every message it was sent as is acknowledged.
         let (mut at, mut acked) = (0, 0);
         for n in per_row {
-            if !results[at..at + n].iter().all(|r| matches!(r, Ok(Ok(_)))) {
+            if results.len() < at + n || !results[at..at + n].iter().all(|r| matches!(r, Ok(Ok(_)))) {
                 break;
             }
             at += n;
@@ -278,8 +293,15 @@ impl Writer {
                 .publish_failures
                 .with_label_values(&[&shard.to_string()])
                 .inc_by(failed as u64);
-            if let Some(Ok(Err((e, _)))) = results.iter().find(|r| !matches!(r, Ok(Ok(_)))) {
-                tracing::warn!(shard, error = %e, failed, "Kafka did not acknowledge change events; will retry");
+            match results.iter().find(|r| !matches!(r, Ok(Ok(_)))) {
+                Some(Ok(Err((e, _)))) => {
+                    tracing::warn!(shard, error = %e, failed, "Kafka did not acknowledge change events; will retry")
+                }
+                _ => tracing::warn!(
+                    shard,
+                    failed,
+                    "Kafka did not acknowledge change events in time; will retry"
+                ),
             }
         }
         acked

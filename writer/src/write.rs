@@ -1,7 +1,8 @@
 //! The write transaction. One InnoDB transaction on the entity's shard:
 //! lock the row, check the precondition, write version+1, insert the change
 //! event into the outbox, commit. Nothing reaches the database for a write
-//! that fails validation or its precondition.
+//! that fails validation or its precondition, except, for a guarded write
+//! (an idempotency key), the record of that refusal, so a retry gets it.
 
 use schemas::clock::now_micros;
 use schemas::codec;
@@ -48,6 +49,8 @@ pub struct Outcome {
     pub version: u64,
     /// No live entity had this id before.
     pub created: bool,
+    /// A retry under an idempotency key: the first answer, nothing written.
+    pub replayed: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +87,59 @@ pub enum WriteError {
         #[source]
         source: std::sync::Arc<StoreError>,
     },
+}
+
+/// A refusal as a guarded write records it: a retry under the same key is
+/// refused the same way, whatever the entity became meanwhile (a Kafka
+/// ingest command redelivered after a crash must not apply where it was
+/// refused, nor answer differently).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+enum Refusal {
+    VersionConflict { expected: u64, actual: Option<u64> },
+    AlreadyExists { current: u64 },
+    NotFound,
+    PatchClash { property: String, reason: String },
+    TooLarge { bytes: usize, max: usize },
+    BadExpiry { property: String, found: String },
+}
+
+impl Refusal {
+    /// The record of `e`; None for what is not a refusal of this write
+    /// (storage failures, a reused key, an expiry's "not expired").
+    fn record(e: &WriteError) -> Option<String> {
+        let r = match e {
+            WriteError::VersionConflict { expected, actual } => {
+                Refusal::VersionConflict { expected: *expected, actual: *actual }
+            }
+            WriteError::AlreadyExists { current } => Refusal::AlreadyExists { current: *current },
+            WriteError::NotFound => Refusal::NotFound,
+            WriteError::PatchClash(c) => {
+                Refusal::PatchClash { property: c.property.clone(), reason: c.reason.clone() }
+            }
+            WriteError::TooLarge { bytes, max } => Refusal::TooLarge { bytes: *bytes, max: *max },
+            WriteError::BadExpiry(b) => {
+                Refusal::BadExpiry { property: b.property.clone(), found: b.found.clone() }
+            }
+            _ => return None,
+        };
+        serde_json::to_string(&r).ok()
+    }
+
+    /// The refusal a record holds (None if it does not parse: then the
+    /// write is decided again).
+    fn replay(recorded: &str) -> Option<WriteError> {
+        Some(match serde_json::from_str(recorded).ok()? {
+            Refusal::VersionConflict { expected, actual } => WriteError::VersionConflict { expected, actual },
+            Refusal::AlreadyExists { current } => WriteError::AlreadyExists { current },
+            Refusal::NotFound => WriteError::NotFound,
+            Refusal::PatchClash { property, reason } => {
+                WriteError::PatchClash(PatchClash { property, reason })
+            }
+            Refusal::TooLarge { bytes, max } => WriteError::TooLarge { bytes, max },
+            Refusal::BadExpiry { property, found } => WriteError::BadExpiry(BadExpiry { property, found }),
+        })
+    }
 }
 
 impl WriteError {
@@ -327,14 +383,20 @@ impl Writer {
         let mut written: Vec<EntityId> = Vec::new();
         for (id, change, pre) in items {
             if let Some(g) = pre.guard {
-                if let Some(r) = records.get(&g.key).filter(|r| r.recorded_us.saturating_add(window_us) > now)
-                {
+                let first = records.get(&g.key).filter(|r| r.recorded_us.saturating_add(window_us) > now);
+                let replay = first.map(|r| match (r.request_hash == g.request, r.refusal.as_deref()) {
+                    (false, _) => Some(Err(WriteError::KeyReused)),
+                    (true, None) => Some(Ok(Outcome {
+                        id: r.entity_id,
+                        version: r.version,
+                        created: r.created,
+                        replayed: true,
+                    })),
+                    (true, Some(refusal)) => Refusal::replay(refusal).map(Err),
+                });
+                if let Some(Some(answer)) = replay {
                     // A retry: the first answer, nothing written.
-                    results.push(if r.request_hash == g.request {
-                        Ok(Outcome { id: r.entity_id, version: r.version, created: r.created })
-                    } else {
-                        Err(WriteError::KeyReused)
-                    });
+                    results.push(answer);
                     continue;
                 }
             }
@@ -349,9 +411,10 @@ impl Writer {
                             entity_id: outcome.id,
                             version: outcome.version,
                             created: outcome.created,
+                            refusal: None,
                             recorded_us: now,
                         };
-                        records.insert(g.key, r);
+                        records.insert(g.key, r.clone());
                         new_records.push((g.key, self.shards().logical_of_id(id), r));
                     }
                     kinds.push(change.kind());
@@ -362,7 +425,21 @@ impl Writer {
                     rows.insert(*id, row);
                     results.push(Ok(outcome));
                 }
-                Err(e) => results.push(Err(e)),
+                Err(e) => {
+                    if let (Some(g), Some(refusal)) = (pre.guard, Refusal::record(&e)) {
+                        let r = idempotency::Record {
+                            request_hash: g.request,
+                            entity_id: *id,
+                            version: 0,
+                            created: false,
+                            refusal: Some(refusal),
+                            recorded_us: now,
+                        };
+                        records.insert(g.key, r.clone());
+                        new_records.push((g.key, self.shards().logical_of_id(id), r));
+                    }
+                    results.push(Err(e))
+                }
             }
         }
         if !events.is_empty() {
@@ -410,9 +487,10 @@ impl Writer {
                 })
                 .collect();
             outbox::insert_outbox_rows(shard, &mut tx, &events).await?;
-            if !new_records.is_empty() {
-                idempotency::put_records(shard, &mut tx, &new_records).await?;
-            }
+        }
+        // Also when nothing was written: a guarded refusal is recorded.
+        if !new_records.is_empty() {
+            idempotency::put_records(shard, &mut tx, &new_records).await?;
         }
         tx.commit().await.map_err(|source| StoreError::Shard { shard, source })?;
         if self.settings().writer.drill_exit_after_commit && !new_records.is_empty() {
@@ -558,7 +636,7 @@ fn decide(
         after,
         added_id: None,
     };
-    Ok((row, event, Outcome { id: *id, version, created: live_version.is_none() }))
+    Ok((row, event, Outcome { id: *id, version, created: live_version.is_none(), replayed: false }))
 }
 
 #[cfg(test)]

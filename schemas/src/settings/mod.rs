@@ -14,7 +14,7 @@ mod sections;
 pub use secrets::{is_secret_kafka_option, Dsn, Secret};
 pub use sections::{
     AuthSettings, ChangesSettings, CleanerSettings, ExpirySettings, HttpSettings, IndexerSettings,
-    KafkaSettings, MoverSettings, MysqlSettings, ReaderSettings, WriterSettings,
+    IngestSettings, KafkaSettings, MoverSettings, MysqlSettings, ReaderSettings, WriterSettings,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +55,8 @@ pub struct Settings {
     #[serde(default)]
     pub changes: ChangesSettings,
     #[serde(default)]
+    pub ingest: IngestSettings,
+    #[serde(default)]
     pub mover: MoverSettings,
     #[serde(default)]
     pub auth: AuthSettings,
@@ -63,6 +65,24 @@ pub struct Settings {
 }
 
 impl Settings {
+    /// The topics besides `kafka.topic` and its dead-letter topic that
+    /// `migrate` (and `bagstore dev`'s embedded Kafka) create: the public
+    /// change stream's and Kafka ingest's, those that are on.
+    pub fn extra_topics(&self) -> Vec<String> {
+        let mut topics = Vec::new();
+        if self.changes.enabled {
+            topics.push(self.changes.topic.clone());
+        }
+        if self.ingest.enabled {
+            topics.push(self.ingest.topic.clone());
+            topics.push(self.ingest.dlq_topic());
+            if !self.ingest.reply_topic.is_empty() {
+                topics.push(self.ingest.reply_topic.clone());
+            }
+        }
+        topics
+    }
+
     /// Parses a TOML document, applies the `BAGSTORE_…` variables of `env`
     /// on top, validates. (Reading the file and the process environment is
     /// the caller's: `service::config::load`.)
@@ -148,6 +168,18 @@ impl Settings {
                 "changes.topic {:?} must be a topic of its own (not kafka.topic or its dead-letter topic)",
                 self.changes.topic
             )));
+        }
+        if self.ingest.enabled {
+            let ours = [&self.kafka.topic, &self.kafka.dlq_topic(), &self.changes.topic];
+            let (topic, replies) = (&self.ingest.topic, &self.ingest.reply_topic);
+            if topic.is_empty() || ours.contains(&topic) || ours.contains(&replies) || replies == topic {
+                return Err(SettingsError::Invalid(format!(
+                    "ingest.topic {topic:?} and ingest.reply_topic {replies:?} must be topics of their own (not kafka.topic, its dead-letter topic or changes.topic)"
+                )));
+            }
+            if self.ingest.batch == 0 {
+                return Err(SettingsError::Invalid("ingest.batch must be positive".into()));
+            }
         }
         if self.expiry.property.as_deref().is_some_and(|p| p.is_empty()) {
             return Err(SettingsError::Invalid(

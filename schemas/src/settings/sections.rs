@@ -77,8 +77,8 @@ pub struct KafkaSettings {
     pub group_prefix: String,
     /// Consumer session timeout: how long a dead indexer holds its partitions.
     pub session_timeout_ms: u64,
-    /// How long the relay lets librdkafka retry one event before it gives up
-    /// and the outbox row is tried again.
+    /// How long the relay waits for a round's acknowledgements before it
+    /// drops its producer and sends the unacknowledged rows again.
     pub message_timeout_ms: u64,
     /// Extra librdkafka properties for every client (e.g. `security.protocol`,
     /// `ssl.ca.location`, `sasl.password`, `debug`), applied last. This is
@@ -124,6 +124,11 @@ impl KafkaSettings {
     /// The consumer group of an index's indexers.
     pub fn group_for(&self, table: &str) -> String {
         format!("{}bagstore-index-{table}", self.group_prefix)
+    }
+
+    /// The consumer group of the writers' Kafka ingest.
+    pub fn ingest_group(&self) -> String {
+        format!("{}bagstore-ingest", self.group_prefix)
     }
 }
 
@@ -312,12 +317,7 @@ pub struct ExpirySettings {
     pub property: Option<String>,
 }
 
-/// The public change stream (see `crate::changes`). Off by default for
-/// now: with it on, the relay sends twice the messages per round, and a
-/// known fault of the relay (after a message times out in a broker outage,
-/// the idempotent producer delivers the round's later messages, so an
-/// entity's later version can reach the topic before an earlier one) shows
-/// in the chaos suite. On in `deploy/bagstore.dev.toml`.
+/// The public change stream (see `crate::changes`), on by default.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ChangesSettings {
@@ -329,7 +329,43 @@ pub struct ChangesSettings {
 
 impl Default for ChangesSettings {
     fn default() -> Self {
-        ChangesSettings { enabled: false, topic: "bagstore.changes.v1".into() }
+        ChangesSettings { enabled: true, topic: "bagstore.changes.v1".into() }
+    }
+}
+
+/// Kafka ingest: producers write commands to `topic`; the writers consume
+/// them as one consumer group and apply each through the write path (see
+/// README "Kafka ingest (for producers)").
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IngestSettings {
+    /// Whether writer processes consume the ingest topic.
+    pub enabled: bool,
+    /// The commands' topic (created by `migrate` with the change topic's
+    /// partitions). The dead-letter topic is `<topic>.dlq`.
+    pub topic: String,
+    /// Where each command that carries a `correlation_id` gets its outcome
+    /// (empty: no replies).
+    pub reply_topic: String,
+    /// Commands taken from the topic per round at most.
+    pub batch: usize,
+}
+
+impl Default for IngestSettings {
+    fn default() -> Self {
+        IngestSettings {
+            enabled: true,
+            topic: "bagstore.ingest.v1".into(),
+            reply_topic: "bagstore.ingest.v1.replies".into(),
+            batch: 500,
+        }
+    }
+}
+
+impl IngestSettings {
+    /// Malformed and refused commands, each with its reason.
+    pub fn dlq_topic(&self) -> String {
+        format!("{}.dlq", self.topic)
     }
 }
 

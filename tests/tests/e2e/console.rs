@@ -84,6 +84,9 @@ async fn the_console_shows_every_index_and_a_lag_chart_while_writes_flow() {
         );
     }
     assert!(dom.contains("<td>s0</td>") && dom.contains("<td>s1</td>"), "shards missing:\n{dom}");
+    // Kafka ingest is on in dev: its lag is a number (nothing is produced
+    // to it here, so 0), not "off" and not unknown.
+    assert!(dom.contains("<b id=\"ingest-lag\">0</b>"), "no ingest lag shown:\n{dom}");
     assert!(!dom.contains("class=\"error\""), "the page shows an error:\n{dom}");
 
     let shot = screenshot_path();

@@ -140,3 +140,53 @@ async fn a_retried_keyed_batch_answers_every_item_as_first_and_writes_once() {
     );
     assert_eq!(entity_rows(&env).await, stored);
 }
+
+/// A refusal is the first answer too: a keyed PATCH refused by its
+/// `If-Match` is refused again on retry, with the version it was refused
+/// at, even after the entity reached the version it asked for (without the
+/// record, the retry would apply there); a keyed upsert-less PATCH of a
+/// missing entity stays 404 after the entity is created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_keyed_write_that_was_refused_is_refused_the_same_way() {
+    let env = TestEnv::new("idemrefused", "").await;
+    env.migrate().await;
+    let writer = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;
+    let reader = env.spawn(&["reader", "--http", "127.0.0.1:0"]).await;
+    let (base, api, read) = (writer.url.clone(), writer.api(), reader.api());
+    let id = format!("{:032x}", 0xbad5eedu64);
+    assert_eq!(api.put(&id, &json!({"n": 0})).await.0, 201);
+    let keyed_if_match = |key: &'static str| {
+        let (base, id) = (base.clone(), id.clone());
+        async move {
+            let r = reqwest::Client::new()
+                .patch(format!("{base}/v1/entities/{id}"))
+                .header("idempotency-key", key)
+                .header("if-match", "\"2\"")
+                .header("content-type", "application/json")
+                .body(json!({"$inc": {"n": 1}}).to_string())
+                .send()
+                .await
+                .expect("PATCH");
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let (status, first) = keyed_if_match("refused-once").await;
+    assert_eq!((status, &first["current_version"]), (412, &json!(1)), "{first}");
+    // The entity reaches version 2, which the refused request asked for.
+    assert_eq!(api.put(&id, &json!({"n": 10})).await.0, 200);
+    let (status, again) = keyed_if_match("refused-once").await;
+    assert_eq!((status, &again), (412, &first), "the retry got another answer");
+    // A new key is a new request: it applies at version 2.
+    let (status, fresh) = keyed_if_match("a-new-key").await;
+    assert_eq!((status, &fresh["version"]), (200, &json!(3)), "{fresh}");
+    assert_eq!(read.get(&id).await.1["properties"], json!({"n": 11}));
+
+    let missing = format!("{:032x}", 0xab5e17u64);
+    let (status, _) = patch(&base, &missing, "missing-once", &json!({"$set": {"a": 1}})).await;
+    assert_eq!(status, 404);
+    assert_eq!(api.put(&missing, &json!({"a": 0})).await.0, 201);
+    let (status, _) = patch(&base, &missing, "missing-once", &json!({"$set": {"a": 1}})).await;
+    assert_eq!(status, 404, "the retry of a refused patch applied");
+    assert_eq!(read.get(&missing).await.1["properties"], json!({"a": 0}));
+}

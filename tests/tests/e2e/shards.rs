@@ -825,6 +825,7 @@ async fn a_move_carries_records_floors_and_deletes_as_the_statements_say() {
         entity_id: schemas::EntityId([n; 16]),
         version,
         created: version == 1,
+        refusal: (n == 4).then(|| "{\"kind\": \"not-found\"}".to_string()),
         recorded_us,
     };
     // (key, logical, record): three logical shards, stamps 100..=900.
@@ -854,7 +855,11 @@ async fn a_move_carries_records_floors_and_deletes_as_the_statements_say() {
         got.iter().map(|r| (r.logical, r.record.recorded_us, r.key_hash)).collect();
     assert_eq!(order, want, "the records of 5 and 6 since 300, in order");
     assert_eq!(pages, want.len().div_ceil(2));
-    assert_eq!(got[0].record, all.iter().find(|(key, ..)| *key == got[0].key_hash).unwrap().2);
+    for r in &got {
+        // Every column read back as written, a recorded refusal included.
+        assert_eq!(r.record, all.iter().find(|(key, ..)| *key == r.key_hash).unwrap().2);
+    }
+    assert!(got.iter().any(|r| r.record.refusal.is_some()), "no refusal among the records read");
     assert_eq!(carry::count_idempotency_records(0, &source, &[5, 6]).await.unwrap(), 6);
 
     // Copied, then copied again from an older and a newer state of one key:
@@ -862,19 +867,19 @@ async fn a_move_carries_records_floors_and_deletes_as_the_statements_say() {
     let mut tx = target.begin().await.unwrap();
     carry::copy_idempotency_records(1, &mut tx, &got).await.unwrap();
     let key = got[0].key_hash;
-    let mut older = got[0];
+    let mut older = got[0].clone();
     older.record = Record { version: 7, recorded_us: got[0].record.recorded_us - 1, ..older.record };
     carry::copy_idempotency_records(1, &mut tx, &[older]).await.unwrap();
     tx.commit().await.unwrap();
     let stored = |pool: MySqlPool| async move {
         let mut conn = pool.acquire().await.unwrap();
-        idempotency::lock_records(1, &mut conn, &[key]).await.unwrap()[&key]
+        idempotency::lock_records(1, &mut conn, &[key]).await.unwrap()[&key].clone()
     };
     assert_eq!(stored(target.clone()).await, got[0].record, "an older copy replaced a newer record");
-    let mut newer = got[0];
+    let mut newer = got[0].clone();
     newer.record = Record { version: 8, recorded_us: got[0].record.recorded_us + 1, ..newer.record };
     let mut tx = target.begin().await.unwrap();
-    carry::copy_idempotency_records(1, &mut tx, &[newer]).await.unwrap();
+    carry::copy_idempotency_records(1, &mut tx, std::slice::from_ref(&newer)).await.unwrap();
     tx.commit().await.unwrap();
     assert_eq!(stored(target.clone()).await, newer.record, "a newer copy did not replace the record");
 

@@ -225,6 +225,9 @@ async fn migrate(dir: &Path, dsns: &[String]) -> Output {
     kafka.create_topic(&topic, 2, 1).expect("topic");
     kafka.create_topic(&format!("{topic}.dlq"), 1, 1).expect("dlq topic");
     kafka.create_topic("bagstore.changes.v1", 2, 1).expect("change stream topic");
+    for t in ["bagstore.ingest.v1", "bagstore.ingest.v1.dlq", "bagstore.ingest.v1.replies"] {
+        kafka.create_topic(t, 2, 1).expect("ingest topic");
+    }
     let shards: Vec<String> = dsns.iter().map(|d| format!("{d:?}")).collect();
     let config = format!(
         "[mysql]\nshards = [{}]\nconnect_timeout_ms = 5000\n\n[kafka]\nbrokers = {:?}\ntopic = {:?}\npartitions = 2\nreplication_factor = 1\n\n\
