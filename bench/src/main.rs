@@ -710,10 +710,22 @@ impl World {
     }
 
     async fn bagstore(&self, args: &[&str], new_index: bool) -> anyhow::Result<Proc> {
+        self.bagstore_with(args, new_index, &[]).await
+    }
+
+    /// [`World::bagstore`] with settings overridden by `BAGSTORE_…` variables.
+    async fn bagstore_with(
+        &self,
+        args: &[&str],
+        new_index: bool,
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<Proc> {
         let mut all: Vec<String> = args.iter().map(|s| s.to_string()).collect();
         all.push("--config".into());
         all.push(self.config(new_index).display().to_string());
-        let p = Proc::start(&all, self.dir.path(), &[("RUST_LOG", "warn")]).await?;
+        let mut vars = vec![("RUST_LOG", "warn")];
+        vars.extend_from_slice(env);
+        let p = Proc::start(&all, self.dir.path(), &vars).await?;
         self.procs.watch(&format!("bagstore {}", args.join(" ")), p.pid() as u32);
         Ok(p)
     }
@@ -1111,10 +1123,10 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     let c = opts.clients;
     let d = opts.phase;
     world.migrate(false).await?;
-    let writer = world.bagstore(&["writer"], false).await?;
+    let mut writer = world.bagstore(&["writer"], false).await?;
     let indexer = world.bagstore(&["indexer", "--index", INDEX_MAIN], false).await?;
     let reader = world.bagstore(&["reader"], false).await?;
-    let wbase = Arc::new(writer.url.clone());
+    let mut wbase = Arc::new(writer.url.clone());
     let rbase = reader.url.clone();
     let native = world.native.clone();
     let http = world.http.clone();
@@ -1520,6 +1532,38 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         "bagstore batch".to_string(),
         world.usage_step(&mut cpu0, batch_bag.rate * secs, "rows").await,
     ));
+    // The same two runs with the public change stream off: what the stream
+    // costs per write (the relay's second message per row, its JSON).
+    // Only one writer at a time, so the relay that publishes these rows is
+    // this one's.
+    writer.terminate().await;
+    let quiet = world.bagstore_with(&["writer"], false, &[("BAGSTORE_CHANGES__ENABLED", "false")]).await?;
+    let qbase = Arc::new(quiet.url.clone());
+    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
+    let mut cpu0 = world.usage().await;
+    let one_quiet = {
+        let (h, wb) = (http.clone(), qbase.clone());
+        closed_loop(c, d, 1, move || bag_put(h.clone(), wb.clone(), fresh())).await
+    };
+    cpu_lines.push((
+        "bagstore single, change stream off".to_string(),
+        world.usage_step(&mut cpu0, one_quiet.rate * secs, "rows").await,
+    ));
+    let batch_quiet = {
+        let (h, wb) = (http.clone(), qbase.clone());
+        closed_loop(c, d, BATCH, move || {
+            bag_batch(h.clone(), wb.clone(), (0..BATCH).map(|_| fresh()).collect())
+        })
+        .await
+    };
+    cpu_lines.push((
+        "bagstore batch, change stream off".to_string(),
+        world.usage_step(&mut cpu0, batch_quiet.rate * secs, "rows").await,
+    ));
+    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
+    quiet.terminate().await;
+    writer = world.bagstore(&["writer"], false).await?;
+    wbase = Arc::new(writer.url.clone());
     let t_idx = Instant::now();
     let mut cpu_before_catchup = world.usage().await;
     world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
@@ -1559,6 +1603,19 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         "batch: bagstore / raw (target ≥ 0.8)",
         ratio(batch_bag.rate, batch_raw.rate),
         format!("bagstore / json {}", ratio(batch_bag.rate, batch_json.rate)),
+    );
+    report.run("put_bagstore_nostream", "bagstore: PUT, change stream off", &one_quiet, "rows/s");
+    report.run("batch_bagstore_nostream", "bagstore: batch, change stream off", &batch_quiet, "rows/s");
+    report.line(
+        "stream_cost",
+        "change stream on / off, throughput",
+        format!("single {}", ratio(one_bag.rate, one_quiet.rate)),
+        format!(
+            "batch {}; p99 single {} batch {}",
+            ratio(batch_bag.rate, batch_quiet.rate),
+            ratio(one_bag.latency.p99, one_quiet.latency.p99),
+            ratio(batch_bag.latency.p99, batch_quiet.latency.p99)
+        ),
     );
 
     report.section("Where the CPU went during the write phases (processes grouped; both cores = 2 s per s)");

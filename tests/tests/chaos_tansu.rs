@@ -69,75 +69,30 @@ async fn after_a_broker_kill_past_the_session_timeout_each_partition_has_one_wor
 /// with exactly the live entities and their versions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kafka_python_consumer_rebuilds_the_live_entities_from_snapshot_and_tail() {
-    use serde_json::json;
-    let env =
-        TestEnv::with_tansu("streamtansu", &format!("{STANDARD_INDEXES}\n[changes]\nenabled = true\n")).await;
+    use bagstore_tests::python::{assert_rebuilt, consume_change_stream, mixed_round};
+    // The change stream is on by default.
+    let env = TestEnv::with_tansu("streamtansu", STANDARD_INDEXES).await;
     env.migrate().await;
     let reader = env.spawn(&["reader", "--http", "127.0.0.1:0"]).await;
-    let read = reader.api();
-    let id = |i: u32| format!("{i:032x}");
-    let mixed = |api: bagstore_tests::Api, round: u32| async move {
-        let items: Vec<serde_json::Value> = (0..100)
-            .map(|i| json!({"id": format!("{:032x}", round * 100 + i), "round": round, "i": i}))
-            .collect();
-        assert_eq!(api.batch(&items).await.0, 200);
-        for i in 0..20 {
-            let target = format!("{:032x}", (round * 31 + i * 7) % 400);
-            if i % 4 == 0 {
-                let _ = api.delete(&target).await;
-            } else {
-                let _ = api.put(&target, &json!({"round": round, "rewritten": i})).await;
-            }
-        }
-    };
     let writer = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;
-    mixed(writer.api(), 0).await;
-    mixed(writer.api(), 1).await;
+    mixed_round(&writer.api(), 0).await;
+    mixed_round(&writer.api(), 1).await;
     writer.kill9().await;
     let writer = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;
-    mixed(writer.api(), 2).await;
+    mixed_round(&writer.api(), 2).await;
     let group = "warehouse-loader";
     let (ok, out, err) = env.run(&env.args(&["changes", "snapshot", "--group", group]), &[]).await;
     assert!(ok && out.contains("done"), "{out}{err}");
-    mixed(writer.api(), 3).await;
+    mixed_round(&writer.api(), 3).await;
     env.until_caught_up(&[]).await;
 
     let (brokers, topic) = (env.brokers(), "bagstore.changes.v1");
-    let (doc, said) = tokio::task::spawn_blocking(move || {
-        bagstore_tests::python::consume_change_stream(&brokers, topic, group, None)
-    })
-    .await
-    .unwrap();
+    let (doc, said) =
+        tokio::task::spawn_blocking(move || consume_change_stream(&brokers, topic, group, None))
+            .await
+            .unwrap();
     eprintln!("{said}");
-    let live = doc["live"].as_object().unwrap();
-    // The group started where the snapshot placed it, past the writes of
-    // rounds 0 to 2 (not at the beginning: every create of those rounds
-    // reached it as a snapshot read, not as its create).
-    let from: i64 = doc["from"].as_object().unwrap().values().map(|v| v.as_i64().unwrap()).sum();
-    assert!(from >= 300, "the group started at {from} messages in: {said}");
-    assert!(doc["ops"]["r"].as_u64().unwrap_or(0) > 200, "{said}");
-    let mut expected = 0;
-    for i in 0..400u32 {
-        let (status, got) = read.get(&id(i)).await;
-        match status {
-            200 => {
-                expected += 1;
-                let e = live
-                    .get(&id(i))
-                    .unwrap_or_else(|| panic!("{} is live but not in the consumer's view", id(i)));
-                assert_eq!(
-                    (&e["version"], &e["properties"]),
-                    (&got["version"], &got["properties"]),
-                    "{}",
-                    id(i)
-                );
-            }
-            404 => assert!(!live.contains_key(&id(i)), "{} is gone but the consumer has it", id(i)),
-            other => panic!("{}: {other}", id(i)),
-        }
-    }
-    assert_eq!(live.len(), expected, "the consumer has entities the store does not");
-    assert!(expected > 250, "{expected} live entities");
+    assert_rebuilt(&reader.api(), &doc, &said).await;
 }
 
 /// Kafka ingest from a PyPI `kafka-python` producer (a client sharing no

@@ -6,9 +6,9 @@
 //! rebuilds exactly the live entities. `bagstore changes snapshot` brings
 //! a new group up to date while writes go on, read back both here and by
 //! a PyPI `kafka-python` consumer (`tests/python/change_stream_consumer.py`)
-//! on librdkafka's mock cluster, the broker `bagstore dev` embeds; the
-//! same consumer on the standalone broker, across a writer kill, is in
-//! `chaos_tansu.rs`.
+//! on librdkafka's mock cluster, and by the same consumer against a
+//! literal `bagstore dev` (its embedded Kafka) across a writer kill; on the
+//! standalone broker, across a writer kill, it is in `chaos_tansu.rs`.
 
 use bagstore_tests::{eventually, TestEnv, STANDARD_INDEXES};
 use rdkafka::config::ClientConfig;
@@ -19,11 +19,6 @@ use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-/// The standard indexes, with the change stream on (it is off by default).
-fn with_changes() -> String {
-    format!("{STANDARD_INDEXES}\n[changes]\nenabled = true\n")
-}
-
 /// One message of the change stream.
 #[derive(Debug, Clone)]
 struct Change {
@@ -33,24 +28,49 @@ struct Change {
     value: Value,
 }
 
-/// Every message on `topic` (4 partitions), in partition order.
-fn read_all(brokers: &str, topic: &str) -> Vec<Change> {
+/// Where [`read_stream`] starts on each partition.
+enum From<'a> {
+    /// The first message still kept.
+    Beginning,
+    /// The group's committed offsets (its view of the stream).
+    Group(&'a str),
+}
+
+/// The messages on `topic` (4 partitions) from `from` to the end, in
+/// partition order, without committing anything.
+fn read_stream(brokers: &str, topic: &str, from: From<'_>) -> Vec<Change> {
+    let group = match from {
+        From::Beginning => format!("{topic}-reader-{}", rand::random::<u32>()),
+        From::Group(g) => g.to_string(),
+    };
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
-        .set("group.id", format!("{topic}-reader-{}", rand::random::<u32>()))
+        .set("group.id", &group)
         .set("enable.auto.commit", "false")
         .create()
         .unwrap();
+    let mut parts = TopicPartitionList::new();
+    for p in 0..4 {
+        parts.add_partition(topic, p);
+    }
+    let committed = consumer.committed_offsets(parts, Duration::from_secs(10)).unwrap();
     let mut out = Vec::new();
     for p in 0..4 {
         let (low, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(10)).unwrap();
-        if high <= low {
+        let start = match from {
+            From::Beginning => low,
+            From::Group(_) => match committed.find_partition(topic, p).unwrap().offset() {
+                Offset::Offset(o) => o,
+                _ => panic!("group {group} has no offset on partition {p}"),
+            },
+        };
+        if high <= start {
             continue;
         }
         let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(topic, p, Offset::Offset(low)).unwrap();
+        tpl.add_partition_offset(topic, p, Offset::Offset(start)).unwrap();
         consumer.assign(&tpl).unwrap();
-        let mut next = low;
+        let mut next = start;
         while next < high {
             let m = consumer.poll(Duration::from_secs(10)).expect("a message in time").unwrap();
             next = m.offset() + 1;
@@ -77,7 +97,7 @@ fn read_all(brokers: &str, topic: &str) -> Vec<Change> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_write_reaches_the_public_change_stream_as_a_documented_envelope() {
-    let env = TestEnv::new("changes", &with_changes()).await;
+    let env = TestEnv::new("changes", STANDARD_INDEXES).await;
     let dev = env.dev().await;
     let api = dev.api();
     let (a, b) = ("aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb");
@@ -95,7 +115,9 @@ async fn every_write_reaches_the_public_change_stream_as_a_documented_envelope()
     let changes = eventually("26 messages on the change stream", Duration::from_secs(30), || {
         let brokers = brokers.clone();
         async move {
-            let all = tokio::task::spawn_blocking(move || read_all(&brokers, topic)).await.unwrap();
+            let all = tokio::task::spawn_blocking(move || read_stream(&brokers, topic, From::Beginning))
+                .await
+                .unwrap();
             (all.len() >= 26).then_some(all)
         }
     })
@@ -185,44 +207,6 @@ async fn every_write_reaches_the_public_change_stream_as_a_documented_envelope()
     assert!(said.contains(&format!("{} valid", changes.len())), "{said}");
 }
 
-/// Reads group `group`'s view of the change stream: from its committed
-/// offsets to the end, without committing.
-fn read_from_group(brokers: &str, topic: &str, group: &str) -> Vec<Change> {
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("group.id", group)
-        .set("enable.auto.commit", "false")
-        .create()
-        .unwrap();
-    let mut parts = TopicPartitionList::new();
-    for p in 0..4 {
-        parts.add_partition(topic, p);
-    }
-    let committed = consumer.committed_offsets(parts, Duration::from_secs(10)).unwrap();
-    let mut out = Vec::new();
-    for p in 0..4 {
-        let Offset::Offset(from) = committed.find_partition(topic, p).unwrap().offset() else {
-            panic!("group {group} has no offset on partition {p}");
-        };
-        let (_, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(10)).unwrap();
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(topic, p, Offset::Offset(from)).unwrap();
-        consumer.assign(&tpl).unwrap();
-        let mut next = from;
-        while next < high {
-            let m = consumer.poll(Duration::from_secs(10)).expect("a message in time").unwrap();
-            next = m.offset() + 1;
-            out.push(Change {
-                partition: p,
-                key: String::from_utf8(m.key().unwrap().to_vec()).unwrap(),
-                headers: BTreeMap::new(),
-                value: serde_json::from_slice(m.payload().unwrap()).unwrap(),
-            });
-        }
-    }
-    out
-}
-
 /// `bagstore changes snapshot --group G` brings a new group up to date
 /// while writes go on: killed half way and run again, it finishes; then
 /// reading G from its offsets, keeping a message only when its version is
@@ -230,7 +214,7 @@ fn read_from_group(brokers: &str, topic: &str, group: &str) -> Vec<Change> {
 /// and their versions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_then_the_tail_give_a_new_group_every_live_entity() {
-    let env = TestEnv::new("snapshot", &with_changes()).await;
+    let env = TestEnv::new("snapshot", STANDARD_INDEXES).await;
     env.migrate().await;
     let writer = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;
     let reader = env.spawn(&["reader", "--http", "127.0.0.1:0"]).await;
@@ -293,7 +277,8 @@ async fn a_snapshot_then_the_tail_give_a_new_group_every_live_entity() {
 
     let topic = "bagstore.changes.v1";
     let brokers = env.brokers();
-    let seen = tokio::task::spawn_blocking(move || read_from_group(&brokers, topic, group)).await.unwrap();
+    let seen =
+        tokio::task::spawn_blocking(move || read_stream(&brokers, topic, From::Group(group))).await.unwrap();
     let reads = seen.iter().filter(|c| c.value["op"] == "r").count();
     assert!(reads > 0, "no snapshot message");
     let mut state: BTreeMap<String, (u64, Value)> = BTreeMap::new();
@@ -342,4 +327,90 @@ async fn a_snapshot_then_the_tail_give_a_new_group_every_live_entity() {
     }
     let (ok, out, err) = env.run(&args, &[]).await;
     assert!(ok && out.contains("already done"), "{out}{err}");
+}
+
+/// The change stream of a literal `bagstore dev` (private MariaDB shards,
+/// the embedded Kafka; the stream on by default), read by a PyPI
+/// `kafka-python` consumer: a second writer process joins dev's cluster
+/// and is killed with `kill -9` half way through a mixed workload and
+/// started again, `bagstore changes snapshot` brings a new group up to
+/// date, more writes follow, and the consumer (every message checked
+/// against the JSON Schema) ends with exactly the live entities and their
+/// versions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kafka_python_consumer_rebuilds_bagstore_devs_live_entities_from_snapshot_and_tail() {
+    use bagstore_tests::python::{assert_rebuilt, consume_change_stream, mixed_round};
+    use bagstore_tests::Proc;
+    let dir = tempfile::tempdir().unwrap();
+    let indexes = dir.path().join("indexes.toml");
+    std::fs::write(&indexes, STANDARD_INDEXES).unwrap();
+    let args = |list: &[&str], config: &std::path::Path| -> Vec<String> {
+        list.iter().map(|s| s.to_string()).chain(["--config".into(), config.display().to_string()]).collect()
+    };
+    let data = dir.path().join("data").display().to_string();
+    let dev =
+        Proc::start(&args(&["dev", "--http", "127.0.0.1:0", "--data-dir", &data], &indexes), dir.path(), &[])
+            .await
+            .unwrap();
+    // bagstore dev ready: http=<url> shards=<dsn>,<dsn> kafka=<bootstrap>
+    let word = |prefix: &str| {
+        dev.ready_line.split_whitespace().find_map(|w| w.strip_prefix(prefix)).unwrap().to_string()
+    };
+    let (shards, brokers) = (word("shards="), word("kafka="));
+    // Another process in dev's cluster: its shards and its embedded Kafka.
+    let joined = dir.path().join("joined.toml");
+    let dsns: Vec<String> = shards.split(',').map(|d| format!("{d:?}")).collect();
+    std::fs::write(
+        &joined,
+        format!(
+            "[mysql]\nshards = [{}]\n\n[kafka]\nbrokers = {brokers:?}\nreplication_factor = 1\n\n{STANDARD_INDEXES}",
+            dsns.join(", ")
+        ),
+    )
+    .unwrap();
+    let writer_args = args(&["writer", "--http", "127.0.0.1:0"], &joined);
+    let spawn_writer = || Proc::start(&writer_args, dir.path(), &[]);
+    let writer = spawn_writer().await.unwrap();
+    mixed_round(&writer.api(), 0).await;
+    mixed_round(&dev.api(), 1).await;
+    writer.kill9().await;
+    let writer = spawn_writer().await.unwrap();
+    mixed_round(&writer.api(), 2).await;
+    let group = "dev-warehouse";
+    let snapshot = tokio::process::Command::new(bagstore_tests::bagstore_bin())
+        .args(args(&["changes", "snapshot", "--group", group], &joined))
+        .output()
+        .await
+        .unwrap();
+    let said =
+        format!("{}{}", String::from_utf8_lossy(&snapshot.stdout), String::from_utf8_lossy(&snapshot.stderr));
+    assert!(snapshot.status.success() && said.contains("done"), "{said}");
+    mixed_round(&dev.api(), 3).await;
+    // Everything committed is published: every outbox is empty.
+    let pools: Vec<sqlx::MySqlPool> =
+        futures::future::join_all(shards.split(',').map(sqlx::MySqlPool::connect))
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+    eventually("every outbox to be published", Duration::from_secs(60), || async {
+        for p in &pools {
+            let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM outbox").fetch_one(p).await.unwrap();
+            if n > 0 {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+
+    let topic = "bagstore.changes.v1";
+    let (doc, said) =
+        tokio::task::spawn_blocking(move || consume_change_stream(&brokers, topic, group, Some("1.0.0")))
+            .await
+            .unwrap();
+    eprintln!("{said}");
+    assert_rebuilt(&dev.api(), &doc, &said).await;
+    drop(writer);
+    assert_eq!(dev.terminate().await, Some(0));
 }
