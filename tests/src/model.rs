@@ -283,6 +283,94 @@ pub struct TopicEvent {
 
 /// Every event on `topic` (partitions `0..partitions`), in partition order.
 pub fn read_topic(brokers: &str, topic: &str, partitions: i32) -> Vec<TopicEvent> {
+    read_partitions(brokers, topic, partitions, |partition, offset, payload| TopicEvent {
+        partition,
+        offset,
+        event: ChangeEvent::decode(payload).expect("a decodable event"),
+    })
+}
+
+/// One message of the public change stream, as its envelope says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamMessage {
+    pub id: String,
+    pub version: u64,
+    /// `c`, `u`, `d` (or `r` for a snapshot's read).
+    pub op: String,
+}
+
+/// Every message still on the public change stream `topic`, in partition
+/// order, and whether a partition has lost its oldest messages (its low
+/// watermark above 0: librdkafka's mock cluster keeps at most 5 MiB or
+/// 100,000 messages per partition, and the stream's JSON reaches that in
+/// the chaos suite).
+pub fn read_change_stream(brokers: &str, topic: &str, partitions: i32) -> (Vec<StreamMessage>, bool) {
+    let truncated = {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .set("group.id", format!("{topic}-lows-{}", rand::random::<u32>()))
+            .create()
+            .expect("consumer");
+        (0..partitions)
+            .any(|p| consumer.fetch_watermarks(topic, p, Duration::from_secs(10)).expect("watermarks").0 > 0)
+    };
+    let messages = read_partitions(brokers, topic, partitions, |p, offset, payload| {
+        let v: Value =
+            serde_json::from_slice(payload).unwrap_or_else(|e| panic!("{topic} {p}@{offset}: {e}"));
+        StreamMessage {
+            id: v["source"]["id"].as_str().expect("source.id").to_string(),
+            version: v["source"]["version"].as_u64().expect("source.version"),
+            op: v["op"].as_str().expect("op").to_string(),
+        }
+    });
+    (messages, truncated)
+}
+
+/// Per entity, the public change stream's first occurrences must be the
+/// change topic's, version for version and in the same order, with
+/// matching ops (a delete is `d`, a write `c` or `u`). When the stream lost
+/// its oldest messages (`truncated`), each entity's must be a suffix of the
+/// topic's instead: still in order, nothing skipped after the first one
+/// kept. Returns one line per breach.
+pub fn check_change_stream(stream: &[StreamMessage], truncated: bool, events: &[TopicEvent]) -> Vec<String> {
+    let (firsts, _) = first_occurrences(events);
+    let mut seen: HashMap<&str, Vec<(u64, &str)>> = HashMap::new();
+    for m in stream {
+        let list = seen.entry(&m.id).or_default();
+        if !list.iter().any(|(v, _)| *v == m.version) {
+            list.push((m.version, &m.op));
+        }
+    }
+    let mut out = Vec::new();
+    for (id, want) in &firsts {
+        let got = seen.get(id.as_str()).cloned().unwrap_or_default();
+        let skipped = if truncated { want.len().saturating_sub(got.len()) } else { 0 };
+        let matches = got.len() + skipped == want.len()
+            && got
+                .iter()
+                .zip(&want[skipped..])
+                .all(|((gv, gop), (wv, wop))| gv == wv && (*gop == "d") == (*wop == Op::Delete));
+        if !matches {
+            out.push(format!(
+                "entity {id}: the change stream's first occurrences are {got:?}, the change topic's {:?}",
+                want.iter().map(|(v, op)| (*v, *op)).collect::<Vec<_>>()
+            ));
+        }
+    }
+    for id in seen.keys().filter(|id| !firsts.contains_key(**id)) {
+        out.push(format!("entity {id}: on the change stream but not on the change topic"));
+    }
+    out
+}
+
+/// Every message of `topic` (partitions `0..partitions`), each decoded by
+/// `decode(partition, offset, payload)`, in partition order.
+fn read_partitions<T>(
+    brokers: &str,
+    topic: &str,
+    partitions: i32,
+    decode: impl Fn(i32, i64, &[u8]) -> T,
+) -> Vec<T> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("group.id", format!("{topic}-checker-{}", rand::random::<u32>()))
@@ -303,9 +391,7 @@ pub fn read_topic(brokers: &str, topic: &str, partitions: i32) -> Vec<TopicEvent
             match consumer.poll(Duration::from_secs(10)) {
                 Some(Ok(m)) => {
                     next = m.offset() + 1;
-                    let event =
-                        ChangeEvent::decode(m.payload().expect("payload")).expect("a decodable event");
-                    out.push(TopicEvent { partition: p, offset: m.offset(), event });
+                    out.push(decode(p, m.offset(), m.payload().expect("payload")));
                 }
                 Some(Err(e)) => panic!("reading partition {p}: {e}"),
                 None => panic!("partition {p} stalled at offset {next} of {high}"),

@@ -44,6 +44,9 @@ use crate::{Outcome, WriteError, Writer};
 /// How often the ingest group's lag is read for the gauge.
 const LAG_EVERY: Duration = Duration::from_secs(2);
 
+/// How long a consumer error keeps an idle ingest reported as failing.
+const ERRORS_STAND_FOR: Duration = Duration::from_secs(10);
+
 /// Longest accepted `correlation_id`.
 pub const MAX_CORRELATION_ID_BYTES: usize = 255;
 
@@ -274,6 +277,7 @@ impl Writer {
         consumer.subscribe(&[topic])?;
         tracing::info!(%topic, %group, "Kafka ingest joined its group");
         let mut lag_at: Option<Instant> = None;
+        let mut last_error: Option<Instant> = None;
         loop {
             if lag_at.is_none_or(|t| t.elapsed() >= LAG_EVERY) {
                 lag_at = Some(Instant::now());
@@ -282,11 +286,18 @@ impl Writer {
             let first = tokio::select! {
                 m = consumer.recv() => m,
                 _ = shutdown.cancelled() => break,
-                _ = tokio::time::sleep(LAG_EVERY) => continue,
+                _ = tokio::time::sleep(LAG_EVERY) => {
+                    // Idle, and no consumer error for a while: well.
+                    if last_error.is_none_or(|t| t.elapsed() > ERRORS_STAND_FOR) {
+                        self.inner.health.report("ingest", Ok(()));
+                    }
+                    continue;
+                }
             };
             let mut batch = match first {
                 Ok(m) => vec![m.detach()],
                 Err(e) => {
+                    last_error = Some(Instant::now());
                     self.inner.health.report("ingest", Err(format!("consumer error: {e}")));
                     tracing::warn!(error = %e, "ingest consumer error");
                     continue;
@@ -319,6 +330,12 @@ impl Writer {
                     }
                     if let Err(e) = consumer.store_offsets(&tpl) {
                         tracing::debug!(error = %e, "ingest offset store refused (a partition was revoked)");
+                    }
+                    // Committed now, not at the next auto-commit: a crash
+                    // between a round's replies and its commit sends those
+                    // replies again, so that window is kept to one request.
+                    if let Err(e) = consumer.commit(&tpl, CommitMode::Async) {
+                        tracing::debug!(error = %e, "ingest offset commit not sent");
                     }
                     self.inner.health.report("ingest", Ok(()));
                 }

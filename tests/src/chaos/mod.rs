@@ -427,6 +427,17 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
     for breach in check_versions(&events, &stored, &floors) {
         shared.fail(format!("Invariant W: {breach}"));
     }
+    // The public change stream (on by default) carries the same versions
+    // in the same order per entity.
+    let brokers = env.brokers();
+    let (stream, truncated) = tokio::task::spawn_blocking(move || {
+        model::read_change_stream(&brokers, "bagstore.changes.v1", PARTITIONS)
+    })
+    .await
+    .expect("change stream read");
+    for breach in model::check_change_stream(&stream, truncated, &events) {
+        shared.fail(format!("Invariant W, change stream: {breach}"));
+    }
     let stale = model::stale_redeliveries(&events);
 
     // The report.
