@@ -589,6 +589,10 @@ struct World {
     topic: String,
     http: reqwest::Client,
     procs: Arc<ProcSampler>,
+    /// How the processes share the cores, for the report.
+    pinning: String,
+    /// Whether MariaDB servers started later go to core 0 too.
+    pinned: bool,
 }
 
 /// What the machine spent: CPU ticks per process group, and the statements
@@ -600,6 +604,11 @@ struct Usage {
     statements: u64,
     fsyncs: u64,
     log_writes: u64,
+    /// Rows written, updated and deleted (`Handler_write`, `_update`,
+    /// `_delete`: MariaDB 10.11 has no `Innodb_rows_*` counters).
+    row_writes: u64,
+    /// Binary log group commits: one binlog fsync each with `sync_binlog=1`.
+    binlog_syncs: u64,
 }
 
 impl Usage {
@@ -612,6 +621,27 @@ impl Usage {
         self.statements += after.statements.saturating_sub(before.statements);
         self.fsyncs += after.fsyncs.saturating_sub(before.fsyncs);
         self.log_writes += after.log_writes.saturating_sub(before.log_writes);
+        self.row_writes += after.row_writes.saturating_sub(before.row_writes);
+        self.binlog_syncs += after.binlog_syncs.saturating_sub(before.binlog_syncs);
+    }
+
+    /// CPU ticks of the MariaDB servers.
+    fn mariadbd_ticks(&self) -> u64 {
+        self.cpu.iter().filter(|(label, _)| label.starts_with("mariadbd")).map(|(_, t)| *t).sum()
+    }
+
+    /// What MariaDB spent per `ops` entities written: "mariadbd CPU s per
+    /// 1000 …; statements, row writes, InnoDB and binlog fsyncs per …".
+    fn mysql_per_entity(&self, ops: f64) -> String {
+        let per = |n: u64| n as f64 / ops.max(1.0);
+        format!(
+            "mariadbd CPU s per 1000: {:.3}; per entity: statements {:.2}, row writes {:.2}, InnoDB fsyncs {:.3}, binlog fsyncs {:.3}",
+            self.mariadbd_ticks() as f64 / 100.0 / ops.max(1.0) * 1000.0,
+            per(self.statements),
+            per(self.row_writes),
+            per(self.fsyncs),
+            per(self.binlog_syncs)
+        )
     }
 
     /// "cores busy: <group> 0.42, …; InnoDB fsyncs/s …, log writes/s …"
@@ -657,7 +687,8 @@ impl World {
         let mut u = Usage { cpu: self.procs.cpu(), ..Usage::default() };
         for pool in &self.native.pools {
             let rows: Vec<(String, String)> = sqlx::query_as(
-                "SHOW GLOBAL STATUS WHERE Variable_name IN ('Questions', 'Innodb_data_fsyncs', 'Innodb_log_writes')",
+                "SHOW GLOBAL STATUS WHERE Variable_name IN ('Questions', 'Innodb_data_fsyncs', 'Innodb_log_writes', \
+                 'Handler_write', 'Handler_update', 'Handler_delete', 'Binlog_group_commits')",
             )
             .fetch_all(pool)
             .await
@@ -667,7 +698,9 @@ impl World {
                 match name.as_str() {
                     "Questions" => u.statements += v,
                     "Innodb_data_fsyncs" => u.fsyncs += v,
-                    _ => u.log_writes += v,
+                    "Innodb_log_writes" => u.log_writes += v,
+                    "Binlog_group_commits" => u.binlog_syncs += v,
+                    _ => u.row_writes += v,
                 }
             }
         }
@@ -677,11 +710,16 @@ impl World {
     /// What was spent since `last` for `ops` operations (see
     /// `Usage::per_op`); moves `last` on.
     async fn usage_step(&self, last: &mut Usage, ops: f64, unit: &str) -> String {
+        self.spent_since(last).await.per_op(ops, unit)
+    }
+
+    /// What was spent since `last`; moves `last` on.
+    async fn spent_since(&self, last: &mut Usage) -> Usage {
         let now = self.usage().await;
         let mut spent = Usage::default();
         spent.add(&now, last);
         *last = now;
-        spent.per_op(ops, unit)
+        spent
     }
 
     fn config(&self, with_new_index: bool) -> PathBuf {
@@ -770,18 +808,67 @@ impl World {
     }
 }
 
+/// The servers' settings, every contender's the same, as production runs
+/// MySQL: the binary log on, each commit's binlog write synced
+/// (`sync_binlog=1`) as well as its redo log.
+fn server_options(quick: bool, server_id: usize) -> devstack::mariadb::MariaDbOptions {
+    devstack::mariadb::MariaDbOptions {
+        ephemeral: true,
+        innodb_buffer_pool_size: Some(if quick { "256M" } else { "2G" }.into()),
+        extra_args: vec![
+            "--innodb-log-file-size=512M".into(),
+            "--log-bin=binlog".into(),
+            "--binlog-format=ROW".into(),
+            "--sync-binlog=1".into(),
+            format!("--server-id={}", server_id + 1),
+        ],
+        ..Default::default()
+    }
+}
+
+/// Pins `pid` (every thread of it) to `cores` with `taskset`.
+fn pin(pid: u32, cores: &str) -> anyhow::Result<()> {
+    let status = std::process::Command::new("taskset")
+        .args(["-a", "-p", "-c", cores, &pid.to_string()])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .context("running taskset (util-linux)")?;
+    ensure!(status.success(), "taskset -a -p -c {cores} {pid} failed: {status}");
+    Ok(())
+}
+
+/// On two cores or more: the MariaDB servers get core 0 to themselves,
+/// and this process (the clients and the mock Kafka) and every process it
+/// starts afterwards (bagstore's) the others, so MariaDB's CPU figures are
+/// not those of its neighbours. Returns what the report says of it.
+fn pin_self() -> anyhow::Result<(String, bool)> {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    if cores < 2 {
+        return Ok(("not pinned: one core".into(), false));
+    }
+    pin(std::process::id(), &format!("1-{}", cores - 1))?;
+    Ok((format!("mariadbd pinned to core 0, everything else to cores 1-{}", cores - 1), true))
+}
+
 async fn setup(opts: &Options) -> anyhow::Result<World> {
     let dir = tempfile::Builder::new().prefix("bagstore-bench-").tempdir()?;
-    let pool_size = if opts.quick { "256M" } else { "2G" };
+    let (pinning, pinned) = pin_self()?;
     let mut servers = Vec::new();
     for i in 0..SHARDS {
-        let o = devstack::mariadb::MariaDbOptions {
-            ephemeral: true,
-            innodb_buffer_pool_size: Some(pool_size.into()),
-            extra_args: vec!["--innodb-log-file-size=512M".into()],
-            ..Default::default()
-        };
-        servers.push(MariaDb::start_with(&dir.path().join(format!("shard-{i}")), o).await?);
+        let server =
+            MariaDb::start_with(&dir.path().join(format!("shard-{i}")), server_options(opts.quick, i))
+                .await?;
+        if pinned {
+            pin(server.pid(), "0")?;
+        }
+        let root = MySqlPool::connect(&server.dsn("")).await?;
+        let (log_bin, sync_binlog): (i64, i64) =
+            sqlx::query_as("SELECT CAST(@@log_bin AS SIGNED), CAST(@@sync_binlog AS SIGNED)")
+                .fetch_one(&root)
+                .await?;
+        ensure!(log_bin == 1 && sync_binlog == 1, "shard {i}: log_bin {log_bin}, sync_binlog {sync_binlog}");
+        root.close().await;
+        servers.push(server);
     }
     let procs = Arc::new(ProcSampler::default());
     for (i, s) in servers.iter().enumerate() {
@@ -828,7 +915,7 @@ async fn setup(opts: &Options) -> anyhow::Result<World> {
         kafka.create_topic(t, PARTITIONS, 1)?;
     }
     let http = reqwest::Client::builder().pool_max_idle_per_host(opts.clients * 2).build()?;
-    Ok(World { dir, servers, bag_dsns, native, kafka, topic, http, procs })
+    Ok(World { dir, servers, bag_dsns, native, kafka, topic, http, procs, pinning, pinned })
 }
 
 // ---------------------------------------------------------------- contenders
@@ -1465,6 +1552,10 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     // ---- Write throughput, same client concurrency.
     report.section(&format!("Writes ({c} clients, {:.0} s each, new ids)", d.as_secs_f64()));
     let mut cpu_lines = Vec::new();
+    // MariaDB's work per entity for each contender (issue 20): bagstore's
+    // measured until its indexes caught up, so the deferred work (the
+    // relay's outbox deletes, the index rows) counts too.
+    let mut mysql_lines: Vec<(&str, Usage, f64)> = Vec::new();
     let mut cpu0 = world.usage().await;
     let secs = d.as_secs_f64();
     let one_raw = {
@@ -1476,8 +1567,9 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         })
         .await
     };
-    cpu_lines
-        .push(("raw single".to_string(), world.usage_step(&mut cpu0, one_raw.rate * secs, "rows").await));
+    let spent = world.spent_since(&mut cpu0).await;
+    cpu_lines.push(("raw single".to_string(), spent.per_op(one_raw.rate * secs, "rows")));
+    mysql_lines.push(("raw single", spent, one_raw.rate * secs));
     let batch_raw = {
         let nat = native.clone();
         closed_loop(c, d, BATCH, move || {
@@ -1488,8 +1580,9 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         })
         .await
     };
-    cpu_lines
-        .push(("raw batch".to_string(), world.usage_step(&mut cpu0, batch_raw.rate * secs, "rows").await));
+    let spent = world.spent_since(&mut cpu0).await;
+    cpu_lines.push(("raw batch".to_string(), spent.per_op(batch_raw.rate * secs, "rows")));
+    mysql_lines.push(("raw batch", spent, batch_raw.rate * secs));
     let one_json = {
         let nat = native.clone();
         closed_loop(c, d, 1, move || {
@@ -1517,10 +1610,13 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         let (h, wb) = (http.clone(), wbase.clone());
         closed_loop(c, d, 1, move || bag_put(h.clone(), wb.clone(), fresh())).await
     };
+    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
+    let spent = world.spent_since(&mut cpu0).await;
     cpu_lines.push((
-        "bagstore single".to_string(),
-        world.usage_step(&mut cpu0, one_bag.rate * secs, "rows").await,
+        "bagstore single (until the index caught up)".to_string(),
+        spent.per_op(one_bag.rate * secs, "rows"),
     ));
+    mysql_lines.push(("bagstore single", spent, one_bag.rate * secs));
     let batch_bag = {
         let (h, wb) = (http.clone(), wbase.clone());
         closed_loop(c, d, BATCH, move || {
@@ -1528,10 +1624,13 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         })
         .await
     };
+    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
+    let spent = world.spent_since(&mut cpu0).await;
     cpu_lines.push((
-        "bagstore batch".to_string(),
-        world.usage_step(&mut cpu0, batch_bag.rate * secs, "rows").await,
+        "bagstore batch (until the index caught up)".to_string(),
+        spent.per_op(batch_bag.rate * secs, "rows"),
     ));
+    mysql_lines.push(("bagstore batch", spent, batch_bag.rate * secs));
     // The same two runs with the public change stream off: what the stream
     // costs per write (the relay's second message per row, its JSON).
     // Only one writer at a time, so the relay that publishes these rows is
@@ -1545,8 +1644,9 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         let (h, wb) = (http.clone(), qbase.clone());
         closed_loop(c, d, 1, move || bag_put(h.clone(), wb.clone(), fresh())).await
     };
+    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
     cpu_lines.push((
-        "bagstore single, change stream off".to_string(),
+        "bagstore single, change stream off (until the index caught up)".to_string(),
         world.usage_step(&mut cpu0, one_quiet.rate * secs, "rows").await,
     ));
     let batch_quiet = {
@@ -1556,21 +1656,14 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         })
         .await
     };
+    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
     cpu_lines.push((
-        "bagstore batch, change stream off".to_string(),
+        "bagstore batch, change stream off (until the index caught up)".to_string(),
         world.usage_step(&mut cpu0, batch_quiet.rate * secs, "rows").await,
     ));
-    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
     quiet.terminate().await;
     writer = world.bagstore(&["writer"], false).await?;
     wbase = Arc::new(writer.url.clone());
-    let t_idx = Instant::now();
-    let mut cpu_before_catchup = world.usage().await;
-    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
-    cpu_lines.push((
-        format!("index catch-up after the write phases ({:.1} s)", t_idx.elapsed().as_secs_f64()),
-        world.usage_step(&mut cpu_before_catchup, one_bag.rate * secs + batch_bag.rate * secs, "rows").await,
-    ));
     report.run("put_raw", "raw: single-row INSERT (autocommit)", &one_raw, "rows/s");
     report.run("put_json", "json: single-row INSERT", &one_json, "rows/s");
     report.run("put_bagstore", "bagstore: PUT /v1/entities/{id}", &one_bag, "rows/s");
@@ -1622,6 +1715,34 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     for (i, (what, line)) in cpu_lines.iter().enumerate() {
         report.line(&format!("cpu_{i}"), what, String::new(), line.clone());
     }
+
+    // ---- MariaDB's cost per entity written (issue 20's first target).
+    report.section(&format!(
+        "MariaDB's work per entity written (binary log on, sync_binlog=1; {})",
+        world.pinning
+    ));
+    for (what, u, rows) in &mysql_lines {
+        let key = format!("mysql_{}", what.replace(' ', "_"));
+        report.line(&key, &format!("MariaDB, {what}"), String::new(), u.mysql_per_entity(*rows));
+        report.value(
+            &key,
+            json!({"rows": rows, "mariadbd_cpu_s_per_1000": u.mariadbd_ticks() as f64 / 100.0 / rows.max(1.0) * 1000.0,
+                   "statements": u.statements, "row_writes": u.row_writes, "innodb_fsyncs": u.fsyncs, "binlog_fsyncs": u.binlog_syncs}),
+        );
+    }
+    let per = |what: &str| {
+        mysql_lines
+            .iter()
+            .find(|(w, _, _)| *w == what)
+            .map(|(_, u, rows)| u.mariadbd_ticks() as f64 / rows.max(1.0))
+            .unwrap_or(0.0)
+    };
+    report.line(
+        "mysql_cpu_ratio",
+        "mariadbd CPU per entity: bagstore / raw (target ≤ 1.5)",
+        format!("single {}", ratio(per("bagstore single"), per("raw single"))),
+        format!("batch {}", ratio(per("bagstore batch"), per("raw batch"))),
+    );
 
     // ---- Index lag at 50% and 90% of the maximum single-put rate.
     let max_rate = one_bag.rate;

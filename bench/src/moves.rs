@@ -48,14 +48,11 @@ where
         "Moving a third of {n} entities onto a new shard (`bagstore shards rebalance`), steady writer at {}/s",
         opts.steady_rate
     ));
-    let pool_size = if opts.quick { "256M" } else { "2G" };
-    let o = devstack::mariadb::MariaDbOptions {
-        ephemeral: true,
-        innodb_buffer_pool_size: Some(pool_size.into()),
-        extra_args: vec!["--innodb-log-file-size=512M".into()],
-        ..Default::default()
-    };
-    let third = MariaDb::start_with(&world.dir.path().join("shard-2"), o).await?;
+    let third =
+        MariaDb::start_with(&world.dir.path().join("shard-2"), crate::server_options(opts.quick, 2)).await?;
+    if world.pinned {
+        crate::pin(third.pid(), "0")?;
+    }
     world.procs.watch("mariadbd shard 2", third.pid());
     let dsn = third.dsn("bench_bag");
     let run = |args: Vec<String>| async move {

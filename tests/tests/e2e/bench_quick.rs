@@ -26,6 +26,9 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
         "| bagstore: PUT, change stream off |",
         "| bagstore: batch, change stream off |",
         "| change stream on / off, throughput |",
+        "| MariaDB, raw single |",
+        "| MariaDB, bagstore batch |",
+        "| mariadbd CPU per entity: bagstore / raw (target ≤ 1.5) |",
         "| bagstore: latest 20 of one user |",
         "| json: latest 20 of one user |",
         "| bagstore: online backfill (cleaner --index, --rate 0) |",
@@ -38,6 +41,15 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
     ] {
         assert!(stdout.contains(line), "the report lacks {line:?}:\n{stdout}");
     }
+    // Every raw INSERT writes a row and, with the binary log on and
+    // sync_binlog=1, syncs it: counters that read 0 are misspelt or off.
+    let raw = stdout.lines().find(|l| l.starts_with("| MariaDB, raw single |")).unwrap_or("");
+    assert!(
+        !raw.contains("row writes 0.00")
+            && !raw.contains("binlog fsyncs 0.000")
+            && raw.contains("binlog fsyncs"),
+        "the raw writes wrote no rows or synced no binary log: {raw:?}"
+    );
     // The steady writer commits, so the servers' fsync counter must move
     // (a misspelt status variable reads as 0).
     let before =
