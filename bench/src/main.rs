@@ -59,6 +59,10 @@ const SHARDS: usize = 2;
 const USERS: usize = 1000;
 /// Entities per batch write, for every contender.
 const BATCH: usize = 100;
+/// Events the main index may be behind while the load runs (it pauses
+/// beyond): 10,000 per partition of lz4 events, far inside the mock
+/// cluster's 5 MiB per partition.
+const LOAD_MAX_LAG: i64 = 20_000;
 /// Partitions of the change topic. librdkafka's mock broker finds a fetch
 /// offset by walking the partition's message sets from the oldest (its
 /// source: "FIXME: Maintain an index"), so its cost grows with the square of
@@ -589,10 +593,6 @@ struct World {
     topic: String,
     http: reqwest::Client,
     procs: Arc<ProcSampler>,
-    /// How the processes share the cores, for the report.
-    pinning: String,
-    /// Whether MariaDB servers started later go to core 0 too.
-    pinned: bool,
 }
 
 /// What the machine spent: CPU ticks per process group, and the statements
@@ -780,12 +780,17 @@ impl World {
     }
 
     /// Waits until the outbox is empty and `index`'s group has applied everything.
-    async fn caught_up(&self, index: &str, deadline: Duration) -> anyhow::Result<Duration> {
-        let k = schemas::settings::KafkaSettings {
+    /// The settings a client of the bench's Kafka needs.
+    fn kafka_settings(&self) -> schemas::settings::KafkaSettings {
+        schemas::settings::KafkaSettings {
             brokers: self.kafka.bootstrap_servers(),
             topic: self.topic.clone(),
             ..Default::default()
-        };
+        }
+    }
+
+    async fn caught_up(&self, index: &str, deadline: Duration) -> anyhow::Result<Duration> {
+        let k = self.kafka_settings();
         let start = Instant::now();
         loop {
             let mut outbox = 0i64;
@@ -837,30 +842,44 @@ fn pin(pid: u32, cores: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// On two cores or more: the MariaDB servers get core 0 to themselves,
-/// and this process (the clients and the mock Kafka) and every process it
-/// starts afterwards (bagstore's) the others, so MariaDB's CPU figures are
-/// not those of its neighbours. Returns what the report says of it.
-fn pin_self() -> anyhow::Result<(String, bool)> {
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    if cores < 2 {
-        return Ok(("not pinned: one core".into(), false));
+impl ProcSampler {
+    /// For the write phases, on two cores or more: the MariaDB servers get
+    /// core 0 to themselves, and every other watched process (this one: the
+    /// clients and the mock Kafka; bagstore's) the others, so MariaDB's CPU
+    /// figures are not its neighbours'. `false` lets every process use
+    /// every core again: the load and the other phases run unpinned (on
+    /// one core, the indexer fell so far behind the load that the mock
+    /// cluster dropped events it had not read: it keeps 5 MiB or 100,000
+    /// messages per partition). Returns what the report says of it.
+    fn pin_for_writes(&self, on: bool) -> anyhow::Result<String> {
+        let cores = online_cores();
+        if cores < 2 {
+            return Ok("not pinned: one core".into());
+        }
+        let all = format!("0-{}", cores - 1);
+        let rest = if cores == 2 { "1".to_string() } else { format!("1-{}", cores - 1) };
+        for (label, pid) in self.pids.lock().unwrap().iter() {
+            if cpu_ticks(*pid).is_none() {
+                continue; // exited
+            }
+            let cores = match (on, label.starts_with("mariadbd")) {
+                (false, _) => all.as_str(),
+                (true, true) => "0",
+                (true, false) => rest.as_str(),
+            };
+            pin(*pid, cores)?;
+        }
+        Ok(format!("mariadbd pinned to core 0, everything else to core(s) {rest}"))
     }
-    pin(std::process::id(), &format!("1-{}", cores - 1))?;
-    Ok((format!("mariadbd pinned to core 0, everything else to cores 1-{}", cores - 1), true))
 }
 
 async fn setup(opts: &Options) -> anyhow::Result<World> {
     let dir = tempfile::Builder::new().prefix("bagstore-bench-").tempdir()?;
-    let (pinning, pinned) = pin_self()?;
     let mut servers = Vec::new();
     for i in 0..SHARDS {
         let server =
             MariaDb::start_with(&dir.path().join(format!("shard-{i}")), server_options(opts.quick, i))
                 .await?;
-        if pinned {
-            pin(server.pid(), "0")?;
-        }
         let root = MySqlPool::connect(&server.dsn("")).await?;
         let (log_bin, sync_binlog): (i64, i64) =
             sqlx::query_as("SELECT CAST(@@log_bin AS SIGNED), CAST(@@sync_binlog AS SIGNED)")
@@ -915,7 +934,7 @@ async fn setup(opts: &Options) -> anyhow::Result<World> {
         kafka.create_topic(t, PARTITIONS, 1)?;
     }
     let http = reqwest::Client::builder().pool_max_idle_per_host(opts.clients * 2).build()?;
-    Ok(World { dir, servers, bag_dsns, native, kafka, topic, http, procs, pinning, pinned })
+    Ok(World { dir, servers, bag_dsns, native, kafka, topic, http, procs })
 }
 
 // ---------------------------------------------------------------- contenders
@@ -1195,8 +1214,17 @@ fn json_path(quick: bool) -> PathBuf {
     }
 }
 
+/// The machine's cores, whatever this process is pinned to (which
+/// `available_parallelism` would report).
+fn online_cores() -> usize {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .map(|c| c.lines().filter(|l| l.starts_with("processor")).count())
+        .unwrap_or(1)
+        .max(1)
+}
+
 fn machine() -> (usize, String) {
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let cores = online_cores();
     let mem = std::fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|m| m.lines().next().map(|l| l.split_whitespace().nth(1).unwrap_or("0").to_string()))
@@ -1252,11 +1280,39 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     }
     let next = Arc::new(AtomicU64::new(0));
     let t = Instant::now();
+    // The loaders wait while the index is far behind: librdkafka's mock
+    // cluster keeps only 5 MiB or 100,000 messages per partition, and an
+    // indexer more than that behind would never see the events it dropped.
+    let paused = Arc::new(AtomicBool::new(false));
+    let watch_stop = Arc::new(AtomicBool::new(false));
+    let watch = {
+        let (paused, stop) = (paused.clone(), watch_stop.clone());
+        let k = world.kafka_settings();
+        tokio::spawn(async move {
+            let mut paused_for = Duration::ZERO;
+            while !stop.load(Ordering::Relaxed) {
+                let lag: i64 = match service::kafka::group_lag(&k, &k.group_for(INDEX_MAIN)).await {
+                    Ok(parts) => parts.iter().map(|p| p.lag()).sum(),
+                    Err(_) => 0,
+                };
+                paused.store(lag > LOAD_MAX_LAG, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                if lag > LOAD_MAX_LAG {
+                    paused_for += Duration::from_millis(200);
+                }
+            }
+            paused_for
+        })
+    };
     {
         let (next, http, wbase) = (next.clone(), http.clone(), wbase.clone());
+        let paused = paused.clone();
         closed_loop_until(c, move || {
-            let (next, http, wbase) = (next.clone(), http.clone(), wbase.clone());
+            let (next, http, wbase, paused) = (next.clone(), http.clone(), wbase.clone(), paused.clone());
             async move {
+                while paused.load(Ordering::Relaxed) {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
                 let from = next.fetch_add(BATCH as u64, Ordering::Relaxed);
                 if from >= n {
                     return Ok(false);
@@ -1267,15 +1323,20 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         .await?;
     }
     let bag_secs = t.elapsed().as_secs_f64();
+    watch_stop.store(true, Ordering::Relaxed);
+    let paused_secs = watch.await?.as_secs_f64();
     let idx_secs = world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?.as_secs_f64();
     report.line(
         "load_bagstore",
         "bagstore: load (batch API)",
         format!("{:.0} entities/s", n as f64 / bag_secs),
         if opts.only_move {
-            format!("{bag_secs:.1} s; index caught up {idx_secs:.1} s later")
+            format!("{bag_secs:.1} s (paused {paused_secs:.1} s for the index); index caught up {idx_secs:.1} s later")
         } else {
-            format!("{bag_secs:.1} s; index caught up {idx_secs:.1} s later ({})", ratio(json_secs, bag_secs))
+            format!(
+                "{bag_secs:.1} s (paused {paused_secs:.1} s for the index); index caught up {idx_secs:.1} s later ({})",
+                ratio(json_secs, bag_secs)
+            )
         },
     );
     if opts.only_move {
@@ -1303,7 +1364,24 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         let r = Some(range_of(u));
         let a = json_latest(&world.native, &users[u], r).await?;
         let b = bag_latest(&http, &rbase, &users[u], r).await?;
-        ensure!(a == b, "range answers differ for user {u}: json {a:?} bagstore {b:?}");
+        if a != b {
+            // What each side's ids hold, as the other side stores them.
+            let mut seen = Vec::new();
+            for id in a.iter().chain(&b) {
+                let got = http.get(format!("{rbase}/v1/entities/{id}")).send().await?.text().await?;
+                let q = sqlx::query("SELECT CAST(user_id AS CHAR) AS u, published FROM docs WHERE id = ?")
+                    .bind(hex16(id).to_vec());
+                let row = world.native.fetch_all(shard_of_hex(id), q).await?.pop();
+                let json_side =
+                    row.map(|r| (r.try_get::<String, _>("u").ok(), r.try_get::<i64, _>("published").ok()));
+                seen.push(format!("{id}: json {json_side:?}; bagstore {got}"));
+            }
+            bail!(
+                "range {r:?} answers differ for user {u} ({}): json {a:?} bagstore {b:?}\n{}",
+                users[u],
+                seen.join("\n")
+            );
+        }
     }
     report.section(&format!(
         "Queries ({c} clients, {:.0} s each in {ROUNDS} alternating turns; answers checked equal first)",
@@ -1556,6 +1634,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     // measured until its indexes caught up, so the deferred work (the
     // relay's outbox deletes, the index rows) counts too.
     let mut mysql_lines: Vec<(&str, Usage, f64)> = Vec::new();
+    let pinning = world.procs.pin_for_writes(true)?;
     let mut cpu0 = world.usage().await;
     let secs = d.as_secs_f64();
     let one_raw = {
@@ -1637,6 +1716,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     // this one's.
     writer.terminate().await;
     let quiet = world.bagstore_with(&["writer"], false, &[("BAGSTORE_CHANGES__ENABLED", "false")]).await?;
+    world.procs.pin_for_writes(true)?;
     let qbase = Arc::new(quiet.url.clone());
     world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
     let mut cpu0 = world.usage().await;
@@ -1662,6 +1742,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         world.usage_step(&mut cpu0, batch_quiet.rate * secs, "rows").await,
     ));
     quiet.terminate().await;
+    world.procs.pin_for_writes(false)?;
     writer = world.bagstore(&["writer"], false).await?;
     wbase = Arc::new(writer.url.clone());
     report.run("put_raw", "raw: single-row INSERT (autocommit)", &one_raw, "rows/s");
@@ -1717,10 +1798,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     }
 
     // ---- MariaDB's cost per entity written (issue 20's first target).
-    report.section(&format!(
-        "MariaDB's work per entity written (binary log on, sync_binlog=1; {})",
-        world.pinning
-    ));
+    report.section(&format!("MariaDB's work per entity written (binary log on, sync_binlog=1; {})", pinning));
     for (what, u, rows) in &mysql_lines {
         let key = format!("mysql_{}", what.replace(' ', "_"));
         report.line(&key, &format!("MariaDB, {what}"), String::new(), u.mysql_per_entity(*rows));

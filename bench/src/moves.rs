@@ -50,9 +50,6 @@ where
     ));
     let third =
         MariaDb::start_with(&world.dir.path().join("shard-2"), crate::server_options(opts.quick, 2)).await?;
-    if world.pinned {
-        crate::pin(third.pid(), "0")?;
-    }
     world.procs.watch("mariadbd shard 2", third.pid());
     let dsn = third.dsn("bench_bag");
     let run = |args: Vec<String>| async move {
