@@ -13,7 +13,7 @@
 
 use futures::stream::{FuturesOrdered, StreamExt};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer, PurgeConfig};
 use schemas::changes;
 use schemas::event::ChangeEvent;
 use service::kafka;
@@ -215,6 +215,15 @@ impl Writer {
                     .health
                     .report(&part, Err(format!("Kafka did not acknowledge {unsent} change events")));
                 tracing::warn!(shard, ?reason, "round not acknowledged; starting a new producer");
+                // Nothing the old producer still holds may reach the topic
+                // after what the next one sends (an older version landing
+                // after a newer one's resend): its queue is purged now,
+                // before the next producer exists, not when it is dropped.
+                // What it had already written to a broker's socket was
+                // written before this.
+                // (Purging waits for librdkafka's broker threads: briefly,
+                // but not on a runtime thread as is.)
+                tokio::task::block_in_place(|| producer.purge(PurgeConfig::default().queue().inflight()));
                 match kafka::create(&kafka::relay_producer_config(&self.settings().kafka)) {
                     Ok(p) => {
                         let old = std::mem::replace(producer, p);
