@@ -7,6 +7,7 @@ use rdkafka::client::{ClientContext, DefaultClientContext};
 use rdkafka::config::{FromClientConfig, FromClientConfigAndContext};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::types::RDKafkaConfRes;
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use std::collections::HashMap;
@@ -370,6 +371,61 @@ pub async fn commit_group_at_end(
     })
     .await
     .map_err(|_| KafkaError::Canceled)?
+}
+
+/// How many partitions `topic` has (blocking: call from a blocking task).
+pub fn partition_count(k: &KafkaSettings, topic: &str) -> Result<usize, KafkaError> {
+    let consumer: BaseConsumer = create(&base_config(k))?;
+    Ok(topic_partitions(&consumer, topic, Duration::from_secs(10))?.len())
+}
+
+/// Reads one partition backwards from its end, `window` offsets at a time,
+/// giving each window's messages (in offset order) to `more`, until `more`
+/// answers false or the start of the log is read. `reader` names the kept
+/// client (see [`warm_group_consumer`]): it only assigns, never joins a
+/// group, and one caller at a time may use a name. Blocking: call from a
+/// blocking task.
+pub fn read_backwards(
+    k: &KafkaSettings,
+    reader: &str,
+    topic: &str,
+    partition: i32,
+    window: i64,
+    mut more: impl FnMut(&[OwnedMessage]) -> bool,
+) -> Result<(), KafkaError> {
+    let consumer = warm_group_consumer(k, reader)?;
+    let read = (|| {
+        let timeout = Duration::from_secs(5);
+        let (low, mut end) = consumer.fetch_watermarks(topic, partition, timeout)?;
+        while end > low {
+            let start = (end - window.max(1)).max(low);
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition_offset(topic, partition, Offset::Offset(start))?;
+            consumer.assign(&tpl)?;
+            let mut got: Vec<OwnedMessage> = Vec::new();
+            while got.last().is_none_or(|m| m.offset() < end - 1) {
+                match consumer.poll(timeout) {
+                    // Left in the queue by an earlier window: not this one.
+                    Some(Ok(m)) if m.topic() != topic || m.partition() != partition || m.offset() < start => {
+                    }
+                    Some(Ok(m)) if m.offset() >= end => break,
+                    Some(Ok(m)) => got.push(m.detach()),
+                    Some(Err(e)) => return Err(e),
+                    None => return Err(KafkaError::MessageConsumption(RDKafkaErrorCode::OperationTimedOut)),
+                }
+            }
+            if !more(&got) {
+                break;
+            }
+            end = start;
+        }
+        Ok(())
+    })();
+    let _ = consumer.unassign();
+    if read.is_err() {
+        forget_group_consumer(k, reader);
+    }
+    read
 }
 
 #[cfg(test)]

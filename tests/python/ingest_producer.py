@@ -21,7 +21,7 @@ correlation id and the dead-letter records.
 
 API_VERSION (for example 1.0.0) pins the protocol version: librdkafka's
 mock cluster answers kafka-python's version probe in a way it cannot use.
-Run by tests/tests/chaos_tansu.rs and tests/tests/e2e/ingest.rs."""
+Run by tests/tests/chaos_tansu.rs."""
 
 import json
 import random

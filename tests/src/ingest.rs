@@ -3,7 +3,7 @@
 //! the outcome is checked against the producer's own plan: every valid
 //! command applied exactly once (each entity's version and properties),
 //! every malformed or refused one dead-lettered with its reason, every
-//! correlation id answered, and always with the same answer.
+//! correlation id answered exactly once.
 
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
@@ -63,8 +63,6 @@ pub fn collect(bootstrap: &str, sent: &Sent, api_version: Option<&str>) -> (Valu
 pub struct Tally {
     pub applied_entities: usize,
     pub answered: usize,
-    /// Correlation ids answered more than once (always with the same answer).
-    pub answered_again: usize,
     pub dead_lettered: usize,
 }
 
@@ -90,6 +88,11 @@ pub async fn check(reader: &Api, sent: &Sent, collected: &Value) -> Tally {
     }
     let replies = collected["replies"].as_object().expect("replies");
     let dead = collected["dead"].as_array().expect("dead letters");
+    // One dead letter per command: no source twice.
+    let mut sources = std::collections::HashSet::new();
+    for d in dead {
+        assert!(sources.insert(d["source"].to_string()), "dead-lettered twice: {d}");
+    }
     let mut dead_by_command: HashMap<&str, Vec<&Value>> = HashMap::new();
     for d in dead {
         dead_by_command.entry(d["command"].as_str().unwrap_or_default()).or_default().push(d);
@@ -103,7 +106,7 @@ pub async fn check(reader: &Api, sent: &Sent, collected: &Value) -> Tally {
                 .get(cid)
                 .and_then(Value::as_array)
                 .unwrap_or_else(|| panic!("{cid} ({kind}) got no reply"));
-            assert!(answers.iter().all(|a| a == &answers[0]), "{cid} got different answers: {answers:?}");
+            assert_eq!(answers.len(), 1, "{cid} ({kind}) was answered {} times: {answers:?}", answers.len());
             let a = &answers[0];
             let expect = &m["expect"];
             assert_eq!(a["ok"], expect["ok"], "{cid} ({kind}): {a} but expected {expect}");
@@ -117,7 +120,6 @@ pub async fn check(reader: &Api, sent: &Sent, collected: &Value) -> Tally {
                 assert!(a["problem"]["detail"].as_str().is_some_and(|d| !d.is_empty()), "{cid}: {a}");
             }
             tally.answered += 1;
-            tally.answered_again += usize::from(answers.len() > 1);
         }
         if kind == "malformed" || kind == "refused" {
             let payload = m["payload"].as_str().expect("payload");
@@ -181,6 +183,13 @@ pub async fn producer_scenario(env: &TestEnv, count: usize, api_version: Option<
     );
     let sent = producing.await.expect("the producer ran");
     eprintln!("{}", sent.said);
+    // Every answer is on its topic once the offsets are committed, so a
+    // second answer cannot come after the collector is done.
+    let api = reader.api();
+    crate::eventually("the ingest group to catch up", Duration::from_secs(60), || async {
+        (ingest_lag(&api).await == Some(0)).then_some(())
+    })
+    .await;
     let bootstrap = env.brokers();
     let (collected, sent) = tokio::task::spawn_blocking(move || {
         let c = collect(&bootstrap, &sent, api_version);
@@ -189,10 +198,5 @@ pub async fn producer_scenario(env: &TestEnv, count: usize, api_version: Option<
     .await
     .expect("the collector ran");
     eprintln!("{}", collected.1);
-    let api = reader.api();
-    crate::eventually("the ingest group to catch up", Duration::from_secs(60), || async {
-        (ingest_lag(&api).await == Some(0)).then_some(())
-    })
-    .await;
     check(&api, &sent, &collected.0).await
 }

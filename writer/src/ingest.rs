@@ -22,17 +22,41 @@
 //! one), await those acknowledgements, and only then store the offsets
 //! (librdkafka's auto-commit commits what was stored). A crash anywhere
 //! replays at most the round in hand, and the replay writes nothing new.
+//!
+//! Answered once: a replayed round must not answer again what its first
+//! try already put on the reply or dead-letter topic. Kafka's own answer,
+//! a transaction over the answers and the offsets, needs a broker that
+//! hides aborted messages from `read_committed` readers, and neither
+//! broker bagstore is tested on does (tansu 0.6 and librdkafka's mock
+//! cluster answer every fetch with an empty aborted-transactions list). So
+//! each answer goes to the partition of its command's partition (modulo
+//! the answer topic's partitions) with a header naming its command
+//! ([`SOURCE_HEADER`]), and a member that is given a partition first reads
+//! that answer partition back from its end, down to an answer for an
+//! offset before where it resumes: everything after that is the answers a
+//! predecessor sent but never committed, and they are not sent again.
+//! Answers for offsets before a committed offset all precede answers for
+//! offsets after it (a round's answers are acknowledged before its offsets
+//! are committed), so the read stops at the first older answer it meets.
+//! The same read, after a round's sends failed, finds which of them landed.
+//! A revocation waits for the round in hand (librdkafka runs the rebalance
+//! inside `recv`, which a round does not call), and a member that was killed
+//! loses its partitions only after the session timeout, so its answers have
+//! landed before its successor reads.
 
 use futures::future::join_all;
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use rdkafka::message::{Message, OwnedMessage};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::client::ClientContext;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::{Offset, TopicPartitionList};
 use schemas::{idempotency, patch, EntityId};
 use serde_json::{json, Map, Value as JsonValue};
 use service::http::Problem;
 use service::kafka;
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -50,6 +74,13 @@ const ERRORS_STAND_FOR: Duration = Duration::from_secs(10);
 /// Longest accepted `correlation_id`.
 pub const MAX_CORRELATION_ID_BYTES: usize = 255;
 
+/// The header on every reply and dead letter that names the command it
+/// answers: `<topic>/<partition>/<offset>` of the command's message.
+pub const SOURCE_HEADER: &str = "bagstore-ingest-source";
+
+/// How many offsets of an answer partition are read back at a time.
+const READ_BACK_WINDOW: i64 = 512;
+
 /// Where a message was read: the default guard of a command without an
 /// `idempotency_key`, and the dead-letter record's `source`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,6 +88,23 @@ pub struct Place {
     pub topic: String,
     pub partition: i32,
     pub offset: i64,
+}
+
+impl Place {
+    /// The [`SOURCE_HEADER`] value naming this place.
+    pub fn header(&self) -> String {
+        format!("{}/{}/{}", self.topic, self.partition, self.offset)
+    }
+
+    /// Reads a [`SOURCE_HEADER`] value (topic names cannot hold `/`).
+    pub fn from_header(value: &[u8]) -> Option<Place> {
+        let text = std::str::from_utf8(value).ok()?;
+        let mut parts = text.rsplitn(3, '/');
+        let offset = parts.next()?.parse().ok()?;
+        let partition = parts.next()?.parse().ok()?;
+        let topic = parts.next().filter(|t| !t.is_empty())?.to_string();
+        Some(Place { topic, partition, offset })
+    }
 }
 
 /// A command as read from the topic: what to apply, or why not.
@@ -252,6 +300,67 @@ struct Item {
     result: Option<Result<Outcome, Problem>>,
 }
 
+/// The ingest consumer's context: notes the partitions assigned to this
+/// member, whose answer partitions must be read back before it answers.
+struct Assignments {
+    topic: String,
+    fresh: Mutex<BTreeSet<i32>>,
+}
+
+impl Assignments {
+    fn take_fresh(&self) -> BTreeSet<i32> {
+        std::mem::take(&mut *self.fresh.lock().expect("not poisoned"))
+    }
+}
+
+impl ClientContext for Assignments {}
+
+impl ConsumerContext for Assignments {
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Assign(tpl) = rebalance {
+            let assigned =
+                tpl.elements().into_iter().filter(|e| e.topic() == self.topic).map(|e| e.partition());
+            self.fresh.lock().expect("not poisoned").extend(assigned);
+        }
+    }
+}
+
+/// Which answer topic a message goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Outlet {
+    Reply,
+    Dead,
+}
+
+/// The answer topics and their partition counts.
+struct Outlets {
+    reply: Option<(String, i32)>,
+    dead: (String, i32),
+}
+
+impl Outlets {
+    fn of(&self, outlet: Outlet) -> Option<&(String, i32)> {
+        match outlet {
+            Outlet::Reply => self.reply.as_ref(),
+            Outlet::Dead => Some(&self.dead),
+        }
+    }
+}
+
+/// The answer partition of a command's partition: a command's answers
+/// always go to one partition, so one member writes it at a time.
+fn answer_partition(partition: i32, partitions: i32) -> i32 {
+    partition.rem_euclid(partitions.max(1))
+}
+
+/// The offsets, from where this member resumed one ingest partition, whose
+/// reply or dead letter is already on its topic: answers a predecessor (or
+/// a failed send of this member's) put there.
+#[derive(Debug, Default)]
+struct Answered {
+    at: BTreeSet<(Outlet, i64)>,
+}
+
 impl Writer {
     /// Starts the ingest consumer when `ingest.enabled`; it stops at
     /// `shutdown` after the round in hand.
@@ -273,9 +382,14 @@ impl Writer {
         let (k, topic) = (&s.kafka, &s.ingest.topic);
         let group = k.ingest_group();
         let producer: FutureProducer = kafka::create(&kafka::producer_config(k))?;
-        let consumer: StreamConsumer = kafka::create(&kafka::consumer_config(k, &group))?;
+        let outlets = self.outlets().await?;
+        let context = Assignments { topic: topic.clone(), fresh: Mutex::default() };
+        let consumer: StreamConsumer<Assignments> =
+            kafka::create_with(&kafka::consumer_config(k, &group), context)?;
         consumer.subscribe(&[topic])?;
         tracing::info!(%topic, %group, "Kafka ingest joined its group");
+        // Per ingest partition held: what its answer partitions already hold.
+        let mut answered: BTreeMap<i32, Answered> = BTreeMap::new();
         let mut lag_at: Option<Instant> = None;
         let mut last_error: Option<Instant> = None;
         loop {
@@ -319,10 +433,13 @@ impl Writer {
                 })
                 .unwrap_or_default();
             batch.retain(|m| held.contains(&m.partition()));
+            for p in consumer.context().take_fresh() {
+                answered.remove(&p);
+            }
             if batch.is_empty() {
                 continue;
             }
-            match self.ingest_round(batch, &producer, &shutdown).await {
+            match self.ingest_round(batch, &producer, &outlets, &mut answered, &shutdown).await {
                 Some(next) => {
                     let mut tpl = TopicPartitionList::new();
                     for (p, o) in next {
@@ -346,6 +463,10 @@ impl Writer {
         if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
             tracing::debug!(error = %e, "final ingest commit had nothing to commit or failed");
         }
+        // Nothing of this member's may land after a successor read back.
+        if let Err(e) = producer.flush(Duration::from_secs(5)) {
+            tracing::warn!(error = %e, "ingest answers still unsent at stop");
+        }
         consumer.unsubscribe();
         tracing::info!("Kafka ingest stopped");
         Ok(())
@@ -358,6 +479,8 @@ impl Writer {
         &self,
         batch: Vec<OwnedMessage>,
         producer: &FutureProducer,
+        outlets: &Outlets,
+        answered: &mut BTreeMap<i32, Answered>,
         shutdown: &CancellationToken,
     ) -> Option<BTreeMap<i32, i64>> {
         let max = self.settings().writer.max_body_bytes;
@@ -396,7 +519,7 @@ impl Writer {
                 items[i].result = Some(r);
             }
         }
-        self.send_outcomes(&items, producer, shutdown).await?;
+        self.send_outcomes(&items, producer, outlets, answered, shutdown).await?;
         let mut next = BTreeMap::new();
         for item in &items {
             let e = next.entry(item.msg.partition()).or_insert(0);
@@ -449,67 +572,200 @@ impl Writer {
         }
     }
 
-    /// Sends the round's dead letters and replies and waits for Kafka to
-    /// acknowledge them all, sending again what it refused; None when
+    /// Sends the round's dead letters and replies that are not on their
+    /// topics yet, and waits for Kafka to acknowledge them all; after a
+    /// failed send, reads back which landed and sends the rest. None when
     /// stopped first.
     async fn send_outcomes(
         &self,
         items: &[Item],
         producer: &FutureProducer,
+        outlets: &Outlets,
+        answered: &mut BTreeMap<i32, Answered>,
         shutdown: &CancellationToken,
     ) -> Option<()> {
-        let s = self.settings();
-        let dlq = s.ingest.dlq_topic();
-        // (topic, key, value) of every message the round owes.
-        let mut owed: Vec<(&str, Vec<u8>, Vec<u8>)> = Vec::new();
+        // Where this round resumes each partition: answers from there on
+        // may already be on the topics.
+        let mut resumes: BTreeMap<i32, i64> = BTreeMap::new();
+        for item in items {
+            let e = resumes.entry(item.msg.partition()).or_insert(i64::MAX);
+            *e = (*e).min(item.msg.offset());
+        }
+        // (outlet, place, key, value) of every answer the round owes.
+        let mut owed: Vec<(Outlet, Place, Vec<u8>, Vec<u8>)> = Vec::new();
         for item in items {
             let result = item.result.as_ref().expect("every command has a result");
+            let place = place_of(&item.msg);
             if let Err(p) = result {
                 if item.command.action.is_err() {
                     self.inner.metrics.ingest_commands.with_label_values(&["malformed"]).inc();
                 }
-                let place = place_of(&item.msg);
                 let value = dead_letter(p, &place, item.msg.payload());
-                owed.push((
-                    &dlq,
-                    item.msg.key().unwrap_or_default().to_vec(),
-                    value.to_string().into_bytes(),
-                ));
+                let key = item.msg.key().unwrap_or_default().to_vec();
+                owed.push((Outlet::Dead, place.clone(), key, value.to_string().into_bytes()));
             }
-            if let (Some(c), false) = (&item.command.correlation_id, s.ingest.reply_topic.is_empty()) {
+            if let (Some(c), Some(_)) = (&item.command.correlation_id, &outlets.reply) {
                 let value = reply(c, item.command.id, result);
-                owed.push((&s.ingest.reply_topic, c.clone().into_bytes(), value.to_string().into_bytes()));
+                owed.push((Outlet::Reply, place, c.clone().into_bytes(), value.to_string().into_bytes()));
             }
         }
         let mut backoff = Duration::from_millis(100);
-        while !owed.is_empty() {
-            let sends = owed.iter().map(|(topic, key, value)| {
-                let record = FutureRecord::to(topic).key(key).payload(value);
+        loop {
+            for (&p, &from) in &resumes {
+                if let std::collections::btree_map::Entry::Vacant(e) = answered.entry(p) {
+                    e.insert(self.read_back(outlets, p, from, shutdown).await?);
+                }
+            }
+            owed.retain(|(outlet, place, _, _)| {
+                !answered[&place.partition].at.contains(&(*outlet, place.offset))
+            });
+            if owed.is_empty() {
+                break;
+            }
+            let sends = owed.iter().map(|(outlet, place, key, value)| {
+                let (topic, partitions) = outlets.of(*outlet).expect("owed only where it goes");
+                let header = place.header();
+                let record = FutureRecord::to(topic)
+                    .partition(answer_partition(place.partition, *partitions))
+                    .key(key)
+                    .payload(value)
+                    .headers(OwnedHeaders::new().insert(Header { key: SOURCE_HEADER, value: Some(&header) }));
                 producer.send(record, Duration::from_secs(1))
             });
             let results = tokio::select! {
                 r = join_all(sends) => r,
                 _ = shutdown.cancelled() => return None,
             };
-            let mut failed = results.iter().map(|r| r.is_err());
-            owed.retain(|_| failed.next().unwrap_or(false));
-            if !owed.is_empty() {
-                tracing::warn!(
-                    unsent = owed.len(),
-                    "Kafka did not take the ingest replies and dead letters; trying again"
-                );
-                self.inner.health.report(
-                    "ingest",
-                    Err(format!("Kafka did not take {} replies or dead letters", owed.len())),
-                );
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    _ = shutdown.cancelled() => return None,
-                }
-                backoff = (backoff * 2).min(Duration::from_secs(5));
+            let failed: BTreeSet<i32> = owed
+                .iter()
+                .zip(&results)
+                .filter(|(_, r)| r.is_err())
+                .map(|((_, place, _, _), _)| place.partition)
+                .collect();
+            if failed.is_empty() {
+                break;
+            }
+            // A send reported failed may still have landed: read back.
+            for p in &failed {
+                answered.remove(p);
+            }
+            tracing::warn!(
+                partitions = ?failed,
+                "Kafka did not take some ingest replies or dead letters; reading back what landed, then sending the rest"
+            );
+            self.inner.health.report(
+                "ingest",
+                Err(format!("Kafka did not take the answers of ingest partitions {failed:?}")),
+            );
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {}
+                _ = shutdown.cancelled() => return None,
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+        // The round is answered, and its offsets are committed next: what
+        // is kept is for the later rounds (a predecessor may have answered
+        // further than this round reaches).
+        let mut ends: BTreeMap<i32, i64> = BTreeMap::new();
+        for item in items {
+            let e = ends.entry(item.msg.partition()).or_default();
+            *e = (*e).max(item.msg.offset());
+        }
+        for (p, end) in ends {
+            if let Some(a) = answered.get_mut(&p) {
+                a.at.retain(|(_, offset)| *offset > end);
             }
         }
         Some(())
+    }
+
+    /// What the answer partitions of ingest partition `p` hold for its
+    /// offsets from `from` on (tried until it reads, or None when stopped).
+    async fn read_back(
+        &self,
+        outlets: &Outlets,
+        p: i32,
+        from: i64,
+        shutdown: &CancellationToken,
+    ) -> Option<Answered> {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let s = self.settings();
+            let k = s.kafka.clone();
+            let source = s.ingest.topic.clone();
+            let reader = format!("{}.read-back", k.ingest_group());
+            let targets: Vec<(Outlet, String, i32)> = [Outlet::Reply, Outlet::Dead]
+                .into_iter()
+                .filter_map(|o| outlets.of(o).map(|(t, n)| (o, t.clone(), answer_partition(p, *n))))
+                .collect();
+            let read = tokio::task::spawn_blocking(move || -> Result<Answered, KafkaError> {
+                let mut answered = Answered::default();
+                for (outlet, topic, partition) in targets {
+                    kafka::read_backwards(&k, &reader, &topic, partition, READ_BACK_WINDOW, |msgs| {
+                        let mut older = false;
+                        for m in msgs {
+                            let Some(place) = source_of(m) else { continue };
+                            if place.topic != source || place.partition != p {
+                                continue;
+                            }
+                            if place.offset >= from {
+                                answered.at.insert((outlet, place.offset));
+                            } else {
+                                older = true;
+                            }
+                        }
+                        !older
+                    })?;
+                }
+                Ok(answered)
+            })
+            .await
+            .unwrap_or(Err(KafkaError::Canceled));
+            match read {
+                Ok(answered) => {
+                    if !answered.at.is_empty() {
+                        tracing::info!(
+                            partition = p,
+                            from,
+                            found = answered.at.len(),
+                            "ingest answers already on the topics are not sent again"
+                        );
+                    }
+                    return Some(answered);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, partition = p, "reading back the ingest answers failed; trying again");
+                    self.inner.health.report("ingest", Err(format!("cannot read back the answers: {e}")));
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {}
+                _ = shutdown.cancelled() => return None,
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    /// The answer topics, with their partition counts (both must exist).
+    async fn outlets(&self) -> Result<Outlets, KafkaError> {
+        let s = self.settings();
+        let k = s.kafka.clone();
+        let (reply, dead) = (s.ingest.reply_topic.clone(), s.ingest.dlq_topic());
+        tokio::task::spawn_blocking(move || {
+            let count = |topic: &str| -> Result<i32, KafkaError> {
+                match kafka::partition_count(&k, topic)? {
+                    0 => Err(KafkaError::MetadataFetch(rdkafka::types::RDKafkaErrorCode::UnknownTopic)),
+                    n => Ok(n as i32),
+                }
+            };
+            let reply = match reply.is_empty() {
+                true => None,
+                false => Some((reply.clone(), count(&reply)?)),
+            };
+            Ok(Outlets { reply, dead: (dead.clone(), count(&dead)?) })
+        })
+        .await
+        .unwrap_or(Err(KafkaError::Canceled))
     }
 
     async fn report_ingest_lag(&self, group: &str) {
@@ -523,6 +779,12 @@ impl Writer {
 
 fn place_of(msg: &OwnedMessage) -> Place {
     Place { topic: msg.topic().to_string(), partition: msg.partition(), offset: msg.offset() }
+}
+
+/// The command an answer names in its [`SOURCE_HEADER`].
+fn source_of(msg: &OwnedMessage) -> Option<Place> {
+    let headers = msg.headers()?;
+    headers.iter().find(|h| h.key == SOURCE_HEADER).and_then(|h| h.value).and_then(Place::from_header)
 }
 
 #[cfg(test)]
@@ -597,6 +859,18 @@ mod tests {
         }
         let c = parse(Some(br#"{"op": "nope", "id": "x", "correlation_id": "c9"}"#), &place(1), 1 << 20);
         assert_eq!(c.correlation_id.as_deref(), Some("c9"), "a refused command is still answered");
+    }
+
+    #[test]
+    fn a_source_header_names_its_place_and_bad_ones_name_none() {
+        let p = place(41);
+        assert_eq!(p.header(), "bagstore.ingest.v1/2/41");
+        assert_eq!(Place::from_header(p.header().as_bytes()), Some(p));
+        for bad in ["", "x/1", "/1/2", "t/x/2", "t/1/y", "t/1/2/3x"] {
+            assert_eq!(Place::from_header(bad.as_bytes()), None, "{bad:?}");
+        }
+        // Every answer topic partition is in range, whatever the counts.
+        assert_eq!((answer_partition(5, 4), answer_partition(3, 8), answer_partition(2, 0)), (1, 3, 0));
     }
 
     #[test]

@@ -48,6 +48,7 @@ mod expiry;
 mod group_commit;
 mod health;
 mod idempotency;
+mod ingest;
 mod limits;
 mod membership;
 mod observability;
