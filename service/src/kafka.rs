@@ -107,10 +107,13 @@ pub fn consumer_config(k: &KafkaSettings, group: &str) -> ClientConfig {
         .set("partition.assignment.strategy", "cooperative-sticky")
         // Index lag is the product: an idle fetch that a broker holds for
         // its full wait (librdkafka's mock cluster does, whatever arrives
-        // meanwhile) delays the next event by up to that long. 20 ms keeps
-        // commit→applied p99 well under 100 ms for ~50 idle fetches a second
-        // per consumer; `kafka.options` can raise it.
-        .set("fetch.wait.max.ms", "20");
+        // meanwhile) delays the next event by up to that long. Measured
+        // side by side (BENCHMARKS.md, lag at 50% of the max put rate):
+        // 5 ms gives p50 16.8 / p99 34.7 ms where 20 ms gave 25.3 / 49.1,
+        // for ~200 idle fetches a second per consumer. A broker that
+        // answers a fetch as soon as data arrives (Apache Kafka) gains
+        // nothing from it: raise it there with `kafka.options`.
+        .set("fetch.wait.max.ms", "5");
     with_options(c, k)
 }
 

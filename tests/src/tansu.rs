@@ -127,7 +127,8 @@ impl Tansu {
             .args(["--listener-url", &self.url(), "--advertised-listener-url", &self.url()])
             .args(["--storage-engine", &self.storage.url(DATABASE)])
             .current_dir(&self.dir)
-            .env("RUST_LOG", "warn")
+            // BAGSTORE_TANSU_LOG (e.g. "info") to see what the broker did.
+            .env("RUST_LOG", std::env::var("BAGSTORE_TANSU_LOG").unwrap_or_else(|_| "warn".into()))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)

@@ -35,6 +35,8 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
         "| json: ALTER TABLE … ADD INDEX (both shards at once) |",
         "| lag at 50% ",
         "| lag at 90% ",
+        "| lag at 50%, indexer fetch.wait.max.ms 20 ",
+        "| lag at 50%: fetch wait 5 ms / 20 ms | p50 ",
         "| bagstore writer |",
         "| bagstore writer p99, beside the burner / before |",
         "| CPU, during the backfill |",
