@@ -20,6 +20,9 @@
 //! level before the kill and stays there for a second. Prints a Markdown
 //! table.
 
+#[path = "../hist.rs"]
+mod hist;
+
 use bagstore_tests::{Proc, TestEnv, STANDARD_INDEXES};
 use serde_json::json;
 use std::process::ExitCode;
@@ -31,7 +34,8 @@ const USAGE: &str = "usage: bench_recovery [--rate R] [--broker mock|tansu|both]
   --rate R        single PUTs per second during the run (default 100)\n\
   --broker B      which broker to measure on (default both)\n\
   --membership M  which group membership (default both)\n\
-  --restart X     whether the killed indexer is started again (default both)";
+  --restart X     whether the killed indexer is started again (default both)\n\
+  --lag-secs S    per broker, first the max single-PUT rate and the index lag at 50% of it, phases of S s (default 15; 0: skip)";
 
 const INDEX: &str = "index_user_id";
 /// The session timeout the runs use (the test environments' setting).
@@ -44,6 +48,8 @@ struct Options {
     brokers: Vec<&'static str>,
     memberships: Vec<&'static str>,
     restarts: Vec<bool>,
+    /// Seconds of each lag phase (0: no lag measurement).
+    lag_secs: f64,
 }
 
 fn parse_args(args: &[String]) -> Result<Options, String> {
@@ -52,6 +58,7 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
         brokers: vec!["mock", "tansu"],
         memberships: vec!["dynamic", "static"],
         restarts: vec![true, false],
+        lag_secs: 15.0,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -84,6 +91,10 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
                     "both" => vec![true, false],
                     other => return Err(format!("--restart: {other:?} is not yes, no or both")),
                 }
+            }
+            "--lag-secs" => {
+                let v = value()?;
+                o.lag_secs = v.parse().map_err(|_| format!("--lag-secs: cannot parse {v:?}"))?;
             }
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown argument {other:?}")),
@@ -143,10 +154,16 @@ struct Outcome {
 
 async fn run(opts: Options) -> anyhow::Result<()> {
     let mut outcomes = Vec::new();
+    let mut lags = Vec::new();
     for broker in &opts.brokers {
         if *broker == "tansu" && bagstore_tests::tansu::tansu_bin().is_none() {
             eprintln!("bench_recovery: no tansu binary (set BAGSTORE_TANSU or run scripts/test once); skipping tansu");
             continue;
+        }
+        if opts.lag_secs > 0.0 {
+            let l = lag_at_half(broker, Duration::from_secs_f64(opts.lag_secs)).await?;
+            eprintln!("{broker}: {l:?}");
+            lags.push(l);
         }
         for membership in opts.memberships.clone() {
             for restarted in opts.restarts.clone() {
@@ -159,6 +176,28 @@ async fn run(opts: Options) -> anyhow::Result<()> {
                 );
                 outcomes.push(o);
             }
+        }
+    }
+    if !lags.is_empty() {
+        println!(
+            "\nIndex lag, commit → applied ({INDEX}; one writer, one indexer; {} s phases)\n",
+            opts.lag_secs
+        );
+        println!("| broker | max single-PUT rate | lag at 50% of it: p50 | p99 | max bucket | events | PUTs failed | commit → fetched: p50 | p99 |");
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for l in &lags {
+            println!(
+                "| {} | {:.0}/s | {:.1} ms | {:.1} ms | ≤ {:.0} ms | {:.0} | {} | {:.1} ms | {:.1} ms |",
+                l.broker,
+                l.max_rate,
+                l.p50_ms,
+                l.p99_ms,
+                l.max_ms,
+                l.events,
+                l.failed,
+                l.fetched_p50_ms,
+                l.fetched_p99_ms
+            );
         }
     }
     println!(
@@ -191,6 +230,196 @@ async fn run(opts: Options) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The index lag at half the maximum write rate, on one broker.
+#[derive(Debug)]
+struct Lag {
+    broker: &'static str,
+    max_rate: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    max_ms: f64,
+    events: f64,
+    failed: u64,
+    /// Commit → fetched by a bare consumer of the change topic (the
+    /// relay's and the broker's part of the lag): p50, p99 (ms).
+    fetched_p50_ms: f64,
+    fetched_p99_ms: f64,
+}
+
+/// The max single-PUT rate (16 clients in a closed loop for `phase`), then
+/// an open loop at half of it for `phase`, with the indexer's
+/// commit→applied histogram read before and after.
+async fn lag_at_half(broker: &'static str, phase: Duration) -> anyhow::Result<Lag> {
+    let env = match broker {
+        "mock" => TestEnv::new(&format!("lag{broker}"), STANDARD_INDEXES).await,
+        _ => TestEnv::with_tansu(&format!("lag{broker}"), STANDARD_INDEXES).await,
+    };
+    env.migrate().await;
+    let writer = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;
+    let indexer = indexer(&env, "indexer-a", "dynamic").await;
+    let http = reqwest::Client::new();
+    // Applying: a first write shows up in the histogram.
+    let scrape = || async {
+        let text = http.get(format!("{}/metrics", indexer.url)).send().await.ok()?.text().await.ok()?;
+        Some(hist::buckets(&text, "bagstore_indexer_event_lag_seconds", INDEX))
+    };
+    let joined = Instant::now();
+    let mut i = 1u64 << 40;
+    loop {
+        i += 1;
+        put(&http, &writer.url, i).await;
+        if scrape().await.is_some_and(|b| b.last().is_some_and(|x| x.1 > 0.0)) {
+            break;
+        }
+        anyhow::ensure!(
+            joined.elapsed() < Duration::from_secs(60),
+            "{broker}: the indexer applied nothing within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The max rate: 16 clients, one PUT at a time each.
+    let done = Arc::new(AtomicU64::new(0));
+    let next = Arc::new(AtomicU64::new(2u64 << 40));
+    let started = Instant::now();
+    let clients: Vec<_> = (0..16)
+        .map(|_| {
+            let (done, next, http, base) = (done.clone(), next.clone(), http.clone(), writer.url.clone());
+            tokio::spawn(async move {
+                while started.elapsed() < phase {
+                    if put(&http, &base, next.fetch_add(1, Ordering::Relaxed)).await {
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    for c in clients {
+        let _ = c.await;
+    }
+    let max_rate = done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
+    // Caught up again before the lag phase.
+    let k = env.kafka_settings();
+    let settle = Instant::now();
+    while service::kafka::group_lag(&k, &k.group_for(INDEX))
+        .await
+        .map_or(true, |p| p.iter().map(|x| x.lag()).sum::<i64>() > 0)
+    {
+        anyhow::ensure!(settle.elapsed() < Duration::from_secs(120), "{broker}: the index did not catch up");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let before = scrape().await.unwrap_or_default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let probe = fetch_probe(&env, stop.clone())?;
+    let failed = Arc::new(AtomicU64::new(0));
+    let load = open_load(&writer.url, max_rate / 2.0, 3u64 << 40, stop.clone(), failed.clone());
+    tokio::time::sleep(phase).await;
+    stop.store(true, Ordering::Relaxed);
+    for l in load {
+        let _ = l.await;
+    }
+    let mut fetched = probe.await?;
+    fetched.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        fetched.get(((fetched.len() as f64 * q) as usize).min(fetched.len().saturating_sub(1))).copied()
+    };
+    let settle = Instant::now();
+    while service::kafka::group_lag(&k, &k.group_for(INDEX))
+        .await
+        .map_or(true, |p| p.iter().map(|x| x.lag()).sum::<i64>() > 0)
+    {
+        anyhow::ensure!(settle.elapsed() < Duration::from_secs(120), "{broker}: the index did not catch up");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let after = scrape().await.unwrap_or_default();
+    Ok(Lag {
+        broker,
+        max_rate,
+        p50_ms: hist::quantile(&before, &after, 0.5),
+        p99_ms: hist::quantile(&before, &after, 0.99),
+        max_ms: hist::max_bucket(&before, &after),
+        events: after.last().map_or(0.0, |x| x.1) - before.last().map_or(0.0, |x| x.1),
+        failed: failed.load(Ordering::Relaxed),
+        fetched_p50_ms: at(0.5).unwrap_or(0.0),
+        fetched_p99_ms: at(0.99).unwrap_or(0.0),
+    })
+}
+
+/// A consumer of the change topic from its end, with the indexers' fetch
+/// settings, that notes each event's commit → fetched time (ms) until
+/// `stop`.
+fn fetch_probe(env: &TestEnv, stop: Arc<AtomicBool>) -> anyhow::Result<tokio::task::JoinHandle<Vec<f64>>> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::Message;
+    let k = env.kafka_settings();
+    let consumer: BaseConsumer =
+        service::kafka::create(&service::kafka::consumer_config(&k, "bench-fetch-probe"))?;
+    let md = consumer.fetch_metadata(Some(&k.topic), Duration::from_secs(10))?;
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    for t in md.topics() {
+        for p in t.partitions() {
+            tpl.add_partition_offset(&k.topic, p.id(), rdkafka::Offset::End)?;
+        }
+    }
+    consumer.assign(&tpl)?;
+    Ok(tokio::task::spawn_blocking(move || {
+        let mut out = Vec::new();
+        while !stop.load(Ordering::Relaxed) {
+            if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
+                let now = schemas::clock::now_micros();
+                if let Some(e) = m.payload().and_then(|b| schemas::event::ChangeEvent::decode(b).ok()) {
+                    out.push((now - e.committed_at_us).max(0) as f64 / 1e3);
+                }
+            }
+        }
+        out
+    }))
+}
+
+/// Single PUTs at `rate` (ids from `first` on, each a new user id) until
+/// `stop`, from eight clients that take turns at the ticks (a slow answer
+/// delays, never piles up connections); failures are counted.
+fn open_load(
+    base: &str,
+    rate: f64,
+    first: u64,
+    stop: Arc<AtomicBool>,
+    failed: Arc<AtomicU64>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let ticks = Arc::new(tokio::sync::Mutex::new({
+        let mut t = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        t
+    }));
+    let next = Arc::new(AtomicU64::new(first));
+    let http = reqwest::Client::new();
+    (0..8)
+        .map(|_| {
+            let (stop, failed, ticks, next, http) =
+                (stop.clone(), failed.clone(), ticks.clone(), next.clone(), http.clone());
+            let base = base.to_string();
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    ticks.lock().await.tick().await;
+                    if !put(&http, &base, next.fetch_add(1, Ordering::Relaxed)).await {
+                        failed.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect()
+}
+
+/// One PUT of entity `i`; whether it was stored.
+async fn put(http: &reqwest::Client, base: &str, i: u64) -> bool {
+    let id = format!("{:032x}", 0x7ec0_0000_0000u64 + i);
+    let body = json!({"user_id": format!("{i:032x}"), "n": i});
+    http.put(format!("{base}/v1/entities/{id}"))
+        .json(&body)
+        .send()
+        .await
+        .is_ok_and(|r| r.status().is_success())
 }
 
 /// An indexer of [`INDEX`]; a static member (Kafka's `group.instance.id`,
@@ -226,44 +455,10 @@ async fn measure(
     let doomed = indexer(&env, "indexer-a", membership).await;
     let _survivor = indexer(&env, "indexer-b", membership).await;
 
-    // The load: single PUTs at `rate`, each a new user id, from eight
-    // clients that take turns at the ticks (a slow answer delays, never
-    // piles up connections).
     let stop = Arc::new(AtomicBool::new(false));
     let failed = Arc::new(AtomicU64::new(0));
-    let ticks = Arc::new(tokio::sync::Mutex::new({
-        let mut t = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
-        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        t
-    }));
-    let next = Arc::new(AtomicU64::new(0));
-    let http = reqwest::Client::new();
-    let load: Vec<_> = (0..8)
-        .map(|_| {
-            let (stop, failed, ticks, next, http) =
-                (stop.clone(), failed.clone(), ticks.clone(), next.clone(), http.clone());
-            let base = writer.url.clone();
-            tokio::spawn(async move {
-                while !stop.load(Ordering::Relaxed) {
-                    ticks.lock().await.tick().await;
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let id = format!("{:032x}", 0x7ec0_0000_0000u64 + i);
-                    let body = json!({"user_id": format!("{i:032x}"), "n": i});
-                    let ok = http
-                        .put(format!("{base}/v1/entities/{id}"))
-                        .json(&body)
-                        .send()
-                        .await
-                        .is_ok_and(|r| r.status().is_success());
-                    if !ok {
-                        failed.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            })
-        })
-        .collect();
+    let load = open_load(&writer.url, rate, 0, stop.clone(), failed.clone());
 
-    // Both members hold partitions and the lag is steady: 5 s of samples.
     let forming = Instant::now();
     loop {
         if group_lag(&env).await.is_some_and(|l| l < (rate as i64).max(20)) {
