@@ -140,14 +140,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if std::env::var_os("BAGSTORE_BIN").is_none() {
-        // This binary lives in target/<profile>/, next to `bagstore`.
-        let bin = std::env::current_exe().map(|e| e.with_file_name("bagstore")).unwrap_or_default();
-        if !bin.exists() {
-            eprintln!("bench: {} is missing: build the workspace first", bin.display());
-            return ExitCode::FAILURE;
-        }
-        std::env::set_var("BAGSTORE_BIN", &bin);
+    if let Err(e) = sibling::locate_bagstore() {
+        eprintln!("bench: {e}");
+        return ExitCode::FAILURE;
     }
     let rt =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
@@ -1105,6 +1100,8 @@ async fn bag_latest(
 
 #[path = "hist.rs"]
 mod hist;
+#[path = "sibling.rs"]
+mod sibling;
 use hist::{buckets, max_bucket, quantile};
 
 // ---------------------------------------------------------------- the run

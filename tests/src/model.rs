@@ -14,6 +14,7 @@
 use rand::rngs::StdRng;
 use rand::Rng;
 use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::BorrowedMessage;
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use schemas::event::{ChangeEvent, Op};
 use serde_json::{json, Map, Value};
@@ -371,6 +372,19 @@ fn read_partitions<T>(
     partitions: i32,
     decode: impl Fn(i32, i64, &[u8]) -> T,
 ) -> Vec<T> {
+    read_messages(brokers, topic, partitions, |m| {
+        decode(m.partition(), m.offset(), m.payload().expect("payload"))
+    })
+}
+
+/// Every message of `topic` (partitions `0..partitions`), each read by
+/// `read` (headers and all), in partition order.
+pub fn read_messages<T>(
+    brokers: &str,
+    topic: &str,
+    partitions: i32,
+    read: impl Fn(&BorrowedMessage<'_>) -> T,
+) -> Vec<T> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("group.id", format!("{topic}-checker-{}", rand::random::<u32>()))
@@ -391,7 +405,7 @@ fn read_partitions<T>(
             match consumer.poll(Duration::from_secs(10)) {
                 Some(Ok(m)) => {
                     next = m.offset() + 1;
-                    out.push(decode(p, m.offset(), m.payload().expect("payload")));
+                    out.push(read(&m));
                 }
                 Some(Err(e)) => panic!("reading partition {p}: {e}"),
                 None => panic!("partition {p} stalled at offset {next} of {high}"),

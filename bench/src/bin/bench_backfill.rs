@@ -19,6 +19,9 @@
 //! 5. print a table (also written as JSON to `target/bench-backfill.json`);
 //! 6. check that `index_link` holds exactly one row per entity; exit 1 if not.
 
+#[path = "../sibling.rs"]
+mod sibling;
+
 use anyhow::{bail, Context};
 use bagstore_tests::{bagstore_bin, eventually, Api, Proc, TestEnv};
 use serde_json::{json, Value};
@@ -109,22 +112,6 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
     })
 }
 
-/// The harness finds `bagstore` next to a test binary's `deps/` directory;
-/// this binary lives in `target/<profile>/` itself, so point it at the
-/// sibling explicitly (unless `BAGSTORE_BIN` says otherwise).
-fn locate_bagstore() -> Result<(), String> {
-    if std::env::var_os("BAGSTORE_BIN").is_some() {
-        return Ok(());
-    }
-    let exe = std::env::current_exe().map_err(|e| format!("current exe: {e}"))?;
-    let bin = exe.with_file_name("bagstore");
-    if !bin.exists() {
-        return Err(format!("{} is missing: run `cargo build -p bagstore` first", bin.display()));
-    }
-    std::env::set_var("BAGSTORE_BIN", &bin);
-    Ok(())
-}
-
 /// Where the JSON goes: `target/bench-backfill.json`, next to the profile directory.
 fn json_path() -> PathBuf {
     let exe = std::env::current_exe().unwrap_or_default();
@@ -148,7 +135,7 @@ fn main() -> ExitCode {
         }
     };
     // Before the runtime starts any thread.
-    if let Err(msg) = locate_bagstore() {
+    if let Err(msg) = sibling::locate_bagstore() {
         eprintln!("bench_backfill: {msg}");
         return ExitCode::FAILURE;
     }

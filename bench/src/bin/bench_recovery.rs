@@ -22,6 +22,8 @@
 
 #[path = "../hist.rs"]
 mod hist;
+#[path = "../sibling.rs"]
+mod sibling;
 
 use bagstore_tests::{Proc, TestEnv, STANDARD_INDEXES};
 use serde_json::json;
@@ -68,30 +70,11 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
                 let v = value()?;
                 o.rate = v.parse().map_err(|_| format!("--rate: cannot parse {v:?}"))?;
             }
-            "--broker" => {
-                o.brokers = match value()?.as_str() {
-                    "mock" => vec!["mock"],
-                    "tansu" => vec!["tansu"],
-                    "both" => vec!["mock", "tansu"],
-                    other => return Err(format!("--broker: {other:?} is not mock, tansu or both")),
-                }
-            }
+            "--broker" => o.brokers = pick(a, value()?, &[("mock", "mock"), ("tansu", "tansu")])?,
             "--membership" => {
-                o.memberships = match value()?.as_str() {
-                    "dynamic" => vec!["dynamic"],
-                    "static" => vec!["static"],
-                    "both" => vec!["dynamic", "static"],
-                    other => return Err(format!("--membership: {other:?} is not dynamic, static or both")),
-                }
+                o.memberships = pick(a, value()?, &[("dynamic", "dynamic"), ("static", "static")])?
             }
-            "--restart" => {
-                o.restarts = match value()?.as_str() {
-                    "yes" => vec![true],
-                    "no" => vec![false],
-                    "both" => vec![true, false],
-                    other => return Err(format!("--restart: {other:?} is not yes, no or both")),
-                }
-            }
+            "--restart" => o.restarts = pick(a, value()?, &[("yes", true), ("no", false)])?,
             "--lag-secs" => {
                 let v = value()?;
                 o.lag_secs = v.parse().map_err(|_| format!("--lag-secs: cannot parse {v:?}"))?;
@@ -106,6 +89,18 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
     Ok(o)
 }
 
+/// The value of an either-or flag: one of `choices` (by name), or "both".
+fn pick<T: Copy>(flag: &str, value: &str, choices: &[(&str, T)]) -> Result<Vec<T>, String> {
+    match choices.iter().find(|(name, _)| *name == value) {
+        Some((_, v)) => Ok(vec![*v]),
+        None if value == "both" => Ok(choices.iter().map(|(_, v)| *v).collect()),
+        None => {
+            let names: Vec<&str> = choices.iter().map(|(n, _)| *n).collect();
+            Err(format!("{flag}: {value:?} is not {} or both", names.join(", ")))
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let opts = match parse_args(&args) {
@@ -118,14 +113,9 @@ fn main() -> ExitCode {
             return if e.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(2) };
         }
     };
-    if std::env::var_os("BAGSTORE_BIN").is_none() {
-        // This binary lives in target/<profile>/, next to `bagstore`.
-        let bin = std::env::current_exe().map(|e| e.with_file_name("bagstore")).unwrap_or_default();
-        if !bin.exists() {
-            eprintln!("bench_recovery: {} is missing: build the workspace first", bin.display());
-            return ExitCode::FAILURE;
-        }
-        std::env::set_var("BAGSTORE_BIN", &bin);
+    if let Err(e) = sibling::locate_bagstore() {
+        eprintln!("bench_recovery: {e}");
+        return ExitCode::FAILURE;
     }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
     match rt.block_on(run(opts)) {

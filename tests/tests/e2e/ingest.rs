@@ -5,10 +5,9 @@
 
 use bagstore_tests::ingest::{ingest_lag, taken_by};
 use bagstore_tests::{eventually, metric_sum, TestEnv, STANDARD_INDEXES};
-use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Headers;
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use rdkafka::{ClientConfig, Message};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -29,36 +28,15 @@ struct Answer {
 
 /// Every message of `topic` (4 partitions), from the beginning.
 fn read_all(brokers: &str, topic: &str) -> Vec<Answer> {
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("group.id", format!("{topic}-checker"))
-        .set("enable.auto.commit", "false")
-        .create()
-        .expect("consumer");
-    let mut out = Vec::new();
-    for p in 0..4 {
-        let (low, high) = consumer.fetch_watermarks(topic, p, Duration::from_secs(5)).expect("watermarks");
-        if high <= low {
-            continue;
-        }
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(topic, p, Offset::Offset(low)).expect("partition");
-        consumer.assign(&tpl).expect("assign");
-        let mut next = low;
-        while next < high {
-            let m =
-                consumer.poll(Duration::from_secs(10)).expect("a message before the deadline").expect("read");
-            next = m.offset() + 1;
-            let source = m
-                .headers()
-                .and_then(|h| h.iter().find(|h| h.key == "bagstore-ingest-source").and_then(|h| h.value))
-                .map(|v| String::from_utf8_lossy(v).into_owned())
-                .unwrap_or_default();
-            let value = serde_json::from_slice(m.payload().expect("payload")).expect("JSON");
-            out.push(Answer { partition: p, value, source });
-        }
-    }
-    out
+    bagstore_tests::model::read_messages(brokers, topic, 4, |m| {
+        let source = m
+            .headers()
+            .and_then(|h| h.iter().find(|h| h.key == "bagstore-ingest-source").and_then(|h| h.value))
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .unwrap_or_default();
+        let value = serde_json::from_slice(m.payload().expect("payload")).expect("JSON");
+        Answer { partition: m.partition(), value, source }
+    })
 }
 
 /// Replies per correlation id.
