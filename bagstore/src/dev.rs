@@ -96,6 +96,9 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         let also: Vec<&str> = extra.iter().map(String::as_str).collect();
         cluster =
             Some(devstack::kafka::start(&mut settings.kafka, &also).context("starting the embedded Kafka")?);
+        // The embedded broker holds every fetch for its whole wait: a short
+        // one keeps index lag low (see `schemas::settings::EMBEDDED_FETCH_WAIT_MS`).
+        settings.indexer.fetch_wait_ms.get_or_insert(schemas::settings::EMBEDDED_FETCH_WAIT_MS);
     }
 
     let result = serve(settings, &args, layout, cluster.is_none()).await;

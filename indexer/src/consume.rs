@@ -136,13 +136,14 @@ impl IndexConsumer {
         let dlq: FutureProducer = kafka::create(&kafka::producer_config(k))?;
         let table = self.spec.table.clone();
         loop {
-            let mut config = kafka::consumer_config(k, &self.group());
+            let mut config = kafka::consumer_config(k, &self.group(), self.settings.indexer.fetch_wait_ms());
             // The statistics feed the membership watch (crate::membership).
             config.set("statistics.interval.ms", "1000");
             let watch = Membership::new(Duration::from_millis(k.session_timeout_ms), &k.topic);
             let consumer: StreamConsumer<Membership> = kafka::create_with(&config, watch)?;
             consumer.subscribe(&[&k.topic])?;
-            tracing::info!(index = %table, group = %self.group(), "index consumer joining its group");
+            tracing::info!(index = %table, group = %self.group(), fetch_wait_ms = self.settings.indexer.fetch_wait_ms(),
+                "index consumer joining its group");
             match self.consume(&consumer, &dlq, &shutdown).await {
                 Exit::Shutdown => {
                     self.write_progress(None, true).await;

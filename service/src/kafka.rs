@@ -94,8 +94,10 @@ fn with_options(mut c: ClientConfig, k: &KafkaSettings) -> ClientConfig {
 
 /// An index consumer: offsets are *stored* by our code only after the
 /// index rows they stand for are committed in MySQL, and librdkafka's
-/// auto-commit then commits what was stored (at-least-once).
-pub fn consumer_config(k: &KafkaSettings, group: &str) -> ClientConfig {
+/// auto-commit then commits what was stored (at-least-once). `fetch_wait_ms`
+/// is its `fetch.wait.max.ms` (see `schemas::settings::FETCH_WAIT_MS`);
+/// `kafka.options` still wins over it.
+pub fn consumer_config(k: &KafkaSettings, group: &str, fetch_wait_ms: u64) -> ClientConfig {
     let mut c = base_config(k);
     c.set("group.id", group)
         .set("enable.auto.commit", "true")
@@ -105,15 +107,7 @@ pub fn consumer_config(k: &KafkaSettings, group: &str) -> ClientConfig {
         .set("session.timeout.ms", k.session_timeout_ms.to_string())
         .set("heartbeat.interval.ms", (k.session_timeout_ms / 4).max(100).to_string())
         .set("partition.assignment.strategy", "cooperative-sticky")
-        // Index lag is the product: an idle fetch that a broker holds for
-        // its full wait (librdkafka's mock cluster does, whatever arrives
-        // meanwhile) delays the next event by up to that long. Measured
-        // side by side (BENCHMARKS.md, lag at 50% of the max put rate):
-        // 5 ms gives p50 16.8 / p99 34.7 ms where 20 ms gave 25.3 / 49.1,
-        // for ~200 idle fetches a second per consumer. A broker that
-        // answers a fetch as soon as data arrives (Apache Kafka) gains
-        // nothing from it: raise it there with `kafka.options`.
-        .set("fetch.wait.max.ms", "5");
+        .set("fetch.wait.max.ms", fetch_wait_ms.to_string());
     with_options(c, k)
 }
 
@@ -489,7 +483,7 @@ mod tests {
         let mut k = settings_with("security.protocol", "ssl");
         k.options.insert("ssl.ca.location".into(), "/etc/bagstore/ca.pem".into());
         k.options.insert("acks".into(), "1".into());
-        for cfg in [base_config(&k), producer_config(&k), consumer_config(&k, "g")] {
+        for cfg in [base_config(&k), producer_config(&k), consumer_config(&k, "g", 20)] {
             assert_eq!(cfg.get("security.protocol"), Some("ssl"));
             assert_eq!(cfg.get("ssl.ca.location"), Some("/etc/bagstore/ca.pem"));
         }

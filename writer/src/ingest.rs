@@ -384,8 +384,10 @@ impl Writer {
         let producer: FutureProducer = kafka::create(&kafka::producer_config(k))?;
         let outlets = self.outlets().await?;
         let context = Assignments { topic: topic.clone(), fresh: Mutex::default() };
-        let consumer: StreamConsumer<Assignments> =
-            kafka::create_with(&kafka::consumer_config(k, &group), context)?;
+        let consumer: StreamConsumer<Assignments> = kafka::create_with(
+            &kafka::consumer_config(k, &group, schemas::settings::FETCH_WAIT_MS),
+            context,
+        )?;
         consumer.subscribe(&[topic])?;
         tracing::info!(%topic, %group, "Kafka ingest joined its group");
         // Per ingest partition held: what its answer partitions already hold.

@@ -37,7 +37,8 @@ const USAGE: &str = "usage: bench_recovery [--rate R] [--broker mock|tansu|both]
   --broker B      which broker to measure on (default both)\n\
   --membership M  which group membership (default both)\n\
   --restart X     whether the killed indexer is started again (default both)\n\
-  --lag-secs S    per broker, first the max single-PUT rate and the index lag at 50% of it, phases of S s (default 15; 0: skip)";
+  --lag-secs S    per broker, first the max single-PUT rate and the index lag at 50% of it, phases of S s (default 15; 0: skip)\n\
+  --fetch-wait MS the indexers' fetch wait, indexer.fetch_wait_ms (default bagstore's: 5 on the mock, as in bagstore dev; 20 on tansu)";
 
 const INDEX: &str = "index_user_id";
 /// The session timeout the runs use (the test environments' setting).
@@ -52,6 +53,19 @@ struct Options {
     restarts: Vec<bool>,
     /// Seconds of each lag phase (0: no lag measurement).
     lag_secs: f64,
+    /// The indexers' `indexer.fetch_wait_ms`; bagstore's default if unset.
+    fetch_wait_ms: Option<u64>,
+}
+
+impl Options {
+    /// The indexers' fetch wait on `broker`: the one given, or the one
+    /// bagstore gives them there (the mock is `bagstore dev`'s broker).
+    fn fetch_wait_ms(&self, broker: &str) -> u64 {
+        self.fetch_wait_ms.unwrap_or(match broker {
+            "mock" => schemas::settings::EMBEDDED_FETCH_WAIT_MS,
+            _ => schemas::settings::FETCH_WAIT_MS,
+        })
+    }
 }
 
 fn parse_args(args: &[String]) -> Result<Options, String> {
@@ -61,6 +75,7 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
         memberships: vec!["dynamic", "static"],
         restarts: vec![true, false],
         lag_secs: 15.0,
+        fetch_wait_ms: None,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -78,6 +93,10 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
             "--lag-secs" => {
                 let v = value()?;
                 o.lag_secs = v.parse().map_err(|_| format!("--lag-secs: cannot parse {v:?}"))?;
+            }
+            "--fetch-wait" => {
+                let v = value()?;
+                o.fetch_wait_ms = Some(v.parse().map_err(|_| format!("--fetch-wait: cannot parse {v:?}"))?);
             }
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown argument {other:?}")),
@@ -151,13 +170,14 @@ async fn run(opts: Options) -> anyhow::Result<()> {
             continue;
         }
         if opts.lag_secs > 0.0 {
-            let l = lag_at_half(broker, Duration::from_secs_f64(opts.lag_secs)).await?;
+            let l = lag_at_half(broker, Duration::from_secs_f64(opts.lag_secs), opts.fetch_wait_ms(broker))
+                .await?;
             eprintln!("{broker}: {l:?}");
             lags.push(l);
         }
         for membership in opts.memberships.clone() {
             for restarted in opts.restarts.clone() {
-                let o = measure(broker, membership, restarted, opts.rate).await?;
+                let o = measure(broker, membership, restarted, opts.rate, opts.fetch_wait_ms(broker)).await?;
                 eprintln!(
                     "{broker} {membership} {}: peak {} messages, back {:?} after the kill",
                     if restarted { "restarted" } else { "not restarted" },
@@ -173,12 +193,13 @@ async fn run(opts: Options) -> anyhow::Result<()> {
             "\nIndex lag, commit → applied ({INDEX}; one writer, one indexer; {} s phases)\n",
             opts.lag_secs
         );
-        println!("| broker | max single-PUT rate | lag at 50% of it: p50 | p99 | max bucket | events | PUTs failed | commit → fetched: p50 | p99 |");
-        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+        println!("| broker | indexer fetch wait | max single-PUT rate | lag at 50% of it: p50 | p99 | max bucket | events | PUTs failed | commit → fetched: p50 | p99 |");
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         for l in &lags {
             println!(
-                "| {} | {:.0}/s | {:.1} ms | {:.1} ms | ≤ {:.0} ms | {:.0} | {} | {:.1} ms | {:.1} ms |",
+                "| {} | {} ms | {:.0}/s | {:.1} ms | {:.1} ms | ≤ {:.0} ms | {:.0} | {} | {:.1} ms | {:.1} ms |",
                 l.broker,
+                l.fetch_wait_ms,
                 l.max_rate,
                 l.p50_ms,
                 l.p99_ms,
@@ -226,6 +247,7 @@ async fn run(opts: Options) -> anyhow::Result<()> {
 #[derive(Debug)]
 struct Lag {
     broker: &'static str,
+    fetch_wait_ms: u64,
     max_rate: f64,
     p50_ms: f64,
     p99_ms: f64,
@@ -241,14 +263,14 @@ struct Lag {
 /// The max single-PUT rate (16 clients in a closed loop for `phase`), then
 /// an open loop at half of it for `phase`, with the indexer's
 /// commit→applied histogram read before and after.
-async fn lag_at_half(broker: &'static str, phase: Duration) -> anyhow::Result<Lag> {
+async fn lag_at_half(broker: &'static str, phase: Duration, fetch_wait_ms: u64) -> anyhow::Result<Lag> {
     let env = match broker {
         "mock" => TestEnv::new(&format!("lag{broker}"), STANDARD_INDEXES).await,
         _ => TestEnv::with_tansu(&format!("lag{broker}"), STANDARD_INDEXES).await,
     };
     env.migrate().await;
     let writer = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;
-    let indexer = indexer(&env, "indexer-a", "dynamic").await;
+    let indexer = indexer(&env, "indexer-a", "dynamic", fetch_wait_ms).await;
     let http = reqwest::Client::new();
     // Applying: a first write shows up in the histogram.
     let scrape = || async {
@@ -324,6 +346,7 @@ async fn lag_at_half(broker: &'static str, phase: Duration) -> anyhow::Result<La
     }
     let after = scrape().await.unwrap_or_default();
     Ok(Lag {
+        fetch_wait_ms,
         broker,
         max_rate,
         p50_ms: hist::quantile(&before, &after, 0.5),
@@ -343,8 +366,11 @@ fn fetch_probe(env: &TestEnv, stop: Arc<AtomicBool>) -> anyhow::Result<tokio::ta
     use rdkafka::consumer::{BaseConsumer, Consumer};
     use rdkafka::Message;
     let k = env.kafka_settings();
-    let consumer: BaseConsumer =
-        service::kafka::create(&service::kafka::consumer_config(&k, "bench-fetch-probe"))?;
+    let consumer: BaseConsumer = service::kafka::create(&service::kafka::consumer_config(
+        &k,
+        "bench-fetch-probe",
+        schemas::settings::FETCH_WAIT_MS,
+    ))?;
     let md = consumer.fetch_metadata(Some(&k.topic), Duration::from_secs(10))?;
     let mut tpl = rdkafka::TopicPartitionList::new();
     for t in md.topics() {
@@ -413,10 +439,15 @@ async fn put(http: &reqwest::Client, base: &str, i: u64) -> bool {
 }
 
 /// An indexer of [`INDEX`]; a static member (Kafka's `group.instance.id`,
-/// through `kafka.options`) named `name`, or a dynamic one.
-async fn indexer(env: &TestEnv, name: &str, membership: &str) -> Proc {
+/// through `kafka.options`) named `name`, or a dynamic one; fetching with
+/// a wait of `fetch_wait_ms`.
+async fn indexer(env: &TestEnv, name: &str, membership: &str, fetch_wait_ms: u64) -> Proc {
     let options = format!("{{\"group.instance.id\" = \"{name}\"}}");
-    let mut vars = vec![("BAGSTORE_KAFKA__SESSION_TIMEOUT_MS", "6000")];
+    let fetch_wait = fetch_wait_ms.to_string();
+    let mut vars = vec![
+        ("BAGSTORE_KAFKA__SESSION_TIMEOUT_MS", "6000"),
+        ("BAGSTORE_INDEXER__FETCH_WAIT_MS", fetch_wait.as_str()),
+    ];
     if membership == "static" {
         vars.push(("BAGSTORE_KAFKA__OPTIONS", options.as_str()));
     }
@@ -434,6 +465,7 @@ async fn measure(
     membership: &'static str,
     restarted: bool,
     rate: f64,
+    fetch_wait_ms: u64,
 ) -> anyhow::Result<Outcome> {
     let name = format!("recovery{}{}{}", &broker[..1], &membership[..1], u8::from(restarted));
     let env = match broker {
@@ -442,8 +474,8 @@ async fn measure(
     };
     env.migrate().await;
     let writer = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;
-    let doomed = indexer(&env, "indexer-a", membership).await;
-    let _survivor = indexer(&env, "indexer-b", membership).await;
+    let doomed = indexer(&env, "indexer-a", membership, fetch_wait_ms).await;
+    let _survivor = indexer(&env, "indexer-b", membership, fetch_wait_ms).await;
 
     let stop = Arc::new(AtomicBool::new(false));
     let failed = Arc::new(AtomicU64::new(0));
@@ -486,7 +518,7 @@ async fn measure(
     let mut _again = None;
     if restarted {
         restarted_at = Some(Instant::now());
-        _again = Some(indexer(&env, "indexer-a", membership).await);
+        _again = Some(indexer(&env, "indexer-a", membership, fetch_wait_ms).await);
     }
     let mut peak = 0;
     let mut calm_since: Option<Instant> = None;

@@ -15,6 +15,7 @@ pub use secrets::{is_secret_kafka_option, Dsn, Secret};
 pub use sections::{
     AuthSettings, ChangesSettings, CleanerSettings, ExpirySettings, HttpSettings, IndexerSettings,
     IngestSettings, KafkaSettings, MoverSettings, MysqlSettings, ReaderSettings, WriterSettings,
+    EMBEDDED_FETCH_WAIT_MS, FETCH_WAIT_MS,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -306,6 +307,17 @@ pub(crate) mod tests {
             Settings::from_toml_and_env("", env(&[("BAGSTORE_HTTP__REQUEST_TIMEOUT_MS", "500")])).unwrap();
         assert_eq!(s.http.request_timeout_ms, 500);
         assert!(Settings::from_toml_and_env("[http]\nrequest_timeout_ms = 0", env(&[])).is_err());
+    }
+
+    #[test]
+    fn the_index_consumers_fetch_wait_is_20_ms_unless_set() {
+        let s = Settings::from_toml_and_env("", env(&[])).unwrap();
+        assert_eq!(s.indexer.fetch_wait_ms, None);
+        assert_eq!(s.indexer.fetch_wait_ms(), FETCH_WAIT_MS);
+        let s = Settings::from_toml_and_env("[indexer]\nfetch_wait_ms = 5", env(&[])).unwrap();
+        assert_eq!(s.indexer.fetch_wait_ms(), 5);
+        let s = Settings::from_toml_and_env("", env(&[("BAGSTORE_INDEXER__FETCH_WAIT_MS", "7")])).unwrap();
+        assert_eq!(s.indexer.fetch_wait_ms(), 7);
     }
 
     #[test]

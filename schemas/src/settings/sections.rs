@@ -224,11 +224,39 @@ pub struct IndexerSettings {
     pub batch_wait_ms: u64,
     /// Ceiling of the retry backoff after a database error.
     pub retry_max_ms: u64,
+    /// The index consumers' `fetch.wait.max.ms`: how long a broker may hold
+    /// a fetch that found nothing. Unset: [`EMBEDDED_FETCH_WAIT_MS`] on
+    /// `bagstore dev`'s embedded broker, [`FETCH_WAIT_MS`] on any other.
+    pub fetch_wait_ms: Option<u64>,
+}
+
+/// The index consumers' fetch wait on a broker that answers a fetch as soon
+/// as data arrives (Apache Kafka): there it sets only how often an idle
+/// consumer asks, and lag does not depend on it. tansu 0.6 and librdkafka's
+/// mock cluster hold every fetch for the whole wait, found data or not, so
+/// there it is paid on every event: see [`EMBEDDED_FETCH_WAIT_MS`].
+pub const FETCH_WAIT_MS: u64 = 20;
+
+/// The index consumers' fetch wait on `bagstore dev`'s embedded broker
+/// (librdkafka's mock cluster), where index lag is the wait plus the apply.
+/// Measured side by side (BENCHMARKS.md, run B6, lag at 50% of the max put
+/// rate): p50 19.0 / p99 42.4 ms at 5 ms against 33.1 / 72.4 at 20 ms. The
+/// price is four times the idle fetches. On tansu each fetch runs a
+/// PostgreSQL query per partition, and at 5 ms the two-core test machine's
+/// tansu fell behind its consumers' session timeouts (issue 20's note), so
+/// this is not the default for other brokers.
+pub const EMBEDDED_FETCH_WAIT_MS: u64 = 5;
+
+impl IndexerSettings {
+    /// The index consumers' fetch wait (see [`IndexerSettings::fetch_wait_ms`]).
+    pub fn fetch_wait_ms(&self) -> u64 {
+        self.fetch_wait_ms.unwrap_or(FETCH_WAIT_MS)
+    }
 }
 
 impl Default for IndexerSettings {
     fn default() -> Self {
-        IndexerSettings { batch_max: 500, batch_wait_ms: 5, retry_max_ms: 5_000 }
+        IndexerSettings { batch_max: 500, batch_wait_ms: 5, retry_max_ms: 5_000, fetch_wait_ms: None }
     }
 }
 

@@ -508,8 +508,12 @@ async fn kafka_clients_are_created_with_tls_options() {
     assert!(features.split(',').any(|f| f == "ssl"), "librdkafka lacks TLS support: {features}");
     let _producer: FutureProducer =
         service::kafka::create(&service::kafka::producer_config(&k)).expect("producer");
-    let _consumer: StreamConsumer =
-        service::kafka::create(&service::kafka::consumer_config(&k, "bagstore-index-t")).expect("consumer");
+    let _consumer: StreamConsumer = service::kafka::create(&service::kafka::consumer_config(
+        &k,
+        "bagstore-index-t",
+        schemas::settings::FETCH_WAIT_MS,
+    ))
+    .expect("consumer");
     let _admin: rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext> =
         service::kafka::create(&service::kafka::base_config(&k)).expect("admin client");
     // A CA file that does not exist is caught when the client is created.
@@ -536,9 +540,10 @@ async fn the_relay_producer_and_index_consumer_speak_kafka_inside_tls() {
     producer_listener.until_kafka_request_over_tls("the relay's producer").await;
 
     let k = tls_kafka(&consumer_listener.brokers(), &w.pki.ca);
-    let consumer: BaseConsumer<Captured> = service::kafka::consumer_config(&k, "bagstore-index-t")
-        .create_with_context(log.clone())
-        .expect("consumer");
+    let consumer: BaseConsumer<Captured> =
+        service::kafka::consumer_config(&k, "bagstore-index-t", schemas::settings::FETCH_WAIT_MS)
+            .create_with_context(log.clone())
+            .expect("consumer");
     ask_for_metadata(move |timeout| drop(consumer.fetch_metadata(None, timeout)));
     consumer_listener.until_kafka_request_over_tls("an index consumer").await;
 
