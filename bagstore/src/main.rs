@@ -48,6 +48,10 @@ enum Command {
         /// Shards a backfill scans at once (default from the config).
         #[arg(long)]
         concurrency: Option<usize>,
+        /// The backfill's pace follows the shards' health, under --rate if
+        /// given (cleaner.backfill_follow_health).
+        #[arg(long)]
+        follow_health: bool,
     },
     /// Index administration.
     Index {
@@ -322,8 +326,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let s = load(a.config.as_ref())?;
             app::serve(s, app::Roles { reader: true, ..Default::default() }, "reader", a.http).await
         }
-        Command::Cleaner { service, index, rate, concurrency } => {
+        Command::Cleaner { service, index, rate, concurrency, follow_health } => {
             let mut s = load(service.config.as_ref())?;
+            s.cleaner.backfill_follow_health |= follow_health;
             if let Some(r) = rate {
                 s.cleaner.backfill_rate = r;
             }

@@ -74,6 +74,8 @@ const LOAD_MAX_LAG: i64 = 20_000;
 const PARTITIONS: i32 = 2;
 const INDEX_MAIN: &str = "index_user_published";
 const INDEX_NEW: &str = "index_link";
+/// Built after `index_link`, by a backfill whose pace follows the shards' health.
+const INDEX_PACED: &str = "index_paced";
 
 #[derive(Debug, Clone)]
 struct Options {
@@ -458,29 +460,6 @@ where
     Ok((run, spent, secs))
 }
 
-/// A control load that is not bagstore: threads (one per core needed) that
-/// each spin for a share of every 20 ms and sleep the rest, `cores` cores
-/// busy in all, until `stop`.
-fn burn(cores: f64, stop: Arc<AtomicBool>) -> Vec<std::thread::JoinHandle<()>> {
-    let threads = (cores.ceil() as usize).clamp(1, 2);
-    let duty = (cores / threads as f64).clamp(0.0, 1.0);
-    let period = Duration::from_millis(20);
-    (0..threads)
-        .map(|_| {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    let t = Instant::now();
-                    while t.elapsed() < period.mul_f64(duty) {
-                        std::hint::spin_loop();
-                    }
-                    std::thread::sleep(period.saturating_sub(t.elapsed()));
-                }
-            })
-        })
-        .collect()
-}
-
 // ---------------------------------------------------------------- peak memory
 
 /// The processes of the run, labelled: their largest resident set (kB,
@@ -678,6 +657,93 @@ impl Usage {
     }
 }
 
+/// A backfill run beside the steady writer, and its control.
+struct Backfilled {
+    secs: f64,
+    during: Run,
+    /// The same writer beside a CPU burner as big as the backfill's extra.
+    burned: Run,
+    extra_cores: f64,
+    during_use: (Usage, f64),
+    burned_use: (Usage, f64),
+}
+
+/// Backfills `index` (created by `migrate`, CREATING) with `bagstore
+/// cleaner --index <index> <args>` while `steady` writes at `rate`, checks
+/// the index holds one row per live entity, then runs the control: the
+/// same writer beside a load that is not bagstore's, as many cores busy as
+/// the backfill added over `base`.
+async fn backfill_beside_writer<F, Fut>(
+    world: &World,
+    index: &str,
+    args: &[&str],
+    base: (&Usage, f64),
+    rate: f64,
+    d: Duration,
+    steady: F,
+) -> anyhow::Result<Backfilled>
+where
+    F: Fn() -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+{
+    let indexer = world.bagstore(&["indexer", "--index", index], true).await?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let before = world.usage().await;
+    let writer = tokio::spawn(open_loop(rate, stop.clone(), steady.clone()));
+    let t = Instant::now();
+    let mut child = tokio::process::Command::new(bagstore_tests::bagstore_bin())
+        .args(["cleaner", "--index", index])
+        .args(args)
+        .arg("--config")
+        .arg(world.config(true))
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()?;
+    if let Some(pid) = child.id() {
+        world.procs.watch(&format!("bagstore cleaner --index (backfill {index})"), pid);
+    }
+    let status = child.wait().await?;
+    let secs = t.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    let during = writer.await?;
+    let mut during_use = Usage::default();
+    during_use.add(&world.usage().await, &before);
+    ensure!(status.success(), "the backfill of {index} failed: {status}");
+    world.caught_up(index, Duration::from_secs(3600)).await?;
+    let mut rows = 0i64;
+    let mut live = 0i64;
+    for dsn in &world.bag_dsns {
+        let pool = MySqlPool::connect(dsn).await?;
+        rows +=
+            sqlx::query_scalar::<_, i64>(&format!("SELECT COUNT(*) FROM {index}")).fetch_one(&pool).await?;
+        live += sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM entities WHERE body IS NOT NULL")
+            .fetch_one(&pool)
+            .await?;
+        pool.close().await;
+    }
+    ensure!(rows == live, "{index} holds {rows} rows for {live} entities");
+    indexer.terminate().await;
+    let extra_cores = (during_use.cores(secs) - base.0.cores(base.1)).max(0.0);
+    let stop = Arc::new(AtomicBool::new(false));
+    let burners = burn(extra_cores, stop.clone());
+    let burned = steady_alone(world, rate, d, steady).await;
+    stop.store(true, Ordering::Relaxed);
+    for b in burners {
+        b.join().expect("burner");
+    }
+    let (burned, burned_use, burned_secs) = burned?;
+    Ok(Backfilled {
+        secs,
+        during,
+        burned,
+        extra_cores,
+        during_use: (during_use, secs),
+        burned_use: (burned_use, burned_secs),
+    })
+}
+
 impl World {
     async fn usage(&self) -> Usage {
         let mut u = Usage { cpu: self.procs.cpu(), ..Usage::default() };
@@ -737,9 +803,11 @@ impl World {
             self.topic,
         );
         if with_new_index {
-            toml.push_str(&format!(
-                "\n[[indexes]]\ntable = \"{INDEX_NEW}\"\nproperties = [{{ name = \"link\", type = \"string\", max_len = 200 }}]\n"
-            ));
+            for table in [INDEX_NEW, INDEX_PACED] {
+                toml.push_str(&format!(
+                    "\n[[indexes]]\ntable = \"{table}\"\nproperties = [{{ name = \"link\", type = \"string\", max_len = 200 }}]\n"
+                ));
+            }
         }
         let p = self.dir.path().join(file);
         std::fs::write(&p, toml).expect("config");
@@ -1102,10 +1170,13 @@ async fn bag_latest(
 
 // ---------------------------------------------------------------- histogram
 
+#[path = "burn.rs"]
+mod burn;
 #[path = "hist.rs"]
 mod hist;
 #[path = "sibling.rs"]
 mod sibling;
+use burn::burn;
 use hist::{buckets, max_bucket, quantile};
 
 // ---------------------------------------------------------------- the run
@@ -1421,69 +1492,41 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     let rate = opts.steady_rate as f64;
     let (h, wb) = (http.clone(), wbase.clone());
     let bag_steady = move || bag_put(h.clone(), wb.clone(), fresh());
-    let (bag_base, bag_during, backfill_secs, bag_use) = {
-        let (base, base_use, base_secs) = steady_alone(world, rate, d, bag_steady.clone()).await?;
-        world.migrate(true).await?;
-        let link_indexer = world.bagstore(&["indexer", "--index", INDEX_NEW], true).await?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let before = world.usage().await;
-        let steady = tokio::spawn(open_loop(rate, stop.clone(), bag_steady.clone()));
-        let t = Instant::now();
-        let mut args: Vec<String> = vec![
-            "cleaner".into(),
-            "--index".into(),
-            INDEX_NEW.into(),
-            "--rate".into(),
-            opts.backfill_rate.to_string(),
-        ];
-        args.push("--config".into());
-        args.push(world.config(true).display().to_string());
-        let mut child = tokio::process::Command::new(bagstore_tests::bagstore_bin())
-            .args(&args)
-            .env("RUST_LOG", "warn")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .kill_on_drop(true)
-            .spawn()?;
-        if let Some(pid) = child.id() {
-            world.procs.watch("bagstore cleaner --index (backfill)", pid);
-        }
-        let status = child.wait().await?;
-        let secs = t.elapsed().as_secs_f64();
-        stop.store(true, Ordering::Relaxed);
-        let during = steady.await?;
-        let mut during_use = Usage::default();
-        during_use.add(&world.usage().await, &before);
-        ensure!(status.success(), "the backfill failed: {status}");
-        world.caught_up(INDEX_NEW, Duration::from_secs(3600)).await?;
-        let mut rows = 0i64;
-        let mut live = 0i64;
-        for dsn in &world.bag_dsns {
-            let pool = MySqlPool::connect(dsn).await?;
-            rows += sqlx::query_scalar::<_, i64>(&format!("SELECT COUNT(*) FROM {INDEX_NEW}"))
-                .fetch_one(&pool)
-                .await?;
-            live += sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM entities WHERE body IS NOT NULL")
-                .fetch_one(&pool)
-                .await?;
-            pool.close().await;
-        }
-        ensure!(rows == live, "{INDEX_NEW} holds {rows} rows for {live} entities");
-        link_indexer.terminate().await;
-        // The control: the same steady writer beside a load that is not
-        // bagstore's, as many cores busy as the backfill added.
-        let extra = (during_use.cores(secs) - base_use.cores(base_secs)).max(0.0);
-        let stop = Arc::new(AtomicBool::new(false));
-        let burners = burn(extra, stop.clone());
-        let burned = steady_alone(world, rate, d, bag_steady.clone()).await;
-        stop.store(true, Ordering::Relaxed);
-        for b in burners {
-            b.join().expect("burner");
-        }
-        let (burned, burned_use, burned_secs) = burned?;
-        let uses = [(base_use, base_secs), (during_use, secs), (burned_use, burned_secs)];
-        (base, (during, burned, extra), secs, uses)
-    };
+    // The unlimited backfill of `index_link`, then the one of `index_paced`
+    // whose pace follows the shards' health; each with its CPU-burner
+    // control. `index_paced` is dropped after, so the moves later copy what
+    // they copied before it existed.
+    let (bag_base, base_use, base_secs) = steady_alone(world, rate, d, bag_steady.clone()).await?;
+    world.migrate(true).await?;
+    let rate_arg = opts.backfill_rate.to_string();
+    let unlimited = backfill_beside_writer(
+        world,
+        INDEX_NEW,
+        &["--rate", &rate_arg],
+        (&base_use, base_secs),
+        rate,
+        d,
+        bag_steady.clone(),
+    )
+    .await?;
+    let paced = backfill_beside_writer(
+        world,
+        INDEX_PACED,
+        &["--rate", "0", "--follow-health"],
+        (&base_use, base_secs),
+        rate,
+        d,
+        bag_steady.clone(),
+    )
+    .await?;
+    let dropped = tokio::process::Command::new(bagstore_tests::bagstore_bin())
+        .args(["index", "drop", INDEX_PACED, "--config"])
+        .arg(world.config(true))
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .status()
+        .await?;
+    ensure!(dropped.success(), "bagstore index drop {INDEX_PACED}: {dropped}");
     let nat = native.clone();
     let json_steady = move || {
         let nat = nat.clone();
@@ -1518,12 +1561,11 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         during_use.add(&world.usage().await, &before);
         (base, during, secs, [(base_use, base_secs), (during_use, secs)])
     };
-    let (bag_during, bag_burned, extra_cores) = bag_during;
     report.line(
         "backfill_bagstore",
         &format!("bagstore: online backfill (cleaner --index, --rate {})", opts.backfill_rate),
-        format!("{:.1} s", backfill_secs),
-        format!("{:.0} rows/s", n as f64 / backfill_secs),
+        format!("{:.1} s", unlimited.secs),
+        format!("{:.0} rows/s", n as f64 / unlimited.secs),
     );
     report.line(
         "alter_json",
@@ -1532,22 +1574,55 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         format!(
             "{:.0} rows/s; bagstore is {} as fast",
             n as f64 / alter_secs,
-            ratio(alter_secs, backfill_secs)
+            ratio(alter_secs, unlimited.secs)
         ),
     );
-    report.run("steady_bagstore_base", "bagstore steady writer, before", &bag_base, "writes/s");
-    report.run(
-        "steady_bagstore_during",
-        "bagstore steady writer, during the backfill",
-        &bag_during,
-        "writes/s",
-    );
     report.line(
-        "steady_bagstore_ratio",
-        "bagstore writer p99, during / before",
-        ratio(bag_during.latency.p99, bag_base.latency.p99),
-        String::new(),
+        "backfill_paced",
+        "bagstore: online backfill following health (cleaner --index --follow-health)",
+        format!("{:.1} s", paced.secs),
+        format!("{:.0} rows/s", n as f64 / paced.secs),
     );
+    report.run("steady_bagstore_base", "bagstore steady writer, before", &bag_base, "writes/s");
+    for (key, what, b) in
+        [("", "the backfill", &unlimited), ("_paced", "the backfill following health", &paced)]
+    {
+        report.run(
+            &format!("steady_bagstore_during{key}"),
+            &format!("bagstore steady writer, during {what}"),
+            &b.during,
+            "writes/s",
+        );
+        report.line(
+            &format!("steady_bagstore_ratio{key}"),
+            &format!("bagstore writer p99, during {what} / before"),
+            ratio(b.during.latency.p99, bag_base.latency.p99),
+            String::new(),
+        );
+        report.run(
+            &format!("steady_bagstore_burner{key}"),
+            &format!(
+                "bagstore steady writer beside a CPU burner of {:.2} cores ({what}'s extra)",
+                b.extra_cores
+            ),
+            &b.burned,
+            "writes/s",
+        );
+        report.line(
+            &format!("steady_bagstore_burner_ratio{key}"),
+            &format!("bagstore writer p99, beside the burner of {what} / before"),
+            ratio(b.burned.latency.p99, bag_base.latency.p99),
+            String::new(),
+        );
+        report.line(
+            &format!("steady_bagstore_vs_burner{key}"),
+            &format!(
+                "bagstore writer p99, during {what} / beside its burner (target ≤ 1.5 following health)"
+            ),
+            ratio(b.during.latency.p99, b.burned.latency.p99),
+            String::new(),
+        );
+    }
     report.run("steady_json_base", "json steady writer, before", &json_base, "writes/s");
     report.run("steady_json_during", "json steady writer, during the ALTER", &json_during, "writes/s");
     report.line(
@@ -1556,24 +1631,12 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         ratio(json_during.latency.p99, json_base.latency.p99),
         String::new(),
     );
-    report.run(
-        "steady_bagstore_burner",
-        &format!(
-            "bagstore steady writer beside a CPU burner of {extra_cores:.2} cores (the backfill's extra)"
-        ),
-        &bag_burned,
-        "writes/s",
-    );
-    report.line(
-        "steady_bagstore_burner_ratio",
-        "bagstore writer p99, beside the burner / before",
-        ratio(bag_burned.latency.p99, bag_base.latency.p99),
-        String::new(),
-    );
     let phases = [
-        ("bagstore steady writer, before", &bag_use[0]),
-        ("during the backfill", &bag_use[1]),
-        ("beside the CPU burner", &bag_use[2]),
+        ("bagstore steady writer, before", &(base_use, base_secs)),
+        ("during the backfill", &unlimited.during_use),
+        ("beside the CPU burner", &unlimited.burned_use),
+        ("during the backfill following health", &paced.during_use),
+        ("beside its CPU burner", &paced.burned_use),
         ("json steady writer, before", &json_use[0]),
         ("during the ALTER", &json_use[1]),
     ];

@@ -10,7 +10,8 @@
 //! are idempotent), and rows counted as done are never scanned again.
 //! Saving after every batch cost a durable commit per batch on shard 0,
 //! as many as the index rows' own. A named lock keeps one backfiller per
-//! index; a rate limit and a shard concurrency keep live traffic healthy.
+//! index; a shard concurrency and a pace ([`crate::pace`]: a fixed rate, or
+//! one that follows the shards' health) keep live traffic healthy.
 
 use schemas::codec;
 use schemas::index::IndexState;
@@ -23,6 +24,7 @@ use storage::{catalog, entities, locks, migrate, topology, EntityRecord, OnShard
 use tokio::sync::{Mutex, Semaphore};
 use tokio_util::sync::CancellationToken;
 
+use crate::pace::{self, Pace};
 use crate::{Cleaner, CleanerError};
 
 /// How often the cursor is persisted while the backfill runs.
@@ -131,6 +133,18 @@ impl Cleaner {
                 (c, 0, total)
             }
         };
+        let c = &self.settings().cleaner;
+        let stop_pace = CancellationToken::new();
+        let _stop_pace = stop_pace.clone().drop_guard();
+        let pace = if c.backfill_follow_health {
+            let m = self.metrics().clone();
+            pace::follow_health(shards, &table, c.backfill_health_slack_ms, c.backfill_rate, m, stop_pace)
+                .await?
+                .0
+        } else {
+            self.metrics().backfill_pace.with_label_values(&[&table]).set(c.backfill_rate as f64);
+            Arc::new(Pace::fixed(c.backfill_rate))
+        };
         tracing::info!(index = %table, rows_done, rows_total, "backfill running");
         let shared =
             Arc::new(Mutex::new(Shared { cursor, rows_done, scanned_this_run: 0, saved_at: Instant::now() }));
@@ -152,6 +166,7 @@ impl Cleaner {
             let gate = &gate;
             let spec = &meta.spec;
             let table = &table;
+            let pace = &pace;
             async move {
                 let _permit = gate.acquire().await.expect("semaphore open");
                 loop {
@@ -169,7 +184,7 @@ impl Cleaner {
                         shard,
                         shards.pool(shard),
                         Some(below),
-                        self.settings().cleaner.backfill_batch,
+                        pace.batch(self.settings().cleaner.backfill_batch),
                     )
                     .await?;
                     // A moved-away copy's rows are not this shard's to index.
@@ -204,7 +219,7 @@ impl Cleaner {
                     self.metrics().backfill_rows.with_label_values(&[table]).inc_by(scanned.len() as u64);
                     self.metrics().backfill_progress.with_label_values(&[table]).set(p.ratio());
                     report(p);
-                    self.throttle(p.scanned_this_run, start).await;
+                    pace.after(scanned.len() as u64).await;
                 }
             }
         });
@@ -225,18 +240,6 @@ impl Cleaner {
         self.metrics().backfill_progress.with_label_values(&[&table]).set(1.0);
         report(p);
         Ok(p)
-    }
-
-    /// Keeps the whole backfill at or under `backfill_rate` rows/s.
-    async fn throttle(&self, scanned: u64, start: Instant) {
-        let rate = self.settings().cleaner.backfill_rate;
-        if rate == 0 {
-            return;
-        }
-        let due = Duration::from_secs_f64(scanned as f64 / rate as f64);
-        if let Some(wait) = due.checked_sub(start.elapsed()) {
-            tokio::time::sleep(wait).await;
-        }
     }
 
     /// Upserts the rows of a batch of entities, grouped by target shard.

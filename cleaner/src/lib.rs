@@ -21,6 +21,7 @@
 //! - this file: the [`Cleaner`] and its sweep cycle.
 //! - [`reconcile`]: per-entity drift judgment and repair.
 //! - [`backfill`]: a new index's online backfill, resumable, throttled.
+//! - [`pace`]: the backfill's pace, fixed or following the shards' health.
 //! - [`expiry`]: deleting expired entities (through the writer) and
 //!   purging old tombstones.
 //! - [`lag`]: index lag and the settled time (before which drift is drift,
@@ -31,6 +32,7 @@ pub mod backfill;
 pub mod expiry;
 pub mod lag;
 pub mod metrics;
+pub mod pace;
 pub mod reconcile;
 
 use schemas::index::IndexState;

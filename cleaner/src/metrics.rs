@@ -19,6 +19,12 @@ pub struct CleanerMetrics {
     pub sweep_seconds: prometheus::Gauge,
     pub backfill_progress: GaugeVec,
     pub backfill_rows: IntCounterVec,
+    /// The backfill's pace now, rows per second (0: none; see `crate::pace`).
+    pub backfill_pace: GaugeVec,
+    /// A pace following health: the latest window's 90th-percentile probe latency
+    /// (`what="probe"`) on the shard furthest over its baseline, and that
+    /// shard's limit (`what="limit"`: its baseline plus the slack).
+    pub backfill_health: GaugeVec,
     /// 0 CREATING, 1 BACKFILLING, 2 ACTIVE, 3 DROPPING.
     pub index_state: IntGaugeVec,
     /// Events on the topic the index's group has not committed, per
@@ -80,6 +86,20 @@ impl CleanerMetrics {
             backfill_rows: IntCounterVec::new(
                 Opts::new("bagstore_cleaner_backfill_rows_total", "Entities scanned by backfills"),
                 &["index"],
+            )?,
+            backfill_pace: GaugeVec::new(
+                Opts::new(
+                    "bagstore_cleaner_backfill_pace_rows_per_second",
+                    "Rows per second the backfill may write now (0: no limit)",
+                ),
+                &["index"],
+            )?,
+            backfill_health: GaugeVec::new(
+                Opts::new(
+                    "bagstore_cleaner_backfill_probe_seconds",
+                    "Backfill following health: 90th-percentile probe latency on the busiest shard (probe) and its limit (limit)",
+                ),
+                &["index", "what"],
             )?,
             index_state: IntGaugeVec::new(
                 Opts::new(
@@ -154,6 +174,8 @@ impl CleanerMetrics {
         r.register(Box::new(m.sweep_seconds.clone()))?;
         r.register(Box::new(m.backfill_progress.clone()))?;
         r.register(Box::new(m.backfill_rows.clone()))?;
+        r.register(Box::new(m.backfill_pace.clone()))?;
+        r.register(Box::new(m.backfill_health.clone()))?;
         r.register(Box::new(m.index_state.clone()))?;
         r.register(Box::new(m.partition_lag.clone()))?;
         r.register(Box::new(m.lag_events.clone()))?;

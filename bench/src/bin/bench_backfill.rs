@@ -19,15 +19,20 @@
 //! 5. print a table (also written as JSON to `target/bench-backfill.json`);
 //! 6. check that `index_link` holds exactly one row per entity; exit 1 if not.
 
+#[path = "../burn.rs"]
+mod burn;
 #[path = "../sibling.rs"]
 mod sibling;
 
 use anyhow::{bail, Context};
 use bagstore_tests::{bagstore_bin, eventually, Api, Proc, TestEnv};
+use burn::burn;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::process::{ExitCode, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::watch;
@@ -60,12 +65,13 @@ const SERVICE_ENV: &[(&str, &str)] = &[("RUST_LOG", "info")];
 const CATCH_UP_DEADLINE: Duration = Duration::from_secs(900);
 
 const USAGE: &str = "usage: bench_backfill [--quick] [--entities N] [--phase-secs S] [--write-rate R] \
-                     [--backfill-rate R]\n\
+                     [--backfill-rate R] [--follow-health]\n\
   --quick            smoke run: 5000 entities, 3 s phases\n\
   --entities N       entities loaded before the backfill (default 200000)\n\
   --phase-secs S     length of the baseline phase in seconds (default 15)\n\
   --write-rate R     steady writer, requests per second (default 200)\n\
-  --backfill-rate R  cleaner --rate, rows per second; 0 is unlimited (default 0)";
+  --backfill-rate R  cleaner --rate, rows per second; 0 is unlimited (default 0)\n\
+  --follow-health    cleaner --follow-health: the pace follows the shards' health (under --backfill-rate if set)";
 
 #[derive(Debug, Clone)]
 struct Options {
@@ -73,6 +79,7 @@ struct Options {
     phase: Duration,
     write_rate: u32,
     backfill_rate: u64,
+    follow_health: bool,
     quick: bool,
 }
 
@@ -82,11 +89,12 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
         v.parse().map_err(|_| format!("{flag}: cannot parse {v:?}"))
     }
     let (mut entities, mut phase_secs, mut write_rate, mut backfill_rate) = (None, None, None, None);
-    let mut quick = false;
+    let (mut quick, mut follow_health) = (false, false);
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--quick" => quick = true,
+            "--follow-health" => follow_health = true,
             "--entities" => entities = Some(value::<usize>(a, it.next())?),
             "--phase-secs" => phase_secs = Some(value::<f64>(a, it.next())?),
             "--write-rate" => write_rate = Some(value::<u32>(a, it.next())?),
@@ -108,6 +116,7 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
         phase: Duration::from_secs_f64(phase_secs),
         write_rate,
         backfill_rate: backfill_rate.unwrap_or(0),
+        follow_health,
         quick,
     })
 }
@@ -533,12 +542,16 @@ fn parse_done_line(line: &str) -> Option<(u64, u64, u64, f64, f64)> {
 }
 
 /// `bagstore cleaner --index index_link --rate R`, echoing its progress lines.
-async fn run_backfill(env: &TestEnv, rate: u64) -> anyhow::Result<BackfillRun> {
+async fn run_backfill(env: &TestEnv, rate: u64, follow_health: bool) -> anyhow::Result<BackfillRun> {
     let log = env.dir.path().join("cleaner-backfill.log");
     let rate = rate.to_string();
+    let mut args = vec!["cleaner", "--index", "index_link", "--rate", &rate];
+    if follow_health {
+        args.push("--follow-health");
+    }
     let started = Instant::now();
     let mut child = tokio::process::Command::new(bagstore_bin())
-        .args(env.args(&["cleaner", "--index", "index_link", "--rate", &rate]))
+        .args(env.args(&args))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(&log)?)
@@ -672,10 +685,11 @@ async fn run(opts: Options) -> anyhow::Result<bool> {
     let (cores, mem) = machine();
     let n = opts.entities;
     println!(
-        "bench_backfill: {n} entities on 2 shards; steady writer {} req/s; baseline {:.0} s; backfill --rate {}{}",
+        "bench_backfill: {n} entities on 2 shards; steady writer {} req/s; baseline {:.0} s; backfill --rate {}{}{}",
         opts.write_rate,
         secs(opts.phase),
         opts.backfill_rate,
+        if opts.follow_health { " --follow-health" } else { "" },
         if opts.quick { " (--quick)" } else { "" }
     );
     println!("machine: {cores} CPUs, {mem} memory; load average {}", loadavg());
@@ -768,7 +782,7 @@ async fn measure(
     let (stop, stopped) = watch::channel(false);
     let cpu = tokio::spawn(CpuSampler::run(stopped.clone()));
     let w = tokio::spawn(steady_writer(api.clone(), opts.write_rate, stopped));
-    let backfill = run_backfill(env, opts.backfill_rate).await;
+    let backfill = run_backfill(env, opts.backfill_rate, opts.follow_health).await;
     stop.send(true).ok();
     let during = w.await.context("backfill-phase writer")?;
     let during_cpu = cpu.await.context("backfill-phase sampler")?;
@@ -822,6 +836,26 @@ async fn measure(
     );
     link_indexer.terminate().await;
 
+    // The control: the same writer beside a load that is not bagstore's,
+    // as many cores busy as the backfill added.
+    let extra_cores = (during_cpu.machine_cores_busy(cores) - base_cpu.machine_cores_busy(cores)).max(0.0);
+    println!(
+        "control: steady writer beside a CPU burner of {extra_cores:.2} cores for {:.0} s…",
+        secs(opts.phase)
+    );
+    let burning = Arc::new(AtomicBool::new(false));
+    let burners = burn(extra_cores, burning.clone());
+    let (stop, stopped) = watch::channel(false);
+    let w = tokio::spawn(steady_writer(api.clone(), opts.write_rate, stopped));
+    tokio::time::sleep(opts.phase).await;
+    stop.send(true).ok();
+    let burned = w.await.context("control writer");
+    burning.store(true, Ordering::Relaxed);
+    for b in burners {
+        b.join().ok();
+    }
+    let burned_lat = latency(&burned?.latencies_ms);
+
     // 5. The table and the JSON.
     let wall_rate = backfill.scanned as f64 / secs(backfill.wall);
     let ratio = during_lat.p99 / base_lat.p99;
@@ -832,10 +866,11 @@ async fn measure(
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default();
-    let rate_name = if opts.backfill_rate == 0 {
-        "unlimited".to_string()
-    } else {
-        format!("{} rows/s", opts.backfill_rate)
+    let rate_name = match (opts.backfill_rate, opts.follow_health) {
+        (0, false) => "unlimited".to_string(),
+        (0, true) => "following health".to_string(),
+        (r, false) => format!("{r} rows/s"),
+        (r, true) => format!("following health, ≤ {r} rows/s"),
     };
     let mut table = String::new();
     let mut row =
@@ -880,6 +915,18 @@ async fn measure(
     row("writer p99 (ms)", ms(base_lat.p99), ms(during_lat.p99), none());
     row("writer max (ms)", ms(base_lat.max), ms(during_lat.max), none());
     row("writer p99 ratio (during / baseline)", none(), format!("{ratio:.2}×"), none());
+    row(
+        &format!("control: writer p99 beside a CPU burner of {extra_cores:.2} cores (the backfill's extra)"),
+        ms(base_lat.p99),
+        ms(burned_lat.p99),
+        none(),
+    );
+    row(
+        "writer p99 ratio (during the backfill / beside the burner)",
+        none(),
+        format!("{:.2}×", during_lat.p99 / burned_lat.p99),
+        none(),
+    );
     let lag = |l: Option<i64>| l.map_or("?".into(), |l| l.to_string());
     row(
         "index_link group lag, events (start → end of phase)",
@@ -927,6 +974,7 @@ async fn measure(
             "phase_secs": secs(opts.phase),
             "write_rate": opts.write_rate,
             "backfill_rate": opts.backfill_rate,
+            "follow_health": opts.follow_health,
             "quick": opts.quick,
         },
         "load": {"seconds": secs(load_time), "entities_per_sec": load_rate, "items_retried_after_503": load_retried, "index_user_id_catch_up_secs": secs(user_id_catch_up)},
@@ -946,6 +994,7 @@ async fn measure(
         "writer": {
             "baseline": writer_json(&base, &base_lat),
             "during_backfill": writer_json(&during, &during_lat),
+            "beside_burner": {"extra_cores": extra_cores, "latency_ms": latency_json(&burned_lat)},
             "p99_ratio": ratio,
         },
         "cpu": {"baseline": cpu_json(&base_cpu, cores), "during_backfill": cpu_json(&during_cpu, cores),

@@ -197,6 +197,12 @@ impl Settings {
                 "cleaner batch sizes, intervals and concurrency must be positive".into(),
             ));
         }
+        if !(self.cleaner.backfill_health_slack_ms > 0.0 && self.cleaner.backfill_health_slack_ms.is_finite())
+        {
+            return Err(SettingsError::Invalid(
+                "cleaner.backfill_health_slack_ms must be a positive number".into(),
+            ));
+        }
         if self.mover.batch == 0
             || self.mover.logicals_per_move == 0
             || self.mover.cutover_attempts == 0

@@ -302,8 +302,16 @@ pub struct CleanerSettings {
     pub recent_window_secs: u64,
     /// Entities (or index entity ids) per shard per step.
     pub batch: usize,
-    /// Backfill speed limit in rows per second (0: unlimited).
+    /// Backfill speed limit in rows per second (0: unlimited). With
+    /// `backfill_follow_health`, the ceiling of the pace it follows.
     pub backfill_rate: u64,
+    /// The backfill's pace follows the shards' health: it slows down while
+    /// a probe statement takes longer than before the backfill began by
+    /// more than `backfill_health_slack_ms` (see `cleaner::pace`).
+    pub backfill_follow_health: bool,
+    /// How much slower (ms, 90th percentile) the probe may answer during a backfill
+    /// that follows health than before it.
+    pub backfill_health_slack_ms: f64,
     /// Shards a backfill scans at the same time.
     pub backfill_concurrency: usize,
     /// Entities per backfill batch.
@@ -326,6 +334,8 @@ impl Default for CleanerSettings {
             recent_window_secs: 60,
             batch: 500,
             backfill_rate: 0,
+            backfill_follow_health: false,
+            backfill_health_slack_ms: 1.0,
             backfill_concurrency: 2,
             backfill_batch: 1000,
             expiry_interval_ms: 1000,

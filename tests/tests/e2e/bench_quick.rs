@@ -38,7 +38,10 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
         "| lag at 50%, indexer fetch.wait.max.ms 20 ",
         "| lag at 50%: fetch wait 5 ms / 20 ms | p50 ",
         "| bagstore writer |",
-        "| bagstore writer p99, beside the burner / before |",
+        "| bagstore writer p99, beside the burner of the backfill / before |",
+        "| bagstore: online backfill following health (cleaner --index --follow-health) |",
+        "| bagstore writer p99, during the backfill following health / beside its burner (target ≤ 1.5 following health) |",
+        "| CPU, during the backfill following health |",
         "| CPU, during the backfill |",
     ] {
         assert!(stdout.contains(line), "the report lacks {line:?}:\n{stdout}");

@@ -1,5 +1,6 @@
 //! The cleaner: online backfill through the index lifecycle, resuming a
-//! killed backfill from its cursor, and repairing hand-made drift.
+//! killed backfill from its cursor, a backfill whose pace follows the
+//! shards' health, and repairing hand-made drift.
 
 use bagstore_tests::{bagstore_bin, eventually, metric_sum, until_query_is, TestEnv, STANDARD_INDEXES};
 use serde_json::{json, Value};
@@ -180,6 +181,77 @@ async fn a_backfill_killed_half_way_resumes_from_its_cursor_and_ends_exact() {
     }
     writer.terminate().await;
     reader.terminate().await;
+}
+
+/// The backfill's pace (`bagstore_cleaner_backfill_pace_rows_per_second`)
+/// as the cleaner reports it.
+async fn pace(cleaner: &bagstore_tests::Proc) -> f64 {
+    let m = cleaner.api().metrics().await;
+    metric_sum(&m, "bagstore_cleaner_backfill_pace_rows_per_second", &[("index", "index_link")])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backfill_following_health_slows_down_while_a_shard_is_slow_and_ends_exact() {
+    let mut env = TestEnv::new("paced", STANDARD_INDEXES).await;
+    env.migrate().await;
+    let writer = env.spawn(&["writer"]).await;
+    load(&writer.api(), 6000).await;
+    env.indexes_toml.push_str(INDEX_LINK);
+    env.migrate().await;
+    let indexer = env.spawn(&["indexer", "--index", "index_link"]).await;
+    // At most 500 rows/s, following health: the pace starts at 500.
+    let cleaner = env
+        .spawn_env(
+            &["cleaner"],
+            &[
+                ("BAGSTORE_CLEANER__BACKFILL_FOLLOW_HEALTH", "true"),
+                ("BAGSTORE_CLEANER__BACKFILL_RATE", "500"),
+            ],
+        )
+        .await;
+    eventually("the backfill to run with a pace", Duration::from_secs(30), || async {
+        (pace(&cleaner).await > 0.0).then_some(())
+    })
+    .await;
+    // Shard 1 turns slow: its probe read waits on a table lock (the probe
+    // gives up after 250 ms and counts that long).
+    let shard1 = env.pool(1).await;
+    let mut lock = shard1.acquire().await.unwrap();
+    sqlx::query("LOCK TABLES bagstore_shard WRITE").execute(&mut *lock).await.unwrap();
+    // Halved every 250 ms down to its floor (`cleaner::pace::MIN_RATE`).
+    eventually("the pace to fall to its floor", Duration::from_secs(20), || async {
+        (pace(&cleaner).await == 200.0).then_some(())
+    })
+    .await;
+    let m = cleaner.api().metrics().await;
+    let probe = metric_sum(
+        &m,
+        "bagstore_cleaner_backfill_probe_seconds",
+        &[("index", "index_link"), ("what", "probe")],
+    );
+    let limit = metric_sum(
+        &m,
+        "bagstore_cleaner_backfill_probe_seconds",
+        &[("index", "index_link"), ("what", "limit")],
+    );
+    assert!(probe >= 0.2 && limit > 0.0 && limit < probe, "probe {probe} s, limit {limit} s");
+    let (state, done, total) = meta_row(&env, "index_link").await;
+    assert!(state == "BACKFILLING" && done < total, "the backfill ended before the shard turned slow");
+    // Healthy again: the pace climbs back to its ceiling.
+    sqlx::query("UNLOCK TABLES").execute(&mut *lock).await.unwrap();
+    drop(lock);
+    eventually("the pace to climb back to 500 rows/s", Duration::from_secs(20), || async {
+        (pace(&cleaner).await == 500.0).then_some(())
+    })
+    .await;
+    eventually("index_link to be ACTIVE", Duration::from_secs(60), || async {
+        (meta_row(&env, "index_link").await.0 == "ACTIVE").then_some(())
+    })
+    .await;
+    assert_eq!(env.count_rows("index_link").await, 6000);
+    for p in [writer, indexer, cleaner] {
+        p.terminate().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
