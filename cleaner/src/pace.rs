@@ -40,8 +40,8 @@ use crate::metrics::CleanerMetrics;
 pub const PROBE_EVERY: Duration = Duration::from_millis(25);
 /// How often the pace is adjusted (about ten probes per shard).
 pub const CONTROL_EVERY: Duration = Duration::from_millis(250);
-/// A probe taking this long is given up (and counts as this long), so one
-/// stalled shard cannot stall the control of the pace.
+/// A probe taking this long counts as this long, and the control goes on
+/// without it, so one stalled shard cannot stall the control of the pace.
 pub const PROBE_TIMEOUT: Duration = CONTROL_EVERY;
 /// Probes per shard taken before the backfill starts, for the baseline.
 pub const BASELINE_PROBES: usize = 40;
@@ -157,32 +157,56 @@ impl Pace {
 struct Probe {
     shard: usize,
     conn: Option<MySqlConnection>,
+    /// A probe given up on, still running on its connection: it gives the
+    /// connection back when its read returns. Until then no other probe
+    /// is sent to the shard, so a stalled server does not collect a
+    /// connection per probe.
+    stalled: Option<tokio::task::JoinHandle<Option<MySqlConnection>>>,
     baseline_ms: f64,
     window: Vec<f64>,
 }
 
 impl Probe {
+    fn new(shard: usize, conn: MySqlConnection) -> Probe {
+        Probe { shard, conn: Some(conn), stalled: None, baseline_ms: 0.0, window: Vec::new() }
+    }
+
     /// One probe: the latency of the shard's epoch read, ms. One that
-    /// takes [`PROBE_TIMEOUT`] is given up and counts as that long; one that
-    /// fails counts as nothing (`None`). Either way the connection is made
-    /// again next time.
+    /// takes [`PROBE_TIMEOUT`] counts as that long, and so does every probe
+    /// while it has not returned; one that fails counts as nothing
+    /// (`None`), and the connection is made again next time.
     async fn once(&mut self, shards: &Shards) -> Option<f64> {
-        if self.conn.is_none() {
-            self.conn = storage::shards::dedicated_connection(shards.dsn(self.shard)).await.ok();
-        }
-        let conn = self.conn.as_mut()?;
-        let t = Instant::now();
-        let read =
-            tokio::time::timeout(PROBE_TIMEOUT, storage::topology::shard_epoch(self.shard, &mut *conn));
-        match read.await {
-            Ok(Ok(_)) => Some(t.elapsed().as_secs_f64() * 1000.0),
-            Ok(Err(_)) => {
-                self.conn = None;
-                None
+        let gave_up = Some(PROBE_TIMEOUT.as_secs_f64() * 1000.0);
+        if let Some(h) = self.stalled.take() {
+            if !h.is_finished() {
+                self.stalled = Some(h);
+                return gave_up;
             }
+            self.conn = h.await.ok().flatten();
+        }
+        if self.conn.is_none() {
+            let dsn = shards.dsn(self.shard);
+            match tokio::time::timeout(PROBE_TIMEOUT, storage::shards::dedicated_connection(dsn)).await {
+                Ok(Ok(c)) => self.conn = Some(c),
+                Ok(Err(_)) => return None,
+                Err(_) => return gave_up,
+            }
+        }
+        let (shard, mut conn) = (self.shard, self.conn.take()?);
+        let t = Instant::now();
+        let mut read = Box::pin(async move {
+            let r = storage::topology::shard_epoch(shard, &mut conn).await;
+            r.ok().map(|_| conn)
+        });
+        match tokio::time::timeout(PROBE_TIMEOUT, &mut read).await {
+            Ok(Some(conn)) => {
+                self.conn = Some(conn);
+                Some(t.elapsed().as_secs_f64() * 1000.0)
+            }
+            Ok(None) => None,
             Err(_) => {
-                self.conn = None;
-                Some(PROBE_TIMEOUT.as_secs_f64() * 1000.0)
+                self.stalled = Some(tokio::spawn(read));
+                gave_up
             }
         }
     }
@@ -202,7 +226,7 @@ pub async fn follow_health(
     let mut probes = Vec::new();
     for shard in shards.ids().into_iter().filter(|s| *s < shards.slots_len()) {
         let conn = storage::shards::dedicated_connection(shards.dsn(shard)).await.on(shard)?;
-        probes.push(Probe { shard, conn: Some(conn), baseline_ms: 0.0, window: Vec::new() });
+        probes.push(Probe::new(shard, conn));
     }
     // The baselines: all shards probed together, as while running.
     for _ in 0..BASELINE_PROBES * 3 {
@@ -234,6 +258,10 @@ pub async fn follow_health(
     let task = tokio::spawn(async move {
         let gauge = |what: &str, v: f64| metrics.backfill_health.with_label_values(&[&table, what]).set(v);
         metrics.backfill_pace.with_label_values(&[&table]).set(shared.rate());
+        // Until the first window: the highest baseline, and its limit.
+        let highest = probes.iter().map(|p| p.baseline_ms).fold(0.0, f64::max);
+        gauge("probe", highest / 1000.0);
+        gauge("limit", (highest + slack_ms) / 1000.0);
         let mut stepped = Instant::now();
         while !stop.is_cancelled() {
             for p in &mut probes {

@@ -237,6 +237,16 @@ async fn a_backfill_following_health_slows_down_while_a_shard_is_slow_and_ends_e
     assert!(probe >= 0.2 && limit > 0.0 && limit < probe, "probe {probe} s, limit {limit} s");
     let (state, done, total) = meta_row(&env, "index_link").await;
     assert!(state == "BACKFILLING" && done < total, "the backfill ended before the shard turned slow");
+    // One probe waits on the stalled shard, not one per attempt: a stall
+    // must not cost the server a connection every 250 ms.
+    let waiting: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE DB = DATABASE() \
+         AND INFO = 'SELECT epoch FROM bagstore_shard WHERE id = 1'",
+    )
+    .fetch_one(&mut *lock)
+    .await
+    .unwrap();
+    assert_eq!(waiting, 1, "probes waiting on the locked table");
     // Healthy again: the pace climbs back to its ceiling.
     sqlx::query("UNLOCK TABLES").execute(&mut *lock).await.unwrap();
     drop(lock);

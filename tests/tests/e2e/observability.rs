@@ -518,6 +518,8 @@ async fn every_metric_the_dashboard_and_the_alerts_use_is_exported_by_a_live_sta
                 ("BAGSTORE_CLEANER__INTERVAL_MS", "200"),
                 ("BAGSTORE_EXPIRY__PROPERTY", "expires_at"),
                 ("BAGSTORE_CLEANER__EXPIRY_INTERVAL_MS", "200"),
+                // The backfill's health probe series exist only then.
+                ("BAGSTORE_CLEANER__BACKFILL_FOLLOW_HEALTH", "true"),
             ],
         )
         .await;
