@@ -83,19 +83,45 @@ async fn select_records(
     Ok(out)
 }
 
-/// Writes (or replaces expired) records: `(key hash, logical shard, record)`.
+/// Writes records, replacing any of the same key (expired ones, which the
+/// caller holds locked): `(key hash, logical shard, record)`.
 pub async fn put_records(
     shard: usize,
     conn: &mut MySqlConnection,
     records: &[([u8; 16], u16, Record)],
 ) -> Result<()> {
+    write_records(
+        shard,
+        conn,
+        records,
+        " ON DUPLICATE KEY UPDATE logical = VALUES(logical), request_hash = VALUES(request_hash), \
+         entity_id = VALUES(entity_id), version = VALUES(version), created = VALUES(created), \
+         refusal = VALUES(refusal), recorded_us = VALUES(recorded_us)",
+    )
+    .await
+}
+
+/// Inserts records of keys that had none: a record of the same key that
+/// another transaction wrote meanwhile fails this one (1062, a retryable
+/// conflict), so a guarded write can never apply twice.
+pub async fn insert_records(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    records: &[([u8; 16], u16, Record)],
+) -> Result<()> {
+    write_records(shard, conn, records, "").await
+}
+
+async fn write_records(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    records: &[([u8; 16], u16, Record)],
+    on_duplicate: &str,
+) -> Result<()> {
     for chunk in records.chunks(500) {
         let sql = format!(
             "INSERT INTO bagstore_idempotency \
-             (key_hash, logical, request_hash, entity_id, version, created, refusal, recorded_us) VALUES {} \
-             ON DUPLICATE KEY UPDATE logical = VALUES(logical), request_hash = VALUES(request_hash), \
-             entity_id = VALUES(entity_id), version = VALUES(version), created = VALUES(created), \
-             refusal = VALUES(refusal), recorded_us = VALUES(recorded_us)",
+             (key_hash, logical, request_hash, entity_id, version, created, refusal, recorded_us) VALUES {}{on_duplicate}",
             vec!["(?, ?, ?, ?, ?, ?, ?, ?)"; chunk.len()].join(", ")
         );
         let mut q = sqlx::query(&sql);

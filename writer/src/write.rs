@@ -358,16 +358,24 @@ impl Writer {
         // (a cutover cannot take them until this transaction ends).
         let logicals: Vec<u16> = ids.iter().map(|id| self.shards().logical_of_id(id)).collect();
         let floors = topology::check_owned(shard, &mut tx, &logicals).await?;
-        // Keyed writes: their records, locked before the rows they guard.
+        let current = entities::lock_entities(shard, &mut tx, &ids).await?;
+        // Keyed writes: their records, read after the rows they guard are
+        // locked. Under READ COMMITTED a locking read of an absent key
+        // locks nothing, so two tries of one key could both find none; the
+        // entity's row lock orders them, and the second then finds the
+        // first's record. (Two tries creating one new id: the second's
+        // insert fails on the unique key and is run again.)
         let keys: Vec<[u8; 16]> = items.iter().filter_map(|(_, _, p)| p.guard.map(|g| g.key)).collect();
         let mut records = if keys.is_empty() {
             HashMap::new()
         } else {
             idempotency::lock_records(shard, &mut tx, &keys).await?
         };
+        // Expired records found here are replaced; other keys are inserted,
+        // and a concurrent insert of the same key fails (1062, run again).
+        let expired: std::collections::HashSet<[u8; 16]> = records.keys().copied().collect();
         let mut new_records = Vec::new();
         let window_us = (self.settings().writer.idempotency_window_secs as i64).saturating_mul(1_000_000);
-        let current = entities::lock_entities(shard, &mut tx, &ids).await?;
         let now = now_micros();
         let expiry = self.settings().expiry.property.as_deref();
         // Where each entity's row is (its clustered key): the existing ones
@@ -490,7 +498,10 @@ impl Writer {
         }
         // Also when nothing was written: a guarded refusal is recorded.
         if !new_records.is_empty() {
-            idempotency::put_records(shard, &mut tx, &new_records).await?;
+            let (replaced, inserted): (Vec<_>, Vec<_>) =
+                new_records.iter().cloned().partition(|(key, _, _)| expired.contains(key));
+            idempotency::put_records(shard, &mut tx, &replaced).await?;
+            idempotency::insert_records(shard, &mut tx, &inserted).await?;
         }
         tx.commit().await.map_err(|source| StoreError::Shard { shard, source })?;
         if self.settings().writer.drill_exit_after_commit && !new_records.is_empty() {

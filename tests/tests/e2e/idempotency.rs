@@ -1,10 +1,12 @@
 //! `Idempotency-Key` (issue 18): a retried POST after the writer died
 //! between commit and answer gets the first answer and one entity exists;
 //! a retry within the window writes nothing; the same key with another body
-//! is a 422; keyed PATCHes count once.
+//! is a 422; keyed PATCHes count once; two tries of one key at once apply
+//! once.
 
-use bagstore_tests::TestEnv;
+use bagstore_tests::{eventually, TestEnv};
 use serde_json::{json, Value};
+use std::time::Duration;
 
 async fn post(base: &str, key: &str, body: &Value) -> Result<(u16, Value), reqwest::Error> {
     let r = reqwest::Client::new()
@@ -189,4 +191,64 @@ async fn a_retried_keyed_write_that_was_refused_is_refused_the_same_way() {
     let (status, _) = patch(&base, &missing, "missing-once", &json!({"$set": {"a": 1}})).await;
     assert_eq!(status, 404, "the retry of a refused patch applied");
     assert_eq!(read.get(&missing).await.1["properties"], json!({"a": 0}));
+}
+
+/// Two tries of one keyed write that run at the same time in two writers (a
+/// client's retry racing its first try, or two ingest members replaying one
+/// command) apply once: both wait on the entity's row lock, and the second
+/// then finds the first's record and answers what it answered. The barrier
+/// is a transaction of the test's own holding that row lock until both
+/// tries are waiting on it (under READ COMMITTED, a locking read of an
+/// absent key locks nothing, so reading the records before the row lock
+/// let both tries find none and both write).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_tries_of_one_key_at_once_apply_once() {
+    let env = TestEnv::new("idemrace", "").await;
+    env.migrate().await;
+    // Two writer processes, one try each: one process would group the two
+    // into one transaction, which already answers the second from the first.
+    let writer = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;
+    let other = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;
+    let id = format!("{:032x}", 0x7ace0001u64);
+    assert_eq!(writer.api().put(&id, &json!({"n": 0})).await.0, 201);
+    let (shard, _): (usize, (String,)) = env
+        .fetch_all_shards::<(String,)>(&format!(
+            "SELECT LOWER(HEX(id)) FROM entities WHERE id = UNHEX('{id}')"
+        ))
+        .await
+        .pop()
+        .expect("the entity's row");
+    let pool = env.pool(shard).await;
+    let mut barrier = pool.begin().await.unwrap();
+    sqlx::query(&format!("SELECT version FROM entities WHERE id = UNHEX('{id}') FOR UPDATE"))
+        .execute(&mut *barrier)
+        .await
+        .unwrap();
+    let tries: Vec<_> = [&writer, &other]
+        .into_iter()
+        .map(|w| {
+            let (base, id) = (w.url.clone(), id.clone());
+            tokio::spawn(async move { patch(&base, &id, "raced-once", &json!({"$inc": {"n": 1}})).await })
+        })
+        .collect();
+    let watch = &pool;
+    eventually("both tries to wait on the entity's row lock", Duration::from_secs(20), || async move {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE DB = DATABASE() \
+             AND INFO LIKE 'SELECT % FROM entities WHERE id IN (?) FOR UPDATE'",
+        )
+        .fetch_one(watch)
+        .await
+        .unwrap();
+        (waiting == 2).then_some(())
+    })
+    .await;
+    barrier.commit().await.unwrap();
+    let mut answers = Vec::new();
+    for t in tries {
+        answers.push(t.await.unwrap());
+    }
+    assert_eq!(answers[0], answers[1], "the two tries were answered differently");
+    assert_eq!((answers[0].0, &answers[0].1["version"]), (200, &json!(2)), "{answers:?}");
+    assert_eq!(entity_rows(&env).await, vec![(id, 2)], "the key applied twice");
 }
