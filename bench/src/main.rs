@@ -717,7 +717,9 @@ where
     for dsn in &world.bag_dsns {
         let pool = MySqlPool::connect(dsn).await?;
         rows +=
-            sqlx::query_scalar::<_, i64>(&format!("SELECT COUNT(*) FROM {index}")).fetch_one(&pool).await?;
+            sqlx::query_scalar::<_, i64>(&format!("SELECT COUNT(*) FROM {index} WHERE removed_us IS NULL"))
+                .fetch_one(&pool)
+                .await?;
         live += sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM entities WHERE body IS NOT NULL")
             .fetch_one(&pool)
             .await?;

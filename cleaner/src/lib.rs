@@ -303,6 +303,13 @@ impl Cleaner {
                 let found = self.read_any(&ids).await?;
                 self.inner.metrics.rows_scanned.with_label_values(&[&spec.table]).inc_by(ids.len() as u64);
                 reconcile::reconcile(self, spec, &ids, &found, settled[&spec.table]).await?;
+                // Tombstones long past the settled time have done their job.
+                let before = settled[&spec.table].min(now_us).saturating_sub(index_rows::TOMBSTONE_KEEP_US);
+                let pool = self.shards().pool(shard);
+                let purged = index_rows::purge_tombstones_of(shard, pool, spec, &ids, before).await?;
+                if purged > 0 {
+                    tracing::debug!(index = %spec.table, shard, purged, "purged index tombstones");
+                }
             }
         }
         let all_index_done =

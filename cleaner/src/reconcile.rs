@@ -169,7 +169,9 @@ pub async fn reconcile(
         let upto = version.max(row.version);
         confirmed += 1;
         let mut tx = topology::begin_owned(shard, shards.pool(shard), &[row.logical]).await?;
-        fixed += index_rows::delete_index_row_upto(shard, &mut tx, spec, &row.key, &row.entity, upto).await?;
+        let now = schemas::clock::now_micros();
+        fixed +=
+            index_rows::remove_index_row_upto(shard, &mut tx, spec, &row.key, &row.entity, upto, now).await?;
         tx.commit().await.on(shard)?;
     }
     m.drift_found.with_label_values(&[table, "dangling"]).inc_by(confirmed);
@@ -206,7 +208,8 @@ async fn undo_overtaken(
             }
             undone += 1;
             let mut tx = topology::begin_owned(shard, shards.pool(shard), &[row.logical]).await?;
-            index_rows::delete_index_row_upto(shard, &mut tx, spec, &row.key, &row.entity, row.version)
+            let at = schemas::clock::now_micros();
+            index_rows::remove_index_row_upto(shard, &mut tx, spec, &row.key, &row.entity, row.version, at)
                 .await?;
             tx.commit().await.on(shard)?;
             tracing::debug!(index = %spec.table, entity = %row.entity, "undid a repair overtaken by a newer write");

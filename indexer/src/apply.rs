@@ -81,7 +81,12 @@ pub async fn apply(
         .each_with(&per_shard, |shard, pool, ops| async move {
             let of = |kind: RowOpKind| ops.iter().filter(move |o| o.kind == kind);
             let deletes: Vec<IndexRowDelete> = of(RowOpKind::DeleteOlder)
-                .map(|o| IndexRowDelete { key: o.key.clone(), entity: o.entity, below_version: o.version })
+                .map(|o| IndexRowDelete {
+                    key: o.key.clone(),
+                    entity: o.entity,
+                    logical: o.logical,
+                    below_version: o.version,
+                })
                 .collect();
             let upserts: Vec<IndexRow> = of(RowOpKind::Upsert)
                 .map(|o| IndexRow {
@@ -97,7 +102,8 @@ pub async fn apply(
             topology::check_owned(shard, &mut tx, &logicals).await?;
             fences::check(shard, &mut tx, fence.group, fence.claims).await?;
             if !deletes.is_empty() {
-                index_rows::delete_index_rows_before(shard, &mut tx, spec, &deletes).await?;
+                let now = schemas::clock::now_micros();
+                index_rows::remove_index_rows_before(shard, &mut tx, spec, &deletes, now).await?;
             }
             if !upserts.is_empty() {
                 index_rows::upsert_index_rows(shard, &mut tx, spec, &upserts).await?;

@@ -71,7 +71,7 @@ pub const RESERVED_TABLES: &[&str] = &[
 ];
 /// Columns every index table has besides its property columns; a property
 /// may not take these names.
-pub const RESERVED_COLUMNS: &[&str] = &["entity_id", "version", "entity_added_id", "logical"];
+pub const RESERVED_COLUMNS: &[&str] = &["entity_id", "version", "entity_added_id", "logical", "removed_us"];
 
 /// `[a-z][a-z0-9_]{0,63}`: at most 64 characters, MySQL's identifier limit.
 pub fn is_valid_identifier(name: &str) -> bool {

@@ -66,7 +66,7 @@ impl Sums {
 
 /// Checksums of the entity rows of `logicals`.
 pub async fn entities(shard: usize, conn: impl MySqlExecutor<'_>, logicals: &[u16]) -> Result<Checksums> {
-    checksums(shard, conn, "entities", ENTITY_ROW, logicals).await
+    checksums(shard, conn, "entities", ENTITY_ROW, logicals, "").await
 }
 
 /// Checksums of the rows of an index table in `logicals`: each row's key,
@@ -77,7 +77,9 @@ pub async fn index_rows(
     spec: &IndexSpec,
     logicals: &[u16],
 ) -> Result<Checksums> {
-    checksums(shard, conn, &spec.table, &index_row(spec), logicals).await
+    // Live rows only: a move carries no tombstones (`crate::index_rows`).
+    let live = format!(" AND {}", crate::index_rows::LIVE);
+    checksums(shard, conn, &spec.table, &index_row(spec), logicals, &live).await
 }
 
 /// What an index row's digest covers: its key, entity and version.
@@ -104,13 +106,14 @@ async fn checksums(
     table: &str,
     row: &str,
     logicals: &[u16],
+    and_where: &str,
 ) -> Result<Checksums> {
     if logicals.is_empty() {
         return Ok(Checksums::new());
     }
     let sql = format!(
         "SELECT logical, COUNT(*) AS n, BIT_XOR({}) AS digest \
-         FROM `{table}` WHERE logical IN ({}) GROUP BY logical",
+         FROM `{table}` WHERE logical IN ({}){and_where} GROUP BY logical",
         digest_of(row),
         marks(logicals.len())
     );

@@ -110,6 +110,7 @@ pub fn index_table(spec: &IndexSpec) -> String {
     format!(
         "CREATE TABLE IF NOT EXISTS `{table}` (\n{cols}    entity_id BINARY(16) NOT NULL,\n    \
          version BIGINT UNSIGNED NOT NULL,\n    {LOCATION_COLUMN},\n    {LOGICAL_COLUMN},\n    \
+         {REMOVED_COLUMN},\n    \
          PRIMARY KEY ({key}, entity_id),\n    KEY `{table}_entity` (entity_id),\n    \
          KEY `{table}_logical` (logical)\n) ENGINE=InnoDB",
         table = spec.table,
@@ -133,6 +134,11 @@ pub const REFUSAL_COLUMN: &str = "refusal TEXT NULL";
 pub const FLOOR_COLUMN: &str = "version_floor BIGINT UNSIGNED NOT NULL DEFAULT 0";
 
 pub const LOCATION_COLUMN: &str = "entity_added_id BIGINT UNSIGNED NULL";
+
+/// When an index row was removed (a tombstone, see
+/// `crate::index_rows`); NULL: a live row. Added to older tables by
+/// [`crate::migrate::create_index_table`].
+pub const REMOVED_COLUMN: &str = "removed_us BIGINT NULL";
 
 /// The logical-shard column of entities and index rows. Tables made before
 /// it existed get it from [`crate::migrate`] with the placeholder default

@@ -1,7 +1,17 @@
-//! Index rows: the indexer's upserts and version-guarded deletes, the
+//! Index rows: the indexer's upserts and version-guarded removals, the
 //! cleaner's reads and repairs. A row is keyed by `(properties…, entity_id)`
 //! and carries the version of the event that wrote it and, where known, its
 //! entity's location (see [`crate::ddl::index_table`]).
+//!
+//! A removal leaves a *tombstone*: the row stays, marked with the time it
+//! was removed (`removed_us`) and the version of the event that removed
+//! it. Without it, an event delivered again after a newer one removed its
+//! key (a broker that appends a retried batch twice, a zombie publisher)
+//! finds no row and writes the key back: a row no event would ever remove.
+//! With it, a row is live only if the newest event that touched its key
+//! added it, whatever order the events arrive in. Every read here sees
+//! live rows only; the cleaner purges tombstones once they are older than
+//! [`TOMBSTONE_KEEP_US`] past the time the index has settled to.
 
 use schemas::index::{IndexKey, IndexSpec, KeyValue, PropType};
 use schemas::EntityId;
@@ -25,14 +35,25 @@ pub struct IndexRow {
     pub entity_added_id: Option<u64>,
 }
 
-/// A row to delete unless a newer event re-wrote it: deleted only if its
-/// version is below `below_version`.
+/// A row to remove unless a newer event re-wrote it: removed only if its
+/// version is below `below_version`, which the tombstone then carries.
 #[derive(Debug, Clone, PartialEq)]
 pub struct IndexRowDelete {
     pub key: IndexKey,
     pub entity: EntityId,
+    /// The row's logical shard (of its `shard_on` value).
+    pub logical: u16,
     pub below_version: u64,
 }
+
+/// How long a tombstone outlives the time its index has settled to (every
+/// event committed before that time applied): an event delivered again
+/// later than that after the one that removed its key is left to the
+/// cleaner, as before tombstones.
+pub const TOMBSTONE_KEEP_US: i64 = 600_000_000;
+
+/// The condition every read of live rows adds.
+pub const LIVE: &str = "removed_us IS NULL";
 
 /// Where an existing row's entity lives: its `added_id`.
 #[derive(Debug, Clone, PartialEq)]
@@ -65,9 +86,10 @@ fn key_equals(spec: &IndexSpec) -> String {
 
 /// Writes rows, or raises their versions; never lowers one, so a replayed
 /// old event cannot make a row look older than what was already applied.
-/// A known entity location is written; an unknown one keeps what the row
-/// has (an id's `added_id` never changes, so any known one is the same).
-/// Up to 500 rows per statement.
+/// A tombstone comes back to life only for a newer version than the one
+/// that removed it. A known entity location is written; an unknown one
+/// keeps what the row has (an id's `added_id` never changes, so any known
+/// one is the same). Up to 500 rows per statement.
 #[tracing::instrument(level = "debug", skip_all, fields(table = %spec.table, shard))]
 pub async fn upsert_index_rows(
     shard: usize,
@@ -80,7 +102,8 @@ pub async fn upsert_index_rows(
     for chunk in rows.chunks(500) {
         let sql = format!(
             "INSERT INTO `{}` ({}, entity_id, version, entity_added_id, logical) VALUES {} \
-             ON DUPLICATE KEY UPDATE entity_added_id = COALESCE(VALUES(entity_added_id), entity_added_id), \
+             ON DUPLICATE KEY UPDATE removed_us = IF(VALUES(version) > version, NULL, removed_us), \
+             entity_added_id = COALESCE(VALUES(entity_added_id), entity_added_id), \
              version = GREATEST(version, VALUES(version))",
             spec.table,
             cols.join(", "),
@@ -121,45 +144,85 @@ pub async fn set_index_row_locations(
     Ok(changed)
 }
 
-/// Deletes rows written by an older version than each row's
-/// `below_version`: a row that a newer event already re-wrote stays. Up to
-/// 200 rows per statement (primary-key lookups joined by OR).
+/// Removes rows written by an older version than each row's
+/// `below_version`, leaving tombstones at that version (one also where the
+/// key has no row yet, so an older event arriving later cannot add it): a
+/// row that a newer event already re-wrote stays. Up to 500 rows per
+/// statement.
 #[tracing::instrument(level = "debug", skip_all, fields(table = %spec.table, shard))]
-pub async fn delete_index_rows_before(
+pub async fn remove_index_rows_before(
     shard: usize,
     conn: &mut MySqlConnection,
     spec: &IndexSpec,
     rows: &[IndexRowDelete],
+    now_us: i64,
 ) -> Result<()> {
-    let one = format!("({} AND entity_id = ? AND version < ?)", key_equals(spec));
-    for chunk in rows.chunks(200) {
-        let sql =
-            format!("DELETE FROM `{}` WHERE {}", spec.table, vec![one.as_str(); chunk.len()].join(" OR "));
+    let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
+    let tuple = format!("({}, ?, ?, ?, ?)", marks(cols.len()));
+    for chunk in rows.chunks(500) {
+        let sql = format!(
+            "INSERT INTO `{}` ({}, entity_id, version, logical, removed_us) VALUES {} \
+             ON DUPLICATE KEY UPDATE removed_us = IF(VALUES(version) > version, VALUES(removed_us), removed_us), \
+             version = GREATEST(version, VALUES(version))",
+            spec.table,
+            cols.join(", "),
+            vec![tuple.as_str(); chunk.len()].join(", ")
+        );
         let mut q = sqlx::query(&sql);
         for row in chunk {
-            q = bind_key(q, &row.key).bind(&row.entity.0[..]).bind(row.below_version);
+            q = bind_key(q, &row.key)
+                .bind(&row.entity.0[..])
+                .bind(row.below_version)
+                .bind(row.logical)
+                .bind(now_us);
         }
         q.execute(&mut *conn).await.on(shard)?;
     }
     Ok(())
 }
 
-/// Deletes a row unless something newer than `version` rewrote it: the
-/// cleaner's guard against undoing a concurrent indexer write.
+/// Removes a live row unless something newer than `version` rewrote it
+/// (the cleaner's guard against undoing a concurrent indexer write),
+/// leaving a tombstone at `version`; how many rows it removed.
 #[tracing::instrument(level = "debug", skip_all, fields(table = %spec.table, shard))]
-pub async fn delete_index_row_upto(
+pub async fn remove_index_row_upto(
     shard: usize,
     conn: &mut MySqlConnection,
     spec: &IndexSpec,
     key: &IndexKey,
     entity: &EntityId,
     version: u64,
+    now_us: i64,
 ) -> Result<u64> {
-    let sql =
-        format!("DELETE FROM `{}` WHERE {} AND entity_id = ? AND version <= ?", spec.table, key_equals(spec));
-    let done =
-        bind_key(sqlx::query(&sql), key).bind(&entity.0[..]).bind(version).execute(conn).await.on(shard)?;
+    let sql = format!(
+        "UPDATE `{}` SET removed_us = ?, version = GREATEST(version, ?) \
+         WHERE {} AND entity_id = ? AND version <= ? AND {LIVE}",
+        spec.table,
+        key_equals(spec)
+    );
+    let q = bind_key(sqlx::query(&sql).bind(now_us).bind(version), key);
+    let done = q.bind(&entity.0[..]).bind(version).execute(conn).await.on(shard)?;
     Ok(done.rows_affected())
+}
+
+/// Deletes the tombstones of `ids` removed before `before_us`; how many.
+pub async fn purge_tombstones_of(
+    shard: usize,
+    pool: &MySqlPool,
+    spec: &IndexSpec,
+    ids: &[EntityId],
+    before_us: i64,
+) -> Result<u64> {
+    if ids.is_empty() {
+        return Ok(0);
+    }
+    let sql =
+        format!("DELETE FROM `{}` WHERE entity_id IN ({}) AND removed_us < ?", spec.table, marks(ids.len()));
+    let mut q = sqlx::query(&sql);
+    for id in ids {
+        q = q.bind(&id.0[..]);
+    }
+    Ok(q.bind(before_us).execute(pool).await.on(shard)?.rows_affected())
 }
 
 /// Decodes one index row's key columns; `None` for bytes no key of ours
@@ -192,7 +255,7 @@ pub(crate) fn row_key(shard: usize, spec: &IndexSpec, r: &MySqlRow) -> Result<Op
     Ok(Some(key))
 }
 
-/// Every row of the listed entities in this shard's copy of the index.
+/// Every live row of the listed entities in this shard's copy of the index.
 /// Rows whose bytes cannot be decoded (hand-made garbage) are skipped.
 #[tracing::instrument(level = "debug", skip_all, fields(table = %spec.table, shard))]
 pub async fn index_rows_of(
@@ -205,7 +268,7 @@ pub async fn index_rows_of(
         return Ok(Vec::new());
     }
     let sql = format!(
-        "SELECT {} FROM `{}` WHERE entity_id IN ({})",
+        "SELECT {} FROM `{}` WHERE entity_id IN ({}) AND {LIVE}",
         row_columns(spec),
         spec.table,
         marks(ids.len())
@@ -235,7 +298,7 @@ pub async fn index_entity_ids(
     rows.iter().map(|r| id_column(shard, r, "entity_id")).collect()
 }
 
-/// The version of one index row, if it exists.
+/// The version of one live index row, if it exists.
 pub async fn index_row_version(
     shard: usize,
     pool: &MySqlPool,
@@ -243,7 +306,11 @@ pub async fn index_row_version(
     key: &IndexKey,
     entity: &EntityId,
 ) -> Result<Option<u64>> {
-    let sql = format!("SELECT version FROM `{}` WHERE {} AND entity_id = ?", spec.table, key_equals(spec));
+    let sql = format!(
+        "SELECT version FROM `{}` WHERE {} AND entity_id = ? AND {LIVE}",
+        spec.table,
+        key_equals(spec)
+    );
     let row = bind_key(sqlx::query(&sql), key).bind(&entity.0[..]).fetch_optional(pool).await.on(shard)?;
     row.map(|r| r.try_get("version").on(shard)).transpose()
 }
@@ -299,8 +366,9 @@ pub async fn set_logical(
     Ok(())
 }
 
-/// Every row of `logicals` in this shard's copy of the index (a move's
-/// copy and verification; a logical shard is a small slice of an index).
+/// Every live row of `logicals` in this shard's copy of the index (a
+/// move's copy and verification; a logical shard is a small slice of an
+/// index). Tombstones stay behind: a move carries live rows only.
 #[tracing::instrument(level = "debug", skip_all, fields(table = %spec.table, shard))]
 pub async fn rows_in_logicals(
     shard: usize,
@@ -335,7 +403,7 @@ async fn select_in_logicals(
     // Not computed where not asked for (read as 0).
     let digest_sql = if digest { crate::checksums::index_digest(spec) } else { "NULL".into() };
     let sql = format!(
-        "SELECT {}, {digest_sql} AS digest FROM `{}` WHERE logical IN ({})",
+        "SELECT {}, {digest_sql} AS digest FROM `{}` WHERE logical IN ({}) AND {LIVE}",
         row_columns(spec),
         spec.table,
         marks(logicals.len())
@@ -370,7 +438,8 @@ pub async fn copy_rows(
     for chunk in rows.chunks(500) {
         let sql = format!(
             "INSERT INTO `{}` ({}, entity_id, version, entity_added_id, logical) VALUES {} \
-             ON DUPLICATE KEY UPDATE version = VALUES(version), entity_added_id = VALUES(entity_added_id)",
+             ON DUPLICATE KEY UPDATE version = VALUES(version), entity_added_id = VALUES(entity_added_id), \
+             removed_us = NULL",
             spec.table,
             cols.join(", "),
             vec![tuple.as_str(); chunk.len()].join(", ")
@@ -418,7 +487,7 @@ pub async fn replace_rows_of(
     copy_rows(shard, conn, spec, rows).await
 }
 
-/// How many rows of `logicals` a shard's copy of the index has.
+/// How many live rows of `logicals` a shard's copy of the index has.
 pub async fn count_in_logicals(
     shard: usize,
     pool: &MySqlPool,
@@ -428,7 +497,11 @@ pub async fn count_in_logicals(
     if logicals.is_empty() {
         return Ok(0);
     }
-    let sql = format!("SELECT COUNT(*) FROM `{}` WHERE logical IN ({})", spec.table, marks(logicals.len()));
+    let sql = format!(
+        "SELECT COUNT(*) FROM `{}` WHERE logical IN ({}) AND {LIVE}",
+        spec.table,
+        marks(logicals.len())
+    );
     let mut q = sqlx::query_as::<_, (i64,)>(&sql);
     for k in logicals {
         q = q.bind(*k);

@@ -104,6 +104,8 @@ pub async fn scan_index(
         wheres.push(format!("({})", ors.join(" OR ")));
         id_bind.push(id.0.to_vec());
     }
+    // Live rows only (a tombstone is a removed row, see `crate::index_rows`).
+    wheres.push(format!("i.{}", crate::index_rows::LIVE));
     let dir = if scan.descending { " DESC" } else { "" };
     let order: Vec<String> =
         cols[k..].iter().map(|c| format!("{c}{dir}")).chain([format!("i.entity_id{dir}")]).collect();
@@ -123,10 +125,10 @@ pub async fn scan_index(
     };
     let sql = format!(
         "SELECT {}, i.entity_id, i.entity_added_id, i.logical, {SHARD_EPOCH} AS shard_epoch{entity_cols} \
-         FROM `{}` AS i{join} {} ORDER BY {} LIMIT ?",
+         FROM `{}` AS i{join} WHERE {} ORDER BY {} LIMIT ?",
         cols.join(", "),
         spec.table,
-        if wheres.is_empty() { String::new() } else { format!("WHERE {}", wheres.join(" AND ")) },
+        wheres.join(" AND "),
         order.join(", ")
     );
     // Placeholders in SQL order: prefix, range bounds, the keyset terms

@@ -54,10 +54,12 @@ pub async fn create_base_tables(shard: usize, pool: &MySqlPool) -> Result<()> {
 /// `ALTER` on MariaDB ≥ 10.3 and MySQL ≥ 8.0; its rows read NULL, "location
 /// unknown", until the indexer or the cleaner rewrites them), and one made
 /// before logical shards gets `logical` and its key ([`fill_logical`]
-/// fills it in).
+/// fills it in), and one made before tombstones gets `removed_us` (its
+/// rows read NULL: live).
 pub async fn create_index_table(shard: usize, pool: &MySqlPool, spec: &IndexSpec) -> Result<()> {
     sqlx::query(&ddl::index_table(spec)).execute(pool).await.on(shard)?;
     add_column(shard, pool, &spec.table, "entity_added_id", ddl::LOCATION_COLUMN).await?;
+    add_column(shard, pool, &spec.table, "removed_us", ddl::REMOVED_COLUMN).await?;
     add_column(shard, pool, &spec.table, "logical", &logical_with_placeholder()).await?;
     add_key(shard, pool, &spec.table, &format!("{}_logical", spec.table), "logical").await?;
     Ok(())

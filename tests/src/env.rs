@@ -276,20 +276,25 @@ impl TestEnv {
         MySqlPool::connect(&self.dsns[shard]).await.expect("connect to shard")
     }
 
-    /// Rows in `table` on every shard.
+    /// Rows in `table` on every shard; of an index table (`index_…`), its
+    /// live rows (not its tombstones, see `storage::index_rows`).
     pub async fn count_rows(&self, table: &str) -> i64 {
+        let live = if table.starts_with("index_") { " WHERE removed_us IS NULL" } else { "" };
         let counts: Vec<(usize, (i64,))> =
-            self.fetch_all_shards(&format!("SELECT COUNT(*) FROM `{table}`")).await;
+            self.fetch_all_shards(&format!("SELECT COUNT(*) FROM `{table}`{live}")).await;
         counts.into_iter().map(|(_, (n,))| n).sum()
     }
 
-    /// For every row of index `table` on every shard: its entity id, the
+    /// For every live row of index `table` on every shard: its entity id, the
     /// location the row gives for it, and where the entity's row really is
     /// (its `added_id`; `None` if no shard has the entity).
     pub async fn index_row_locations(&self, table: &str) -> Vec<RowLocation> {
         type Row = (Vec<u8>, Option<u64>);
-        let rows: Vec<(usize, Row)> =
-            self.fetch_all_shards(&format!("SELECT entity_id, entity_added_id FROM `{table}`")).await;
+        let rows: Vec<(usize, Row)> = self
+            .fetch_all_shards(&format!(
+                "SELECT entity_id, entity_added_id FROM `{table}` WHERE removed_us IS NULL"
+            ))
+            .await;
         let entities: std::collections::HashMap<Vec<u8>, u64> = self
             .fetch_all_shards("SELECT id, added_id FROM entities")
             .await

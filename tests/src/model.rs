@@ -169,14 +169,23 @@ pub fn expected_rows(
 /// What the standard index tables hold, on every shard.
 pub async fn actual_rows(env: &TestEnv) -> HashMap<&'static str, Rows> {
     let queries = [
-        ("index_user_id", "SELECT LOWER(HEX(user_id)), LOWER(HEX(entity_id)) FROM index_user_id"),
+        (
+            "index_user_id",
+            "SELECT LOWER(HEX(user_id)), LOWER(HEX(entity_id)) FROM index_user_id WHERE removed_us IS NULL",
+        ),
         (
             "index_user_name",
             "SELECT CONCAT(CAST(first_name AS CHAR), '|', CAST(last_name AS CHAR)), LOWER(HEX(entity_id)) \
-             FROM index_user_name",
+             FROM index_user_name WHERE removed_us IS NULL",
         ),
-        ("index_foo", "SELECT CAST(bar AS CHAR), LOWER(HEX(entity_id)) FROM index_foo"),
-        ("index_tag", "SELECT CAST(tags AS CHAR), LOWER(HEX(entity_id)) FROM index_tag"),
+        (
+            "index_foo",
+            "SELECT CAST(bar AS CHAR), LOWER(HEX(entity_id)) FROM index_foo WHERE removed_us IS NULL",
+        ),
+        (
+            "index_tag",
+            "SELECT CAST(tags AS CHAR), LOWER(HEX(entity_id)) FROM index_tag WHERE removed_us IS NULL",
+        ),
     ];
     let mut out: HashMap<&'static str, Rows> = HashMap::new();
     for (table, sql) in queries {
@@ -187,11 +196,17 @@ pub async fn actual_rows(env: &TestEnv) -> HashMap<&'static str, Rows> {
 }
 
 /// The versions of entity `id`'s rows in index `table`, on every shard, as
-/// `shard:version` (what a failed comparison prints beside a row).
+/// `shard:version`, a tombstone's as `shard:vN removed` (what a failed
+/// comparison prints beside a row).
 pub async fn row_versions(env: &TestEnv, table: &str, id: &str) -> String {
-    let sql = format!("SELECT version FROM `{table}` WHERE entity_id = UNHEX('{id}') ORDER BY version");
-    let rows: Vec<(usize, (u64,))> = env.fetch_all_shards(&sql).await;
-    let v: Vec<String> = rows.iter().map(|(s, (v,))| format!("{s}:v{v}")).collect();
+    let sql = format!(
+        "SELECT version, removed_us IS NOT NULL FROM `{table}` WHERE entity_id = UNHEX('{id}') ORDER BY version"
+    );
+    let rows: Vec<(usize, (u64, bool))> = env.fetch_all_shards(&sql).await;
+    let v: Vec<String> = rows
+        .iter()
+        .map(|(s, (v, removed))| format!("{s}:v{v}{}", if *removed { " removed" } else { "" }))
+        .collect();
     format!("[{}]", v.join(", "))
 }
 

@@ -212,3 +212,84 @@ async fn undecodable_events_go_to_the_dead_letter_topic_and_the_index_moves_on()
     assert_eq!(m.payload(), Some(&b"\x01not an event"[..]));
     dev.terminate().await;
 }
+
+/// An event delivered again after a newer one removed its key (a broker
+/// that appends a retried batch a second time does this) does not bring the
+/// index row back: the removal left a tombstone, which only a newer
+/// version lifts (`storage::index_rows`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_event_delivered_again_after_its_entitys_delete_does_not_bring_its_row_back() {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let env = TestEnv::new("stale", STANDARD_INDEXES).await;
+    let dev = env.dev().await;
+    let api = dev.api();
+    let user = "5ea1e5ea1e5ea1e5ea1e5ea1e5ea1e00";
+    let id = "5ea1e000000000000000000000000001";
+    assert_eq!(api.put(id, &json!({"user_id": user})).await.0, 201);
+    until_query_is(&api, &json!({"where": {"user_id": user}}), &[id]).await;
+    assert_eq!(api.delete(id).await.0, 200);
+    eventually("the delete to reach index_user_id", Duration::from_secs(20), || async {
+        (env.count_rows("index_user_id").await == 0).then_some(())
+    })
+    .await;
+
+    // Version 1's event, exactly as the relay published it, appended again.
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", env.brokers())
+        .set("group.id", format!("{}-stale-check", env.name))
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    let mut first = None;
+    for p in 0..4 {
+        let (_, high) = consumer.fetch_watermarks(&env.topic, p, Duration::from_secs(5)).unwrap();
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&env.topic, p, Offset::Beginning).unwrap();
+        consumer.assign(&tpl).unwrap();
+        for _ in 0..high {
+            let m = consumer.poll(Duration::from_secs(5)).expect("a message").unwrap();
+            let e = ChangeEvent::decode(m.payload().unwrap()).unwrap();
+            if e.id.to_string() == id && e.version == 1 {
+                first = Some((p, m.key().unwrap().to_vec(), m.payload().unwrap().to_vec()));
+            }
+        }
+    }
+    let (partition, key, payload) = first.expect("version 1's event on the topic");
+    let producer: FutureProducer =
+        ClientConfig::new().set("bootstrap.servers", env.brokers()).create().unwrap();
+    let at = producer
+        .send(
+            FutureRecord::to(&env.topic).partition(partition).key(&key).payload(&payload),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap()
+        .offset;
+    // The index's group has applied it once its committed offset is past it.
+    let group = env.kafka_settings().group_for("index_user_id");
+    let watcher: BaseConsumer =
+        ClientConfig::new().set("bootstrap.servers", env.brokers()).set("group.id", &group).create().unwrap();
+    eventually("index_user_id's group to commit past the old event", Duration::from_secs(20), || async {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition(&env.topic, partition);
+        let committed = watcher.committed_offsets(tpl, Duration::from_secs(5)).ok()?;
+        let offset = committed.find_partition(&env.topic, partition)?.offset();
+        matches!(offset, Offset::Offset(o) if o > at).then_some(())
+    })
+    .await;
+    assert_eq!(
+        env.count_rows("index_user_id").await,
+        0,
+        "the old event brought the deleted entity's row back"
+    );
+    let tombstones: Vec<(usize, (i64,))> =
+        env.fetch_all_shards("SELECT COUNT(*) FROM index_user_id WHERE removed_us IS NOT NULL").await;
+    assert_eq!(tombstones.iter().map(|(_, (n,))| n).sum::<i64>(), 1, "the delete's tombstone");
+    assert!(api.query_ids(&json!({"where": {"user_id": user}})).await.is_empty());
+
+    // A newer version lifts the tombstone.
+    assert_eq!(api.put(id, &json!({"user_id": user})).await.0, 201);
+    until_query_is(&api, &json!({"where": {"user_id": user}}), &[id]).await;
+    assert_eq!(env.count_rows("index_user_id").await, 1);
+    dev.terminate().await;
+}

@@ -43,11 +43,12 @@ async fn entity_row(env: &TestEnv, id: &str) -> Option<(bool, u64)> {
     rows.into_iter().next().map(|(_, (dead, v))| (dead != 0, v))
 }
 
-/// `(entity, version)` of every row of `index_owner` with `owner`.
+/// `(entity, version)` of every live row of `index_owner` with `owner`.
 async fn index_rows(env: &TestEnv, owner: &str) -> Vec<(String, u64)> {
     let mut rows: Vec<(String, u64)> = env
         .fetch_all_shards::<(String, u64)>(&format!(
-            "SELECT LOWER(HEX(entity_id)), CAST(version AS UNSIGNED) FROM index_owner WHERE owner = '{owner}'"
+            "SELECT LOWER(HEX(entity_id)), CAST(version AS UNSIGNED) FROM index_owner WHERE owner = '{owner}' \
+             AND removed_us IS NULL"
         ))
         .await
         .into_iter()

@@ -107,11 +107,12 @@ async fn until_more_acks(load: &Load, more: u64) {
     .await;
 }
 
-/// (entity, user_id, version) of every row in the index, on every shard.
+/// (entity, user_id, version) of every live row in the index, on every shard.
 async fn index_rows(env: &TestEnv) -> BTreeSet<(String, String, u64)> {
     let rows: Vec<(usize, (String, String, u64))> = env
         .fetch_all_shards(
-            "SELECT LOWER(HEX(entity_id)), LOWER(HEX(user_id)), CAST(version AS UNSIGNED) FROM index_user_id",
+            "SELECT LOWER(HEX(entity_id)), LOWER(HEX(user_id)), CAST(version AS UNSIGNED) FROM index_user_id \
+             WHERE removed_us IS NULL",
         )
         .await;
     rows.into_iter().map(|(_, r)| r).collect()
