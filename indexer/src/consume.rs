@@ -24,9 +24,9 @@ use storage::{catalog, fences, Shards, StoreError};
 use tokio_util::sync::CancellationToken;
 
 use crate::apply::Fence;
-use crate::membership::Membership;
 use crate::metrics::Metrics;
 use crate::plan::{plan, RowOp};
+use service::membership::Membership;
 
 /// Consumes the change topic for one index.
 #[derive(Debug)]
@@ -129,7 +129,7 @@ impl IndexConsumer {
 
     /// Runs until `shutdown`; then finishes the batch in hand, commits the
     /// stored offsets synchronously and leaves the group. A consumer that
-    /// lost its partitions (see [`crate::membership`]) is closed, and a new
+    /// lost its partitions (see [`service::membership`]) is closed, and a new
     /// one joins in its place.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), rdkafka::error::KafkaError> {
         let k = &self.settings.kafka;
@@ -137,7 +137,7 @@ impl IndexConsumer {
         let table = self.spec.table.clone();
         loop {
             let mut config = kafka::consumer_config(k, &self.group(), self.settings.indexer.fetch_wait_ms());
-            // The statistics feed the membership watch (crate::membership).
+            // The statistics feed the membership watch (service::membership).
             config.set("statistics.interval.ms", "1000");
             let watch = Membership::new(Duration::from_millis(k.session_timeout_ms), &k.topic);
             let consumer: StreamConsumer<Membership> = kafka::create_with(&config, watch)?;
@@ -296,7 +296,7 @@ impl IndexConsumer {
         }
     }
 
-    /// The partition claims (see [`crate::membership`]): records this
+    /// The partition claims (see [`service::membership`]): records this
     /// consumer's new assignments, then (every time when `always`, else at
     /// most once per CLAIMS_EVERY) whether another consumer has claimed one
     /// of `held` since. A

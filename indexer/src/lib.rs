@@ -15,12 +15,10 @@
 //! - [`plan`]: an event → row deletes and upserts (pure, unit-tested).
 //! - [`apply`]: those row operations, one transaction per shard.
 //! - [`consume`]: the consumer loop: batches, retries, offsets, dead letters.
-//! - [`membership`]: noticing that the group gave this consumer's partitions away.
 //! - [`metrics`]: the series this crate exports.
 
 pub mod apply;
 pub mod consume;
-pub mod membership;
 pub mod metrics;
 pub mod plan;
 

@@ -9,6 +9,8 @@
 //! - [`http`]: problem documents, bounded bodies, default-deny route roles,
 //!   request ids, request metrics, the ops routes.
 //! - [`kafka`]: client configuration, topics, consumer-group lag.
+//! - [`membership`]: noticing that the group gave a consumer's partitions
+//!   away (the indexers and the writers' Kafka ingest).
 //! - [`freshness`]: how far behind an index is (the one lag rule).
 //! - [`cluster`]: keeping the map current; this process's heartbeat.
 //! - [`health`]: liveness, and readiness by the README's policy.
@@ -21,6 +23,7 @@ pub mod freshness;
 pub mod health;
 pub mod http;
 pub mod kafka;
+pub mod membership;
 pub mod serve;
 
 pub use http::Problem;

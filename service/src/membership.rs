@@ -38,10 +38,13 @@
 //!   and the loop compares before each batch (at most once a second while
 //!   idle). Every index write then proves its claims in its own
 //!   transaction (`storage::fences`), so even a batch already under way
-//!   when the partitions moved cannot land after the new owner's.
+//!   when the partitions moved cannot land after the new owner's. The
+//!   writers' Kafka ingest compares the claims after applying a round and
+//!   before answering it (`writer::ingest`).
 //!
 //! The consumer loop then stops applying at once and rebuilds its consumer
-//! (a new member that joins with nothing), see `consume.rs`. Rebuilding
+//! (a new member that joins with nothing), see the indexer's `consume.rs`
+//! and the writer's `ingest.rs`. Rebuilding
 //! costs one more rebalance; the last sign may also fire when a rebalance
 //! truly lasts that long (a member slow to rejoin), and then too a fresh
 //! member is the safe choice.

@@ -43,10 +43,21 @@
 //! inside `recv`, which a round does not call), and a member that was killed
 //! loses its partitions only after the session timeout, so its answers have
 //! landed before its successor reads.
+//!
+//! One member the group replaced without telling it (a broker that goes on
+//! taking its heartbeats, see [`service::membership`]) would go on applying
+//! and answering beside its successor. Its applies are harmless (each
+//! command's guard: the second try finds the first's record), its answers
+//! are not. So each member records a claim on every partition it is given
+//! before it applies anything of it (`storage::fences`, the indexers'
+//! claims), and compares the claims after applying a round and before
+//! answering it: a member that finds a newer claim answers nothing more
+//! and rejoins as a new member. What is left is a race of milliseconds: an
+//! answer sent right after a comparison that a successor's claim and read
+//! back then overtake.
 
 use futures::future::join_all;
-use rdkafka::client::ClientContext;
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
@@ -55,9 +66,10 @@ use schemas::{idempotency, patch, EntityId};
 use serde_json::{json, Map, Value as JsonValue};
 use service::http::Problem;
 use service::kafka;
+use service::membership::Membership;
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
+use storage::fences;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -300,31 +312,6 @@ struct Item {
     result: Option<Result<Outcome, Problem>>,
 }
 
-/// The ingest consumer's context: notes the partitions assigned to this
-/// member, whose answer partitions must be read back before it answers.
-struct Assignments {
-    topic: String,
-    fresh: Mutex<BTreeSet<i32>>,
-}
-
-impl Assignments {
-    fn take_fresh(&self) -> BTreeSet<i32> {
-        std::mem::take(&mut *self.fresh.lock().expect("not poisoned"))
-    }
-}
-
-impl ClientContext for Assignments {}
-
-impl ConsumerContext for Assignments {
-    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        if let Rebalance::Assign(tpl) = rebalance {
-            let assigned =
-                tpl.elements().into_iter().filter(|e| e.topic() == self.topic).map(|e| e.partition());
-            self.fresh.lock().expect("not poisoned").extend(assigned);
-        }
-    }
-}
-
 /// Which answer topic a message goes to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Outlet {
@@ -377,19 +364,55 @@ impl Writer {
         });
     }
 
+    /// Runs the ingest consumer until `shutdown`. A consumer that lost its
+    /// partitions (see [`service::membership`]) is closed, and a new one
+    /// joins in its place.
     async fn ingest(&self, shutdown: CancellationToken) -> Result<(), rdkafka::error::KafkaError> {
         let s = self.settings();
         let (k, topic) = (&s.kafka, &s.ingest.topic);
         let group = k.ingest_group();
         let producer: FutureProducer = kafka::create(&kafka::producer_config(k))?;
         let outlets = self.outlets().await?;
-        let context = Assignments { topic: topic.clone(), fresh: Mutex::default() };
-        let consumer: StreamConsumer<Assignments> = kafka::create_with(
-            &kafka::consumer_config(k, &group, schemas::settings::FETCH_WAIT_MS),
-            context,
-        )?;
-        consumer.subscribe(&[topic])?;
-        tracing::info!(%topic, %group, "Kafka ingest joined its group");
+        loop {
+            let mut config = kafka::consumer_config(k, &group, schemas::settings::FETCH_WAIT_MS);
+            // The statistics feed the membership watch.
+            config.set("statistics.interval.ms", "1000");
+            let watch = Membership::new(Duration::from_millis(k.session_timeout_ms), topic);
+            let consumer: StreamConsumer<Membership> = kafka::create_with(&config, watch)?;
+            consumer.subscribe(&[topic])?;
+            tracing::info!(%topic, %group, "Kafka ingest joined its group");
+            match self.consume_ingest(&consumer, &producer, &outlets, &group, &shutdown).await {
+                None => break,
+                Some(why) => {
+                    self.inner.health.report("ingest", Err(format!("rejoining its group: {why}")));
+                    tracing::warn!(%why,
+                        "the Kafka ingest no longer owns its partitions; it stops applying them and rejoins as a new member");
+                    // Closing leaves the group, which may wait on a broker:
+                    // not on a runtime thread, and not waited for.
+                    tokio::task::spawn_blocking(move || drop(consumer));
+                }
+            }
+        }
+        // Nothing of this member's may land after a successor read back.
+        if let Err(e) = producer.flush(Duration::from_secs(5)) {
+            tracing::warn!(error = %e, "ingest answers still unsent at stop");
+        }
+        tracing::info!("Kafka ingest stopped");
+        Ok(())
+    }
+
+    /// The consumer loop, until `shutdown` (None, after the final commit)
+    /// or until `consumer` is found to have lost its partitions (why).
+    async fn consume_ingest(
+        &self,
+        consumer: &StreamConsumer<Membership>,
+        producer: &FutureProducer,
+        outlets: &Outlets,
+        group: &str,
+        shutdown: &CancellationToken,
+    ) -> Option<String> {
+        let s = self.settings();
+        let topic = &s.ingest.topic;
         // Per ingest partition held: what its answer partitions already hold.
         let mut answered: BTreeMap<i32, Answered> = BTreeMap::new();
         let mut lag_at: Option<Instant> = None;
@@ -397,12 +420,20 @@ impl Writer {
         loop {
             if lag_at.is_none_or(|t| t.elapsed() >= LAG_EVERY) {
                 lag_at = Some(Instant::now());
-                self.report_ingest_lag(&group).await;
+                self.report_ingest_lag(group).await;
             }
             let first = tokio::select! {
                 m = consumer.recv() => m,
                 _ = shutdown.cancelled() => break,
                 _ = tokio::time::sleep(LAG_EVERY) => {
+                    let Some(fresh) = self.claim_assigned(consumer, group, shutdown).await else { break };
+                    for p in fresh {
+                        answered.remove(&p);
+                    }
+                    let held = held_partitions(consumer, topic);
+                    if let Some(why) = self.ingest_lost(consumer, group, &held).await {
+                        return Some(why);
+                    }
                     // Idle, and no consumer error for a while: well.
                     if last_error.is_none_or(|t| t.elapsed() > ERRORS_STAND_FOR) {
                         self.inner.health.report("ingest", Ok(()));
@@ -428,63 +459,116 @@ impl Writer {
             }
             // A round can straddle a revocation: those commands are the new
             // owner's now (it replays them; their guards make that safe).
-            let held: BTreeSet<i32> = consumer
-                .assignment()
-                .map(|tpl| {
-                    tpl.elements().iter().filter(|e| e.topic() == topic).map(|e| e.partition()).collect()
-                })
-                .unwrap_or_default();
+            let held = held_partitions(consumer, topic);
             batch.retain(|m| held.contains(&m.partition()));
-            for p in consumer.context().take_fresh() {
+            // Newly assigned partitions are claimed before anything of
+            // theirs is applied, and their answer partitions read back anew.
+            let Some(fresh) = self.claim_assigned(consumer, group, shutdown).await else { break };
+            for p in fresh {
                 answered.remove(&p);
             }
             if batch.is_empty() {
                 continue;
             }
-            match self.ingest_round(batch, &producer, &outlets, &mut answered, &shutdown).await {
-                Some(next) => {
-                    let mut tpl = TopicPartitionList::new();
-                    for (p, o) in next {
-                        let _ = tpl.add_partition_offset(topic, p, Offset::Offset(o));
-                    }
-                    if let Err(e) = consumer.store_offsets(&tpl) {
-                        tracing::debug!(error = %e, "ingest offset store refused (a partition was revoked)");
-                    }
-                    // Committed now, not at the next auto-commit: a crash
-                    // between a round's replies and its commit sends those
-                    // replies again, so that window is kept to one request.
-                    if let Err(e) = consumer.commit(&tpl, CommitMode::Async) {
-                        tracing::debug!(error = %e, "ingest offset commit not sent");
-                    }
-                    self.inner.health.report("ingest", Ok(()));
-                }
-                // Stopped mid-round: these offsets were not earned.
-                None => break,
+            // Stopped mid-round: its offsets were not earned.
+            let Some(items) = self.apply_round(batch, shutdown).await else { break };
+            // Applied (each command once, whoever else applies it: its
+            // guard). Answered only while the partitions are still ours: a
+            // member the group replaced without telling it stops here, and
+            // its successor, which claimed them first, answers.
+            let round: BTreeSet<i32> = items.iter().map(|i| i.msg.partition()).collect();
+            if let Some(why) = self.ingest_lost(consumer, group, &round).await {
+                return Some(why);
             }
+            if self.send_outcomes(&items, producer, outlets, &mut answered, shutdown).await.is_none() {
+                break;
+            }
+            let mut tpl = TopicPartitionList::new();
+            for (p, o) in next_offsets(&items) {
+                let _ = tpl.add_partition_offset(topic, p, Offset::Offset(o));
+            }
+            if let Err(e) = consumer.store_offsets(&tpl) {
+                tracing::debug!(error = %e, "ingest offset store refused (a partition was revoked)");
+            }
+            // Committed now, not at the next auto-commit: a crash between a
+            // round's replies and its commit sends those replies again, so
+            // that window is kept to one request.
+            if let Err(e) = consumer.commit(&tpl, CommitMode::Async) {
+                tracing::debug!(error = %e, "ingest offset commit not sent");
+            }
+            self.inner.health.report("ingest", Ok(()));
         }
         if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
             tracing::debug!(error = %e, "final ingest commit had nothing to commit or failed");
         }
-        // Nothing of this member's may land after a successor read back.
-        if let Err(e) = producer.flush(Duration::from_secs(5)) {
-            tracing::warn!(error = %e, "ingest answers still unsent at stop");
-        }
         consumer.unsubscribe();
-        tracing::info!("Kafka ingest stopped");
-        Ok(())
+        None
     }
 
-    /// Applies a round and sends its dead letters and replies; the offsets
-    /// to store (partition → next offset), or None when stopped before the
-    /// round was done.
-    async fn ingest_round(
+    /// Records claims on the partitions assigned since the last call (tried
+    /// again until the metadata shard takes them); the partitions claimed,
+    /// or None when stopped first.
+    async fn claim_assigned(
         &self,
-        batch: Vec<OwnedMessage>,
-        producer: &FutureProducer,
-        outlets: &Outlets,
-        answered: &mut BTreeMap<i32, Answered>,
+        consumer: &StreamConsumer<Membership>,
+        group: &str,
         shutdown: &CancellationToken,
-    ) -> Option<BTreeMap<i32, i64>> {
+    ) -> Option<Vec<i32>> {
+        let watch = consumer.context();
+        let new = watch.take_claims();
+        let mut backoff = Duration::from_millis(100);
+        while !new.is_empty() {
+            match fences::claim(self.shards(), group, watch.instance(), &new).await {
+                Ok(claims) => {
+                    watch.claimed(&claims);
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, partitions = ?new, "cannot record the ingest partition claims yet");
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = shutdown.cancelled() => {
+                            watch.retry_claims(new);
+                            return None;
+                        }
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+        Some(new)
+    }
+
+    /// Why `consumer` no longer owns `partitions`, if it does not: what
+    /// librdkafka's signs say ([`Membership::lost`]), or another member's
+    /// newer claim. A metadata shard that does not answer decides nothing.
+    async fn ingest_lost(
+        &self,
+        consumer: &StreamConsumer<Membership>,
+        group: &str,
+        partitions: &BTreeSet<i32>,
+    ) -> Option<String> {
+        if let Some(why) = consumer.context().lost(consumer) {
+            return Some(why);
+        }
+        let partitions: Vec<i32> = partitions.iter().copied().collect();
+        match fences::claimed_by_others(self.shards(), group, consumer.context().instance(), &partitions)
+            .await
+        {
+            Ok(taken) if !taken.is_empty() => Some(format!(
+                "ingest partitions {taken:?} were assigned to another member after this one took them"
+            )),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot compare the ingest partition claims");
+                None
+            }
+        }
+    }
+
+    /// Applies a round's commands (one entity's in their order, different
+    /// entities at once); None when stopped before the round was done.
+    async fn apply_round(&self, batch: Vec<OwnedMessage>, shutdown: &CancellationToken) -> Option<Vec<Item>> {
         let max = self.settings().writer.max_body_bytes;
         let mut items: Vec<Item> = batch
             .into_iter()
@@ -494,7 +578,6 @@ impl Writer {
                 Item { msg, command, result: None }
             })
             .collect();
-        // One entity's commands in their order; different entities at once.
         let mut chains: BTreeMap<EntityId, Vec<usize>> = BTreeMap::new();
         for (i, item) in items.iter_mut().enumerate() {
             match (&item.command.action, item.command.id) {
@@ -521,13 +604,7 @@ impl Writer {
                 items[i].result = Some(r);
             }
         }
-        self.send_outcomes(&items, producer, outlets, answered, shutdown).await?;
-        let mut next = BTreeMap::new();
-        for item in &items {
-            let e = next.entry(item.msg.partition()).or_insert(0);
-            *e = (*e).max(item.msg.offset() + 1);
-        }
-        Some(next)
+        Some(items)
     }
 
     /// One command through the write path: its outcome, or its problem when
@@ -777,6 +854,25 @@ impl Writer {
             Err(e) => tracing::debug!(error = %e, "ingest lag not read"),
         }
     }
+}
+
+/// The offsets to store after a round: partition → the offset after its
+/// last command.
+fn next_offsets(items: &[Item]) -> BTreeMap<i32, i64> {
+    let mut next = BTreeMap::new();
+    for item in items {
+        let e = next.entry(item.msg.partition()).or_insert(0);
+        *e = (*e).max(item.msg.offset() + 1);
+    }
+    next
+}
+
+/// The ingest partitions `consumer` holds.
+fn held_partitions(consumer: &StreamConsumer<Membership>, topic: &str) -> BTreeSet<i32> {
+    consumer
+        .assignment()
+        .map(|tpl| tpl.elements().iter().filter(|e| e.topic() == topic).map(|e| e.partition()).collect())
+        .unwrap_or_default()
 }
 
 fn place_of(msg: &OwnedMessage) -> Place {
