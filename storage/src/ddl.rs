@@ -372,10 +372,11 @@ pub fn snapshots() -> String {
     )
 }
 
-/// Per consumer group and partition, the indexer consumer that was last
-/// assigned it (see `indexer::membership`) and the claim's generation (one
-/// more than the claim before): a consumer that finds its partition
-/// claimed by another since has lost it, whatever the broker told it.
+/// Per consumer group and partition, the consumer (an indexer, or a
+/// writer's Kafka ingest) that was last assigned it (see
+/// `service::membership`) and the claim's generation (one more than the
+/// claim before): a consumer that finds its partition claimed by another
+/// since has lost it, whatever the broker told it.
 pub fn partition_claims() -> String {
     format!(
         "CREATE TABLE IF NOT EXISTS `{}` (

@@ -43,7 +43,7 @@ async fn a_broker_that_dies_on_its_own_is_recorded_as_a_crash() {
 /// process was gone for longer than the session timeout (issue 17; the
 /// mock-cluster run is in the e2e suite's `membership`). tansu does not
 /// tell a replaced member so (its heartbeats and commits are accepted):
-/// before the partition claims (`indexer::membership`), two indexers both
+/// before the partition claims (`service::membership`), two indexers both
 /// held and applied a partition for 40 s and more here, beside the chaos
 /// suite.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
