@@ -304,7 +304,9 @@ impl Cleaner {
                 self.inner.metrics.rows_scanned.with_label_values(&[&spec.table]).inc_by(ids.len() as u64);
                 reconcile::reconcile(self, spec, &ids, &found, settled[&spec.table]).await?;
                 // Tombstones long past the settled time have done their job.
-                let before = settled[&spec.table].min(now_us).saturating_sub(index_rows::TOMBSTONE_KEEP_US);
+                let keep_us =
+                    (self.settings().cleaner.index_tombstone_retention_secs as i64).saturating_mul(1_000_000);
+                let before = settled[&spec.table].min(now_us).saturating_sub(keep_us);
                 let pool = self.shards().pool(shard);
                 let purged = index_rows::purge_tombstones_of(shard, pool, spec, &ids, before).await?;
                 if purged > 0 {

@@ -10,8 +10,8 @@
 //! finds no row and writes the key back: a row no event would ever remove.
 //! With it, a row is live only if the newest event that touched its key
 //! added it, whatever order the events arrive in. Every read here sees
-//! live rows only; the cleaner purges tombstones once they are older than
-//! [`TOMBSTONE_KEEP_US`] past the time the index has settled to.
+//! live rows only; the cleaner purges tombstones once the time the index
+//! has settled to is `cleaner.index_tombstone_retention_secs` past them.
 
 use schemas::index::{IndexKey, IndexSpec, KeyValue, PropType};
 use schemas::EntityId;
@@ -45,12 +45,6 @@ pub struct IndexRowDelete {
     pub logical: u16,
     pub below_version: u64,
 }
-
-/// How long a tombstone outlives the time its index has settled to (every
-/// event committed before that time applied): an event delivered again
-/// later than that after the one that removed its key is left to the
-/// cleaner, as before tombstones.
-pub const TOMBSTONE_KEEP_US: i64 = 600_000_000;
 
 /// The condition every read of live rows adds.
 pub const LIVE: &str = "removed_us IS NULL";

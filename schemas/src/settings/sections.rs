@@ -325,6 +325,12 @@ pub struct CleanerSettings {
     pub tombstone_retention_secs: u64,
     /// Pause between purge rounds on each shard.
     pub purge_interval_ms: u64,
+    /// Index tombstones (index rows marked removed, see
+    /// `storage::index_rows`) are purged once the index's settled time has
+    /// passed their removal by this much: an old event delivered again
+    /// later than that could write its key back (the cleaner then removes
+    /// it as drift).
+    pub index_tombstone_retention_secs: u64,
 }
 
 impl Default for CleanerSettings {
@@ -341,6 +347,7 @@ impl Default for CleanerSettings {
             expiry_interval_ms: 1000,
             tombstone_retention_secs: 7 * 86_400,
             purge_interval_ms: 60_000,
+            index_tombstone_retention_secs: 600,
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The cleaner: online backfill through the index lifecycle, resuming a
 //! killed backfill from its cursor, a backfill whose pace follows the
-//! shards' health, and repairing hand-made drift.
+//! shards' health, repairing hand-made drift, and purging index
+//! tombstones.
 
 use bagstore_tests::{bagstore_bin, eventually, metric_sum, until_query_is, TestEnv, STANDARD_INDEXES};
 use serde_json::{json, Value};
@@ -336,6 +337,62 @@ async fn the_continuous_cleaner_repairs_missing_and_dangling_rows_within_seconds
     assert!(fixed(&after, "dangling") - fixed(&before, "dangling") >= 4.0);
     eprintln!("drift repaired {took:?} after the tampering");
     dev.terminate().await;
+}
+
+/// Index tombstones (rows the indexer marked removed, `storage::index_rows`)
+/// stay while no cleaner runs, and a cleaner's index pass deletes them once
+/// the index has settled past them by `cleaner.index_tombstone_retention_secs`
+/// (0 here), leaving the live rows alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn index_tombstones_stay_until_a_cleaner_purges_them_past_the_settled_time() {
+    let env = TestEnv::new("tombpurge", STANDARD_INDEXES).await;
+    env.migrate().await;
+    let writer = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;
+    let indexer = env.spawn(&["indexer"]).await;
+    let reader = env.spawn(&["reader", "--http", "127.0.0.1:0"]).await;
+    let (api, read) = (writer.api(), reader.api());
+    let user = |i: usize| format!("{:032x}", 0xdddd_0000u64 + i as u64);
+    for i in 0..10 {
+        assert_eq!(api.put(&id(100 + i), &json!({"user_id": user(i)})).await.0, 201);
+    }
+    // Each entity moves to another user: its old key's row is removed.
+    for i in 0..10 {
+        assert_eq!(api.put(&id(100 + i), &json!({"user_id": user(50 + i)})).await.0, 200);
+    }
+    for i in 0..10 {
+        until_query_is(&read, &json!({"where": {"user_id": user(50 + i)}}), &[&id(100 + i)]).await;
+    }
+    let tombstones = || async {
+        let n: Vec<(usize, (i64,))> =
+            env.fetch_all_shards("SELECT COUNT(*) FROM index_user_id WHERE removed_us IS NOT NULL").await;
+        n.into_iter().map(|(_, (n,))| n).sum::<i64>()
+    };
+    eventually("ten tombstones", Duration::from_secs(20), || async {
+        (tombstones().await == 10).then_some(())
+    })
+    .await;
+    assert_eq!(env.count_rows("index_user_id").await, 10);
+    for i in 0..10 {
+        assert!(read.query_ids(&json!({"where": {"user_id": user(i)}})).await.is_empty());
+    }
+
+    let cleaner = env
+        .spawn_env(
+            &["cleaner"],
+            &[
+                ("BAGSTORE_CLEANER__INTERVAL_MS", "200"),
+                ("BAGSTORE_CLEANER__INDEX_TOMBSTONE_RETENTION_SECS", "0"),
+            ],
+        )
+        .await;
+    eventually("the cleaner to purge the tombstones", Duration::from_secs(30), || async {
+        (tombstones().await == 0).then_some(())
+    })
+    .await;
+    assert_eq!(env.count_rows("index_user_id").await, 10, "the purge took live rows");
+    for p in [writer, indexer, reader, cleaner] {
+        p.terminate().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
