@@ -398,6 +398,17 @@ tests:
       - eval_time: 32m
         alertname: BagstoreDriftFound
         exp_alerts: [{exp_labels: {index: b, kind: dangling, severity: warning}}]
+  # Commands wait throughout; writers apply until 5m, then none does.
+  - interval: 1m
+    input_series:
+      - {series: 'bagstore_ingest_lag_messages{instance="w1"}', values: '40x20'}
+      - {series: 'bagstore_ingest_lag_messages{instance="w2"}', values: '40x20'}
+      - {series: 'bagstore_ingest_commands_total{instance="w1",outcome="applied"}', values: '0+100x5 500x15'}
+    alert_rule_test:
+      - {eval_time: 8m, alertname: BagstoreIngestStalled, exp_alerts: []}
+      - eval_time: 16m
+        alertname: BagstoreIngestStalled
+        exp_alerts: [{exp_labels: {severity: critical}}]
 "#;
 
 #[test]
