@@ -20,7 +20,7 @@ use service::health::Health;
 use service::kafka;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
-use storage::{catalog, fences, Shards, StoreError};
+use storage::{catalog, Shards, StoreError};
 use tokio_util::sync::CancellationToken;
 
 use crate::apply::Fence;
@@ -195,7 +195,7 @@ impl IndexConsumer {
                     if let Some(why) = consumer.context().lost(consumer) {
                         return Exit::Lost(why);
                     }
-                    let held = held_partitions(consumer, &k.topic);
+                    let held = consumer.context().held(consumer);
                     if let Some(why) = self.fence(consumer, &held, &mut claims_checked, false).await {
                         return Exit::Lost(why);
                     }
@@ -236,7 +236,7 @@ impl IndexConsumer {
             // can straddle a revocation (those events are the new owner's
             // now); strays that keep coming mean the consumer fetches what
             // it no longer owns, and it is rebuilt.
-            let held = held_partitions(consumer, &k.topic);
+            let held = consumer.context().held(consumer);
             let before = batch.len();
             batch.retain(|m| held.contains(&m.partition()));
             if batch.len() < before {
@@ -316,12 +316,9 @@ impl IndexConsumer {
         if (!always && checked.is_some_and(|t| t.elapsed() < CLAIMS_EVERY)) || held.is_empty() {
             return None;
         }
-        let held: Vec<i32> = held.iter().copied().collect();
-        match fences::claimed_by_others(&self.shards, &self.group(), watch.instance(), &held).await {
-            Ok(taken) if !taken.is_empty() => Some(format!(
-                "partitions {taken:?} were assigned to another consumer after this one took them"
-            )),
-            Ok(_) => {
+        match watch.claimed_by_others(&self.shards, &self.group(), held).await {
+            Ok(Some(why)) => Some(why),
+            Ok(None) => {
                 *checked = Some(Instant::now());
                 None
             }
@@ -335,19 +332,10 @@ impl IndexConsumer {
     /// Records claims on the partitions assigned since the last call;
     /// false if the metadata shard did not take them (tried again later).
     async fn record_claims(&self, consumer: &StreamConsumer<Membership>) -> bool {
-        let watch = consumer.context();
-        let new = watch.take_claims();
-        if new.is_empty() {
-            return true;
-        }
-        match fences::claim(&self.shards, &self.group(), watch.instance(), &new).await {
-            Ok(claims) => {
-                watch.claimed(&claims);
-                true
-            }
+        match consumer.context().record_claims(&self.shards, &self.group()).await {
+            Ok(_) => true,
             Err(e) => {
                 tracing::debug!(index = %self.spec.table, error = %e, "cannot record partition claims yet");
-                watch.retry_claims(new);
                 false
             }
         }
@@ -544,13 +532,6 @@ impl IndexConsumer {
 }
 
 /// The partitions of `topic` the consumer holds (its assignment).
-fn held_partitions(consumer: &StreamConsumer<Membership>, topic: &str) -> std::collections::BTreeSet<i32> {
-    consumer
-        .assignment()
-        .map(|a| a.elements().iter().filter(|e| e.topic() == topic).map(|e| e.partition()).collect())
-        .unwrap_or_default()
-}
-
 fn decode(m: &OwnedMessage) -> Result<ChangeEvent, String> {
     let payload = m.payload().ok_or_else(|| "the message has no payload".to_string())?;
     ChangeEvent::decode(payload).map_err(|e: CodecError| {

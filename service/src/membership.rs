@@ -57,7 +57,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::CStr;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-use storage::fences::Claim;
+use storage::fences::{self, Claim};
+use storage::{Shards, StoreError};
 
 /// The consumer context that tracks whether the assignment is still ours.
 #[derive(Debug)]
@@ -206,6 +207,49 @@ impl Membership {
             )),
             _ => None,
         }
+    }
+
+    /// The partitions of this member's topic that `consumer` holds.
+    pub fn held<C: Consumer<Membership>>(&self, consumer: &C) -> BTreeSet<i32> {
+        consumer
+            .assignment()
+            .map(|a| partitions_of(&a, &self.topic).into_iter().collect())
+            .unwrap_or_default()
+    }
+
+    /// Records claims on the partitions assigned since the last call (see
+    /// `storage::fences`); the partitions claimed. When the metadata shard
+    /// does not take them they are kept for the next call.
+    pub async fn record_claims(&self, shards: &Shards, group: &str) -> Result<Vec<i32>, StoreError> {
+        let new = self.take_claims();
+        if new.is_empty() {
+            return Ok(new);
+        }
+        match fences::claim(shards, group, self.instance, &new).await {
+            Ok(claims) => {
+                self.claimed(&claims);
+                Ok(new)
+            }
+            Err(e) => {
+                self.retry_claims(new);
+                Err(e)
+            }
+        }
+    }
+
+    /// Why `partitions` are no longer this member's, if another member
+    /// claimed one of them since (the claims on the metadata shard).
+    pub async fn claimed_by_others(
+        &self,
+        shards: &Shards,
+        group: &str,
+        partitions: &BTreeSet<i32>,
+    ) -> Result<Option<String>, StoreError> {
+        let partitions: Vec<i32> = partitions.iter().copied().collect();
+        let taken = fences::claimed_by_others(shards, group, self.instance, &partitions).await?;
+        Ok((!taken.is_empty()).then(|| {
+            format!("partitions {taken:?} were assigned to another consumer after this one took them")
+        }))
     }
 
     fn lose(&self, why: String) {

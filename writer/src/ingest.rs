@@ -69,7 +69,6 @@ use service::kafka;
 use service::membership::Membership;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
-use storage::fences;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -430,7 +429,7 @@ impl Writer {
                     for p in fresh {
                         answered.remove(&p);
                     }
-                    let held = held_partitions(consumer, topic);
+                    let held = consumer.context().held(consumer);
                     if let Some(why) = self.ingest_lost(consumer, group, &held).await {
                         return Some(why);
                     }
@@ -459,7 +458,7 @@ impl Writer {
             }
             // A round can straddle a revocation: those commands are the new
             // owner's now (it replays them; their guards make that safe).
-            let held = held_partitions(consumer, topic);
+            let held = consumer.context().held(consumer);
             batch.retain(|m| held.contains(&m.partition()));
             // Newly assigned partitions are claimed before anything of
             // theirs is applied, and their answer partitions read back anew.
@@ -514,29 +513,20 @@ impl Writer {
         group: &str,
         shutdown: &CancellationToken,
     ) -> Option<Vec<i32>> {
-        let watch = consumer.context();
-        let new = watch.take_claims();
         let mut backoff = Duration::from_millis(100);
-        while !new.is_empty() {
-            match fences::claim(self.shards(), group, watch.instance(), &new).await {
-                Ok(claims) => {
-                    watch.claimed(&claims);
-                    break;
-                }
+        loop {
+            match consumer.context().record_claims(self.shards(), group).await {
+                Ok(claimed) => return Some(claimed),
                 Err(e) => {
-                    tracing::warn!(error = %e, partitions = ?new, "cannot record the ingest partition claims yet");
+                    tracing::warn!(error = %e, "cannot record the ingest partition claims yet");
                     tokio::select! {
                         _ = tokio::time::sleep(backoff) => {}
-                        _ = shutdown.cancelled() => {
-                            watch.retry_claims(new);
-                            return None;
-                        }
+                        _ = shutdown.cancelled() => return None,
                     }
                     backoff = (backoff * 2).min(Duration::from_secs(2));
                 }
             }
         }
-        Some(new)
     }
 
     /// Why `consumer` no longer owns `partitions`, if it does not: what
@@ -551,14 +541,8 @@ impl Writer {
         if let Some(why) = consumer.context().lost(consumer) {
             return Some(why);
         }
-        let partitions: Vec<i32> = partitions.iter().copied().collect();
-        match fences::claimed_by_others(self.shards(), group, consumer.context().instance(), &partitions)
-            .await
-        {
-            Ok(taken) if !taken.is_empty() => Some(format!(
-                "ingest partitions {taken:?} were assigned to another member after this one took them"
-            )),
-            Ok(_) => None,
+        match consumer.context().claimed_by_others(self.shards(), group, partitions).await {
+            Ok(why) => why,
             Err(e) => {
                 tracing::debug!(error = %e, "cannot compare the ingest partition claims");
                 None
@@ -865,14 +849,6 @@ fn next_offsets(items: &[Item]) -> BTreeMap<i32, i64> {
         *e = (*e).max(item.msg.offset() + 1);
     }
     next
-}
-
-/// The ingest partitions `consumer` holds.
-fn held_partitions(consumer: &StreamConsumer<Membership>, topic: &str) -> BTreeSet<i32> {
-    consumer
-        .assignment()
-        .map(|tpl| tpl.elements().iter().filter(|e| e.topic() == topic).map(|e| e.partition()).collect())
-        .unwrap_or_default()
 }
 
 fn place_of(msg: &OwnedMessage) -> Place {
