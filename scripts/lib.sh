@@ -36,6 +36,10 @@ ensure_mariadb() {
     if ! has_mariadbd; then
         apt_install mariadb-server
     fi
+    # The bench's capture floor streams the binary log with it.
+    if ! command -v mariadb-binlog >/dev/null 2>&1; then
+        apt_install mariadb-client
+    fi
 }
 
 # The standalone broker of the kill tests (tansu 0.6.0) stores in a private

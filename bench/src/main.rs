@@ -44,12 +44,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use storage::conns::Conns;
 
+mod floor;
 mod moves;
 
 const USAGE: &str =
-    "usage: bench [--quick] [--only-move] [--entities N] [--phase-secs S] [--clients C] [--steady-rate R]\n\
+    "usage: bench [--quick] [--only-move] [--only-writes] [--entities N] [--phase-secs S] [--clients C] [--steady-rate R]\n\
   --quick          CI smoke run: 3000 entities, 2 s phases, 4 clients\n\
   --only-move      load bagstore's N entities, then run the move phase alone (for working on the mover)\n\
+  --only-writes    load N entities, then run the write phases and MariaDB's cost per entity alone\n\
   --entities N     entities loaded before queries and the index build (default 1000000)\n\
   --phase-secs S   length of each measured phase (default 20)\n\
   --clients C      concurrent clients (connections, requests in flight) for every contender (default 16)\n\
@@ -82,6 +84,8 @@ struct Options {
     quick: bool,
     /// Load bagstore alone, then go straight to the move phase.
     only_move: bool,
+    /// After the load, only the write phases (for working on the write path).
+    only_writes: bool,
     entities: usize,
     phase: Duration,
     clients: usize,
@@ -97,6 +101,7 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
     }
     let mut quick = false;
     let mut only_move = false;
+    let mut only_writes = false;
     let mut backfill_rate = 0;
     let (mut entities, mut phase, mut clients, mut rate) = (None, None, None, None);
     let mut it = args.iter();
@@ -104,6 +109,7 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
         match a.as_str() {
             "--quick" => quick = true,
             "--only-move" => only_move = true,
+            "--only-writes" => only_writes = true,
             "--entities" => entities = Some(value::<usize>(a, it.next())?),
             "--phase-secs" => phase = Some(value::<f64>(a, it.next())?),
             "--clients" => clients = Some(value::<usize>(a, it.next())?),
@@ -116,12 +122,16 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
     let o = Options {
         quick,
         only_move,
+        only_writes,
         entities: entities.unwrap_or(if quick { 3000 } else { 1_000_000 }),
         phase: Duration::from_secs_f64(phase.unwrap_or(if quick { 2.0 } else { 20.0 })),
         clients: clients.unwrap_or(if quick { 4 } else { 16 }),
         steady_rate: rate.unwrap_or(if quick { 50 } else { 200 }),
         backfill_rate,
     };
+    if o.only_move && o.only_writes {
+        return Err("--only-move and --only-writes exclude each other".into());
+    }
     if o.entities < 100 || o.clients == 0 || o.steady_rate == 0 || o.phase.is_zero() {
         return Err(
             "--entities must be at least 100; --clients, --steady-rate and --phase-secs positive".into()
@@ -584,6 +594,10 @@ struct Usage {
     row_writes: u64,
     /// Binary log group commits: one binlog fsync each with `sync_binlog=1`.
     binlog_syncs: u64,
+    /// Bytes written to the binary logs (`Binlog_bytes_written`).
+    binlog_bytes: u64,
+    /// Statements by kind (`Com_select`, `Com_insert`, …, without `Com_`).
+    kinds: BTreeMap<String, u64>,
 }
 
 impl Usage {
@@ -598,6 +612,11 @@ impl Usage {
         self.log_writes += after.log_writes.saturating_sub(before.log_writes);
         self.row_writes += after.row_writes.saturating_sub(before.row_writes);
         self.binlog_syncs += after.binlog_syncs.saturating_sub(before.binlog_syncs);
+        self.binlog_bytes += after.binlog_bytes.saturating_sub(before.binlog_bytes);
+        for (kind, n) in &after.kinds {
+            let done = n.saturating_sub(before.kinds.get(kind).copied().unwrap_or(0));
+            *self.kinds.entry(kind.clone()).or_insert(0) += done;
+        }
     }
 
     /// CPU ticks of the MariaDB servers.
@@ -609,13 +628,17 @@ impl Usage {
     /// 1000 …; statements, row writes, InnoDB and binlog fsyncs per …".
     fn mysql_per_entity(&self, ops: f64) -> String {
         let per = |n: u64| n as f64 / ops.max(1.0);
+        let kinds: Vec<String> =
+            self.kinds.iter().filter(|(_, n)| **n > 0).map(|(k, n)| format!("{k} {:.2}", per(*n))).collect();
         format!(
-            "mariadbd CPU s per 1000: {:.3}; per entity: statements {:.2}, row writes {:.2}, InnoDB fsyncs {:.3}, binlog fsyncs {:.3}",
+            "mariadbd CPU s per 1000: {:.3}; per entity: statements {:.2} ({}), row writes {:.2}, InnoDB fsyncs {:.3}, binlog fsyncs {:.3}, binlog bytes {:.0}",
             self.mariadbd_ticks() as f64 / 100.0 / ops.max(1.0) * 1000.0,
             per(self.statements),
+            kinds.join(", "),
             per(self.row_writes),
             per(self.fsyncs),
-            per(self.binlog_syncs)
+            per(self.binlog_syncs),
+            per(self.binlog_bytes)
         )
     }
 
@@ -752,7 +775,9 @@ impl World {
         for pool in &self.native.pools {
             let rows: Vec<(String, String)> = sqlx::query_as(
                 "SHOW GLOBAL STATUS WHERE Variable_name IN ('Questions', 'Innodb_data_fsyncs', 'Innodb_log_writes', \
-                 'Handler_write', 'Handler_update', 'Handler_delete', 'Binlog_group_commits')",
+                 'Handler_write', 'Handler_update', 'Handler_delete', 'Binlog_group_commits', 'Binlog_bytes_written', \
+                 'Com_select', 'Com_insert', 'Com_update', 'Com_delete', 'Com_begin', 'Com_commit', 'Com_rollback', \
+                 'Com_set_option')",
             )
             .fetch_all(pool)
             .await
@@ -764,6 +789,10 @@ impl World {
                     "Innodb_data_fsyncs" => u.fsyncs += v,
                     "Innodb_log_writes" => u.log_writes += v,
                     "Binlog_group_commits" => u.binlog_syncs += v,
+                    "Binlog_bytes_written" => u.binlog_bytes += v,
+                    kind if kind.starts_with("Com_") => {
+                        *u.kinds.entry(kind["Com_".len()..].to_string()).or_insert(0) += v
+                    }
                     _ => u.row_writes += v,
                 }
             }
@@ -926,7 +955,7 @@ impl ProcSampler {
             return Ok("not pinned: one core".into());
         }
         let all = format!("0-{}", cores - 1);
-        let rest = if cores == 2 { "1".to_string() } else { format!("1-{}", cores - 1) };
+        let rest = off_server_cores();
         for (label, pid) in self.pids.lock().unwrap().iter() {
             if cpu_ticks(*pid).is_none() {
                 continue; // exited
@@ -994,6 +1023,7 @@ async fn setup(opts: &Options) -> anyhow::Result<World> {
         conns.push(Conns::new(i, options, opts.clients as u32 + 4));
     }
     let native = Arc::new(Native { pools, conns });
+    floor::create_tables(&native).await?;
     let kafka = MockCluster::new(1)?;
     let topic = "bench.entity-changes".to_string();
     kafka.create_topic(&topic, PARTITIONS, 1)?;
@@ -1245,6 +1275,16 @@ fn online_cores() -> usize {
         .max(1)
 }
 
+/// The cores the write phases leave to everything but the MariaDB servers
+/// (which get core 0; see `ProcSampler::pin_for_writes`).
+fn off_server_cores() -> String {
+    match online_cores() {
+        1 => "0".into(),
+        2 => "1".into(),
+        n => format!("1-{}", n - 1),
+    }
+}
+
 fn machine() -> (usize, String) {
     let cores = online_cores();
     let mem = std::fs::read_to_string("/proc/meminfo")
@@ -1374,6 +1414,13 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
             p.terminate().await;
         }
         let _ = third.stop().await;
+        return Ok(());
+    }
+    if opts.only_writes {
+        let (writer, _) = write_phases(opts, world, report, writer).await?;
+        for p in [writer, indexer, reader] {
+            p.terminate().await;
+        }
         return Ok(());
     }
 
@@ -1579,6 +1626,30 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
             ratio(alter_secs, unlimited.secs)
         ),
     );
+    // What MariaDB itself does with the backfill's rows on this machine,
+    // unpinned and with no steady writer (target 2's 250,000 rows/s): the
+    // backfill's statements from a plain client, and a bulk load into an
+    // empty table.
+    for (key, what, how) in [
+        (
+            "floor_backfill_live",
+            "floor: the backfill's index rows as INSERTs of 1000, into a live table",
+            floor::Load::Live,
+        ),
+        (
+            "floor_backfill_bulk",
+            "floor: the same rows loaded sorted into an empty table (bulk insert)",
+            floor::Load::Bulk,
+        ),
+    ] {
+        let secs = floor::load_index_rows(native.clone(), n, how, c).await?;
+        report.line(
+            key,
+            what,
+            format!("{:.0} rows/s", n as f64 / secs),
+            format!("{secs:.1} s; bagstore's backfill is {} as fast", ratio(secs, unlimited.secs)),
+        );
+    }
     report.line(
         "backfill_paced",
         "bagstore: online backfill following health (cleaner --index --follow-health)",
@@ -1647,202 +1718,11 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     }
 
     // ---- Write throughput, same client concurrency.
-    report.section(&format!("Writes ({c} clients, {:.0} s each, new ids)", d.as_secs_f64()));
-    let mut cpu_lines = Vec::new();
-    // MariaDB's work per entity for each contender (issue 20): bagstore's
-    // measured until its indexes caught up, so the deferred work (the
-    // relay's outbox deletes, the index rows) counts too.
-    let mut mysql_lines: Vec<(&str, Usage, f64)> = Vec::new();
-    let pinning = world.procs.pin_for_writes(true)?;
-    let mut cpu0 = world.usage().await;
-    let secs = d.as_secs_f64();
-    let one_raw = {
-        let nat = native.clone();
-        closed_loop(c, d, 1, move || {
-            let nat = nat.clone();
-            let i = fresh();
-            async move { raw_insert(nat, vec![(entity_id(i), body_of(i))]).await }
-        })
-        .await
-    };
-    let spent = world.spent_since(&mut cpu0).await;
-    cpu_lines.push(("raw single".to_string(), spent.per_op(one_raw.rate * secs, "rows")));
-    mysql_lines.push(("raw single", spent, one_raw.rate * secs));
-    let batch_raw = {
-        let nat = native.clone();
-        closed_loop(c, d, BATCH, move || {
-            let nat = nat.clone();
-            let items: Vec<(String, Vec<u8>)> =
-                (0..BATCH).map(|_| fresh()).map(|i| (entity_id(i), body_of(i))).collect();
-            async move { raw_insert(nat, items).await }
-        })
-        .await
-    };
-    let spent = world.spent_since(&mut cpu0).await;
-    cpu_lines.push(("raw batch".to_string(), spent.per_op(batch_raw.rate * secs, "rows")));
-    mysql_lines.push(("raw batch", spent, batch_raw.rate * secs));
-    let one_json = {
-        let nat = native.clone();
-        closed_loop(c, d, 1, move || {
-            let nat = nat.clone();
-            let i = fresh();
-            async move { json_insert(nat, vec![(entity_id(i), entity(i).to_string())]).await }
-        })
-        .await
-    };
-    cpu_lines
-        .push(("json single".to_string(), world.usage_step(&mut cpu0, one_json.rate * secs, "rows").await));
-    let batch_json = {
-        let nat = native.clone();
-        closed_loop(c, d, BATCH, move || {
-            let nat = nat.clone();
-            let items: Vec<(String, String)> =
-                (0..BATCH).map(|_| fresh()).map(|i| (entity_id(i), entity(i).to_string())).collect();
-            async move { json_insert(nat, items).await }
-        })
-        .await
-    };
-    cpu_lines
-        .push(("json batch".to_string(), world.usage_step(&mut cpu0, batch_json.rate * secs, "rows").await));
-    let one_bag = {
-        let (h, wb) = (http.clone(), wbase.clone());
-        closed_loop(c, d, 1, move || bag_put(h.clone(), wb.clone(), fresh())).await
-    };
-    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
-    let spent = world.spent_since(&mut cpu0).await;
-    cpu_lines.push((
-        "bagstore single (until the index caught up)".to_string(),
-        spent.per_op(one_bag.rate * secs, "rows"),
-    ));
-    mysql_lines.push(("bagstore single", spent, one_bag.rate * secs));
-    let batch_bag = {
-        let (h, wb) = (http.clone(), wbase.clone());
-        closed_loop(c, d, BATCH, move || {
-            bag_batch(h.clone(), wb.clone(), (0..BATCH).map(|_| fresh()).collect())
-        })
-        .await
-    };
-    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
-    let spent = world.spent_since(&mut cpu0).await;
-    cpu_lines.push((
-        "bagstore batch (until the index caught up)".to_string(),
-        spent.per_op(batch_bag.rate * secs, "rows"),
-    ));
-    mysql_lines.push(("bagstore batch", spent, batch_bag.rate * secs));
-    // The same two runs with the public change stream off: what the stream
-    // costs per write (the relay's second message per row, its JSON).
-    // Only one writer at a time, so the relay that publishes these rows is
-    // this one's.
-    writer.terminate().await;
-    let quiet = world.bagstore_with(&["writer"], false, &[("BAGSTORE_CHANGES__ENABLED", "false")]).await?;
-    world.procs.pin_for_writes(true)?;
-    let qbase = Arc::new(quiet.url.clone());
-    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
-    let mut cpu0 = world.usage().await;
-    let one_quiet = {
-        let (h, wb) = (http.clone(), qbase.clone());
-        closed_loop(c, d, 1, move || bag_put(h.clone(), wb.clone(), fresh())).await
-    };
-    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
-    cpu_lines.push((
-        "bagstore single, change stream off (until the index caught up)".to_string(),
-        world.usage_step(&mut cpu0, one_quiet.rate * secs, "rows").await,
-    ));
-    let batch_quiet = {
-        let (h, wb) = (http.clone(), qbase.clone());
-        closed_loop(c, d, BATCH, move || {
-            bag_batch(h.clone(), wb.clone(), (0..BATCH).map(|_| fresh()).collect())
-        })
-        .await
-    };
-    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
-    cpu_lines.push((
-        "bagstore batch, change stream off (until the index caught up)".to_string(),
-        world.usage_step(&mut cpu0, batch_quiet.rate * secs, "rows").await,
-    ));
-    quiet.terminate().await;
-    world.procs.pin_for_writes(false)?;
-    writer = world.bagstore(&["writer"], false).await?;
+    let (writer_now, max_rate) = write_phases(opts, world, report, writer).await?;
+    writer = writer_now;
     wbase = Arc::new(writer.url.clone());
-    report.run("put_raw", "raw: single-row INSERT (autocommit)", &one_raw, "rows/s");
-    report.run("put_json", "json: single-row INSERT", &one_json, "rows/s");
-    report.run("put_bagstore", "bagstore: PUT /v1/entities/{id}", &one_bag, "rows/s");
-    report.line(
-        "put_ratio",
-        "single: bagstore / raw (target ≥ 0.6)",
-        ratio(one_bag.rate, one_raw.rate),
-        format!("bagstore / json {}", ratio(one_bag.rate, one_json.rate)),
-    );
-    report.run(
-        "batch_raw",
-        &format!("raw: INSERT of {BATCH} rows (one statement per shard)"),
-        &batch_raw,
-        "rows/s",
-    );
-    report.run(
-        "batch_json",
-        &format!("json: INSERT of {BATCH} rows (one statement per shard)"),
-        &batch_json,
-        "rows/s",
-    );
-    report.run(
-        "batch_bagstore",
-        &format!("bagstore: POST /v1/entities/batch of {BATCH}"),
-        &batch_bag,
-        "rows/s",
-    );
-    report.line(
-        "batch_ratio",
-        "batch: bagstore / raw (target ≥ 0.8)",
-        ratio(batch_bag.rate, batch_raw.rate),
-        format!("bagstore / json {}", ratio(batch_bag.rate, batch_json.rate)),
-    );
-    report.run("put_bagstore_nostream", "bagstore: PUT, change stream off", &one_quiet, "rows/s");
-    report.run("batch_bagstore_nostream", "bagstore: batch, change stream off", &batch_quiet, "rows/s");
-    report.line(
-        "stream_cost",
-        "change stream on / off, throughput",
-        format!("single {}", ratio(one_bag.rate, one_quiet.rate)),
-        format!(
-            "batch {}; p99 single {} batch {}",
-            ratio(batch_bag.rate, batch_quiet.rate),
-            ratio(one_bag.latency.p99, one_quiet.latency.p99),
-            ratio(batch_bag.latency.p99, batch_quiet.latency.p99)
-        ),
-    );
-
-    report.section("Where the CPU went during the write phases (processes grouped; both cores = 2 s per s)");
-    for (i, (what, line)) in cpu_lines.iter().enumerate() {
-        report.line(&format!("cpu_{i}"), what, String::new(), line.clone());
-    }
-
-    // ---- MariaDB's cost per entity written (issue 20's first target).
-    report.section(&format!("MariaDB's work per entity written (binary log on, sync_binlog=1; {})", pinning));
-    for (what, u, rows) in &mysql_lines {
-        let key = format!("mysql_{}", what.replace(' ', "_"));
-        report.line(&key, &format!("MariaDB, {what}"), String::new(), u.mysql_per_entity(*rows));
-        report.value(
-            &key,
-            json!({"rows": rows, "mariadbd_cpu_s_per_1000": u.mariadbd_ticks() as f64 / 100.0 / rows.max(1.0) * 1000.0,
-                   "statements": u.statements, "row_writes": u.row_writes, "innodb_fsyncs": u.fsyncs, "binlog_fsyncs": u.binlog_syncs}),
-        );
-    }
-    let per = |what: &str| {
-        mysql_lines
-            .iter()
-            .find(|(w, _, _)| *w == what)
-            .map(|(_, u, rows)| u.mariadbd_ticks() as f64 / rows.max(1.0))
-            .unwrap_or(0.0)
-    };
-    report.line(
-        "mysql_cpu_ratio",
-        "mariadbd CPU per entity: bagstore / raw (target ≤ 1.5)",
-        format!("single {}", ratio(per("bagstore single"), per("raw single"))),
-        format!("batch {}", ratio(per("bagstore batch"), per("raw batch"))),
-    );
 
     // ---- Index lag at 50% and 90% of the maximum single-put rate.
-    let max_rate = one_bag.rate;
     report.section(&format!(
         "Index lag, commit → applied (`{INDEX_MAIN}`; max single-put rate {max_rate:.0}/s)"
     ));
@@ -1923,6 +1803,292 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     reader.terminate().await;
     let _ = third.stop().await;
     Ok(())
+}
+
+/// The write phases, pinned (see `ProcSampler::pin_for_writes`): raw,
+/// json and bagstore, single and batch, then bagstore's again with the
+/// change stream off; then what each cost MariaDB per entity (issue 20's
+/// first target). Restarts bagstore's writer on the way (the runs with the
+/// stream off need their own); returns the new one and bagstore's maximum
+/// single-put rate.
+async fn write_phases(
+    opts: &Options,
+    world: &World,
+    report: &mut Report,
+    mut writer: Proc,
+) -> anyhow::Result<(Proc, f64)> {
+    let (c, d) = (opts.clients, opts.phase);
+    let native = world.native.clone();
+    let http = world.http.clone();
+    let wbase = Arc::new(writer.url.clone());
+    report.section(&format!("Writes ({c} clients, {:.0} s each, new ids)", d.as_secs_f64()));
+    let mut cpu_lines = Vec::new();
+    // MariaDB's work per entity for each contender (issue 20): bagstore's
+    // measured until its indexes caught up, so the deferred work (the
+    // relay's outbox deletes, the index rows) counts too.
+    let mut mysql_lines: Vec<(&str, Usage, f64)> = Vec::new();
+    let pinning = world.procs.pin_for_writes(true)?;
+    let mut cpu0 = world.usage().await;
+    let secs = d.as_secs_f64();
+    let one_raw = {
+        let nat = native.clone();
+        closed_loop(c, d, 1, move || {
+            let nat = nat.clone();
+            let i = fresh();
+            async move { raw_insert(nat, vec![(entity_id(i), body_of(i))]).await }
+        })
+        .await
+    };
+    let spent = world.spent_since(&mut cpu0).await;
+    cpu_lines.push(("raw single".to_string(), spent.per_op(one_raw.rate * secs, "rows")));
+    mysql_lines.push(("raw single", spent, one_raw.rate * secs));
+    let batch_raw = {
+        let nat = native.clone();
+        closed_loop(c, d, BATCH, move || {
+            let nat = nat.clone();
+            let items: Vec<(String, Vec<u8>)> =
+                (0..BATCH).map(|_| fresh()).map(|i| (entity_id(i), body_of(i))).collect();
+            async move { raw_insert(nat, items).await }
+        })
+        .await
+    };
+    let spent = world.spent_since(&mut cpu0).await;
+    cpu_lines.push(("raw batch".to_string(), spent.per_op(batch_raw.rate * secs, "rows")));
+    mysql_lines.push(("raw batch", spent, batch_raw.rate * secs));
+    let one_json = {
+        let nat = native.clone();
+        closed_loop(c, d, 1, move || {
+            let nat = nat.clone();
+            let i = fresh();
+            async move { json_insert(nat, vec![(entity_id(i), entity(i).to_string())]).await }
+        })
+        .await
+    };
+    cpu_lines
+        .push(("json single".to_string(), world.usage_step(&mut cpu0, one_json.rate * secs, "rows").await));
+    let batch_json = {
+        let nat = native.clone();
+        closed_loop(c, d, BATCH, move || {
+            let nat = nat.clone();
+            let items: Vec<(String, String)> =
+                (0..BATCH).map(|_| fresh()).map(|i| (entity_id(i), entity(i).to_string())).collect();
+            async move { json_insert(nat, items).await }
+        })
+        .await
+    };
+    cpu_lines
+        .push(("json batch".to_string(), world.usage_step(&mut cpu0, batch_json.rate * secs, "rows").await));
+    // The design's floors (see `floor`): its rows, none of bagstore's own
+    // statements; each measured until its deferred rows are written.
+    let mut floors = Vec::new();
+    for (what, kind, rows) in [
+        ("floor capture single", floor::Floor::Capture, 1),
+        ("floor capture batch", floor::Floor::Capture, BATCH),
+        ("floor outbox single", floor::Floor::Outbox, 1),
+        ("floor outbox batch", floor::Floor::Outbox, BATCH),
+    ] {
+        let readers = match kind {
+            floor::Floor::Capture => {
+                let ports: Vec<u16> = world.servers.iter().map(|s| s.port()).collect();
+                Some(
+                    floor::BinlogReaders::start(&native, &ports, world.dir.path(), &off_server_cores())
+                        .await?,
+                )
+            }
+            floor::Floor::Outbox => None,
+        };
+        let deferred = Arc::new(floor::Deferred::start(native.clone(), kind));
+        let run = {
+            let (nat, def) = (native.clone(), deferred.clone());
+            closed_loop(c, d, rows, move || {
+                let (nat, def) = (nat.clone(), def.clone());
+                let items: Vec<u64> = (0..rows).map(|_| fresh()).collect();
+                async move { floor::write(nat, &def, kind, items).await }
+            })
+            .await
+        };
+        Arc::into_inner(deferred).context("the floor's clients are done")?.finish().await?;
+        if let Some(r) = readers {
+            r.stop()?;
+        }
+        let spent = world.spent_since(&mut cpu0).await;
+        cpu_lines.push((
+            format!("{what} (until its deferred rows were written)"),
+            spent.per_op(run.rate * secs, "rows"),
+        ));
+        mysql_lines.push((what, spent, run.rate * secs));
+        floors.push((what, run));
+    }
+    let one_bag = {
+        let (h, wb) = (http.clone(), wbase.clone());
+        closed_loop(c, d, 1, move || bag_put(h.clone(), wb.clone(), fresh())).await
+    };
+    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
+    let spent = world.spent_since(&mut cpu0).await;
+    cpu_lines.push((
+        "bagstore single (until the index caught up)".to_string(),
+        spent.per_op(one_bag.rate * secs, "rows"),
+    ));
+    mysql_lines.push(("bagstore single", spent, one_bag.rate * secs));
+    let batch_bag = {
+        let (h, wb) = (http.clone(), wbase.clone());
+        closed_loop(c, d, BATCH, move || {
+            bag_batch(h.clone(), wb.clone(), (0..BATCH).map(|_| fresh()).collect())
+        })
+        .await
+    };
+    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
+    let spent = world.spent_since(&mut cpu0).await;
+    cpu_lines.push((
+        "bagstore batch (until the index caught up)".to_string(),
+        spent.per_op(batch_bag.rate * secs, "rows"),
+    ));
+    mysql_lines.push(("bagstore batch", spent, batch_bag.rate * secs));
+    // The same two runs with the public change stream off: what the stream
+    // costs per write (the relay's second message per row, its JSON).
+    // Only one writer at a time, so the relay that publishes these rows is
+    // this one's.
+    writer.terminate().await;
+    let quiet = world.bagstore_with(&["writer"], false, &[("BAGSTORE_CHANGES__ENABLED", "false")]).await?;
+    world.procs.pin_for_writes(true)?;
+    let qbase = Arc::new(quiet.url.clone());
+    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
+    let mut cpu0 = world.usage().await;
+    let one_quiet = {
+        let (h, wb) = (http.clone(), qbase.clone());
+        closed_loop(c, d, 1, move || bag_put(h.clone(), wb.clone(), fresh())).await
+    };
+    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
+    cpu_lines.push((
+        "bagstore single, change stream off (until the index caught up)".to_string(),
+        world.usage_step(&mut cpu0, one_quiet.rate * secs, "rows").await,
+    ));
+    let batch_quiet = {
+        let (h, wb) = (http.clone(), qbase.clone());
+        closed_loop(c, d, BATCH, move || {
+            bag_batch(h.clone(), wb.clone(), (0..BATCH).map(|_| fresh()).collect())
+        })
+        .await
+    };
+    world.caught_up(INDEX_MAIN, Duration::from_secs(3600)).await?;
+    cpu_lines.push((
+        "bagstore batch, change stream off (until the index caught up)".to_string(),
+        world.usage_step(&mut cpu0, batch_quiet.rate * secs, "rows").await,
+    ));
+    quiet.terminate().await;
+    world.procs.pin_for_writes(false)?;
+    writer = world.bagstore(&["writer"], false).await?;
+    report.run("put_raw", "raw: single-row INSERT (autocommit)", &one_raw, "rows/s");
+    report.run("put_json", "json: single-row INSERT", &one_json, "rows/s");
+    report.run("put_bagstore", "bagstore: PUT /v1/entities/{id}", &one_bag, "rows/s");
+    report.line(
+        "put_ratio",
+        "single: bagstore / raw (target ≥ 0.6)",
+        ratio(one_bag.rate, one_raw.rate),
+        format!("bagstore / json {}", ratio(one_bag.rate, one_json.rate)),
+    );
+    report.run(
+        "batch_raw",
+        &format!("raw: INSERT of {BATCH} rows (one statement per shard)"),
+        &batch_raw,
+        "rows/s",
+    );
+    report.run(
+        "batch_json",
+        &format!("json: INSERT of {BATCH} rows (one statement per shard)"),
+        &batch_json,
+        "rows/s",
+    );
+    report.run(
+        "batch_bagstore",
+        &format!("bagstore: POST /v1/entities/batch of {BATCH}"),
+        &batch_bag,
+        "rows/s",
+    );
+    report.line(
+        "batch_ratio",
+        "batch: bagstore / raw (target ≥ 0.8)",
+        ratio(batch_bag.rate, batch_raw.rate),
+        format!("bagstore / json {}", ratio(batch_bag.rate, batch_json.rate)),
+    );
+    report.run("put_bagstore_nostream", "bagstore: PUT, change stream off", &one_quiet, "rows/s");
+    report.run("batch_bagstore_nostream", "bagstore: batch, change stream off", &batch_quiet, "rows/s");
+    for (what, run) in &floors {
+        report.run(&what.replace(' ', "_"), &format!("{what} (see `bench/src/floor.rs`)"), run, "rows/s");
+    }
+    report.line(
+        "stream_cost",
+        "change stream on / off, throughput",
+        format!("single {}", ratio(one_bag.rate, one_quiet.rate)),
+        format!(
+            "batch {}; p99 single {} batch {}",
+            ratio(batch_bag.rate, batch_quiet.rate),
+            ratio(one_bag.latency.p99, one_quiet.latency.p99),
+            ratio(batch_bag.latency.p99, batch_quiet.latency.p99)
+        ),
+    );
+
+    report.section("Where the CPU went during the write phases (processes grouped; both cores = 2 s per s)");
+    for (i, (what, line)) in cpu_lines.iter().enumerate() {
+        report.line(&format!("cpu_{i}"), what, String::new(), line.clone());
+    }
+
+    // ---- MariaDB's cost per entity written (issue 20's first target).
+    report.section(&format!("MariaDB's work per entity written (binary log on, sync_binlog=1; {})", pinning));
+    for (what, u, rows) in &mysql_lines {
+        let key = format!("mysql_{}", what.replace(' ', "_"));
+        report.line(&key, &format!("MariaDB, {what}"), String::new(), u.mysql_per_entity(*rows));
+        report.value(
+            &key,
+            json!({"rows": rows, "mariadbd_cpu_s_per_1000": u.mariadbd_ticks() as f64 / 100.0 / rows.max(1.0) * 1000.0,
+                   "statements": u.statements, "row_writes": u.row_writes, "innodb_fsyncs": u.fsyncs, "binlog_fsyncs": u.binlog_syncs,
+                   "binlog_bytes": u.binlog_bytes, "statement_kinds": u.kinds}),
+        );
+    }
+    let per = |what: &str| {
+        mysql_lines
+            .iter()
+            .find(|(w, _, _)| *w == what)
+            .map(|(_, u, rows)| u.mariadbd_ticks() as f64 / rows.max(1.0))
+            .unwrap_or(0.0)
+    };
+    report.line(
+        "mysql_cpu_ratio",
+        "mariadbd CPU per entity: bagstore / raw (target ≤ 1.5)",
+        format!("single {}", ratio(per("bagstore single"), per("raw single"))),
+        format!("batch {}", ratio(per("bagstore batch"), per("raw batch"))),
+    );
+    // What the design's rows cost (the floors against raw), and what
+    // bagstore adds to them (bagstore against the floor of its design).
+    for (key, what, over, under) in [
+        (
+            "mysql_floor_capture_ratio",
+            "mariadbd CPU per entity: floor with capture (entity + index row) / raw",
+            "floor capture",
+            "raw",
+        ),
+        (
+            "mysql_floor_outbox_ratio",
+            "mariadbd CPU per entity: floor with an outbox / raw",
+            "floor outbox",
+            "raw",
+        ),
+        (
+            "mysql_over_floor_ratio",
+            "mariadbd CPU per entity: bagstore / floor with an outbox",
+            "bagstore",
+            "floor outbox",
+        ),
+    ] {
+        report.line(
+            key,
+            what,
+            format!("single {}", ratio(per(&format!("{over} single")), per(&format!("{under} single")))),
+            format!("batch {}", ratio(per(&format!("{over} batch")), per(&format!("{under} batch")))),
+        );
+    }
+
+    Ok((writer, one_bag.rate))
 }
 
 /// Waits until `indexer` holds every partition of the change topic.

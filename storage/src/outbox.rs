@@ -103,6 +103,17 @@ pub async fn delete_outbox(shard: usize, conn: &mut MySqlConnection, seqs: &[u64
     Ok(())
 }
 
+/// Makes the binary log record this session's row deletes by primary key
+/// only (`binlog_row_image = MINIMAL` for the session): a published row's
+/// delete then logs its `seq`, not its event a second time. The server's
+/// own setting (FULL, as Debezium and the writers' updates need) is left
+/// alone. Needs the privilege to set the variable; without it the deletes
+/// log full rows, as before.
+pub async fn log_deletes_by_key(shard: usize, conn: &mut MySqlConnection) -> Result<()> {
+    sqlx::query("SET SESSION binlog_row_image = 'MINIMAL'").execute(&mut *conn).await.on(shard)?;
+    Ok(())
+}
+
 /// See [`Backlog`].
 pub async fn outbox_backlog(shard: usize, pool: &MySqlPool) -> Result<Backlog> {
     let row = sqlx::query(

@@ -103,6 +103,13 @@ impl Writer {
                 }
             }
             tracing::info!(shard, "relay leader");
+            if let Err(e) = outbox::log_deletes_by_key(shard, &mut conn).await {
+                tracing::warn!(
+                    shard,
+                    error = %e,
+                    "the relay's deletes log whole rows to the binary log (grant BINLOG ADMIN to log their keys only)"
+                );
+            }
             leader_gauge.set(1);
             if let Err(e) = self.lead(shard, &mut conn, &mut producer, &shutdown).await {
                 self.inner.health.report(&part, Err(format!("leadership ended: {e}")));

@@ -38,7 +38,8 @@ const USAGE: &str = "usage: bench_recovery [--rate R] [--broker mock|tansu|both]
   --membership M  which group membership (default both)\n\
   --restart X     whether the killed indexer is started again (default both)\n\
   --lag-secs S    per broker, first the max single-PUT rate and the index lag at 50% of it, phases of S s (default 15; 0: skip)\n\
-  --fetch-wait MS the indexers' fetch wait, indexer.fetch_wait_ms (default bagstore's: 5 on the mock, as in bagstore dev; 20 on tansu)";
+  --fetch-wait MS the indexers' fetch wait, indexer.fetch_wait_ms (default bagstore's: 5 on the mock, as in bagstore dev; 20 on tansu)\n\
+  --no-recovery   measure the lag only (no kills)";
 
 const INDEX: &str = "index_user_id";
 /// The session timeout the runs use (the test environments' setting).
@@ -55,6 +56,8 @@ struct Options {
     lag_secs: f64,
     /// The indexers' `indexer.fetch_wait_ms`; bagstore's default if unset.
     fetch_wait_ms: Option<u64>,
+    /// Measure the recovery after kills (`--no-recovery`: the lag only).
+    recovery: bool,
 }
 
 impl Options {
@@ -76,6 +79,7 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
         restarts: vec![true, false],
         lag_secs: 15.0,
         fetch_wait_ms: None,
+        recovery: true,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -98,6 +102,7 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
                 let v = value()?;
                 o.fetch_wait_ms = Some(v.parse().map_err(|_| format!("--fetch-wait: cannot parse {v:?}"))?);
             }
+            "--no-recovery" => o.recovery = false,
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown argument {other:?}")),
         }
@@ -175,7 +180,7 @@ async fn run(opts: Options) -> anyhow::Result<()> {
             eprintln!("{broker}: {l:?}");
             lags.push(l);
         }
-        for membership in opts.memberships.clone() {
+        for membership in opts.memberships.clone().into_iter().filter(|_| opts.recovery) {
             for restarted in opts.restarts.clone() {
                 let o = measure(broker, membership, restarted, opts.rate, opts.fetch_wait_ms(broker)).await?;
                 eprintln!(
@@ -193,11 +198,11 @@ async fn run(opts: Options) -> anyhow::Result<()> {
             "\nIndex lag, commit → applied ({INDEX}; one writer, one indexer; {} s phases)\n",
             opts.lag_secs
         );
-        println!("| broker | indexer fetch wait | max single-PUT rate | lag at 50% of it: p50 | p99 | max bucket | events | PUTs failed | commit → fetched: p50 | p99 |");
-        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        println!("| broker | indexer fetch wait | max single-PUT rate | lag at 50% of it: p50 | p99 | max bucket | events | PUTs failed | commit → fetched: p50 | p99 | bare producer → bare consumer: p50 | p99 |");
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         for l in &lags {
             println!(
-                "| {} | {} ms | {:.0}/s | {:.1} ms | {:.1} ms | ≤ {:.0} ms | {:.0} | {} | {:.1} ms | {:.1} ms |",
+                "| {} | {} ms | {:.0}/s | {:.1} ms | {:.1} ms | ≤ {:.0} ms | {:.0} | {} | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms |",
                 l.broker,
                 l.fetch_wait_ms,
                 l.max_rate,
@@ -207,9 +212,14 @@ async fn run(opts: Options) -> anyhow::Result<()> {
                 l.events,
                 l.failed,
                 l.fetched_p50_ms,
-                l.fetched_p99_ms
+                l.fetched_p99_ms,
+                l.bare_p50_ms,
+                l.bare_p99_ms
             );
         }
+    }
+    if !opts.recovery {
+        return Ok(());
     }
     println!(
         "\nIndex recovery after `kill -9` of one of two indexers ({INDEX}; {} single PUTs/s; session timeout {} ms)\n",
@@ -258,6 +268,10 @@ struct Lag {
     /// relay's and the broker's part of the lag): p50, p99 (ms).
     fetched_p50_ms: f64,
     fetched_p99_ms: f64,
+    /// Produce → fetched on the same broker with no bagstore in the way
+    /// (the broker's own share): p50, p99 (ms).
+    bare_p50_ms: f64,
+    bare_p99_ms: f64,
 }
 
 /// The max single-PUT rate (16 clients in a closed loop for `phase`), then
@@ -345,6 +359,10 @@ async fn lag_at_half(broker: &'static str, phase: Duration, fetch_wait_ms: u64) 
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let after = scrape().await.unwrap_or_default();
+    let mut bare = broker_floor(&env, max_rate / 2.0, phase, fetch_wait_ms).await?;
+    anyhow::ensure!(!bare.is_empty(), "{broker}: the bare consumer fetched nothing");
+    bare.sort_by(f64::total_cmp);
+    let bare_at = |q: f64| bare[((bare.len() as f64 * q) as usize).min(bare.len() - 1)];
     Ok(Lag {
         fetch_wait_ms,
         broker,
@@ -356,7 +374,87 @@ async fn lag_at_half(broker: &'static str, phase: Duration, fetch_wait_ms: u64) 
         failed: failed.load(Ordering::Relaxed),
         fetched_p50_ms: at(0.5).unwrap_or(0.0),
         fetched_p99_ms: at(0.99).unwrap_or(0.0),
+        bare_p50_ms: bare_at(0.5),
+        bare_p99_ms: bare_at(0.99),
     })
+}
+
+/// The broker alone: a producer with the relay's settings sends messages
+/// stamped with the time they were handed to it, at `rate` for `phase`, to
+/// a topic of their own; a consumer with the indexers' fetch settings notes
+/// each one's produce → fetched time (ms). What target 3 leaves to
+/// bagstore on this broker is the lag beyond this.
+async fn broker_floor(
+    env: &TestEnv,
+    rate: f64,
+    phase: Duration,
+    fetch_wait_ms: u64,
+) -> anyhow::Result<Vec<f64>> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+    use rdkafka::Message;
+    const TOPIC: &str = "bench-broker-floor";
+    let k = env.kafka_settings();
+    match &env.kafka {
+        // The mock cluster has no admin API to create topics with.
+        bagstore_tests::Kafka::Mock(c) => c.create_topic(TOPIC, k.partitions, 1)?,
+        bagstore_tests::Kafka::Tansu(_) => service::kafka::ensure_topics(&k, &[TOPIC]).await?,
+    }
+    let consumer: BaseConsumer =
+        service::kafka::create(&service::kafka::consumer_config(&k, "bench-broker-floor", fetch_wait_ms))?;
+    let md = consumer.fetch_metadata(Some(TOPIC), Duration::from_secs(10))?;
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    for t in md.topics() {
+        for p in t.partitions() {
+            tpl.add_partition_offset(TOPIC, p.id(), rdkafka::Offset::End)?;
+        }
+    }
+    consumer.assign(&tpl)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let fetched = {
+        let stop = stop.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut out = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
+                    let now = schemas::clock::now_micros();
+                    if let Some(sent) = m.payload().and_then(|b| <[u8; 8]>::try_from(b).ok()) {
+                        out.push((now - i64::from_le_bytes(sent)).max(0) as f64 / 1e3);
+                    }
+                }
+            }
+            out
+        })
+    };
+    // The consumer holds its partitions at their end before the first send.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let producer: BaseProducer = service::kafka::create(&service::kafka::relay_producer_config(&k))?;
+    let sent = tokio::task::spawn_blocking(move || {
+        let started = Instant::now();
+        let mut n = 0u64;
+        while started.elapsed() < phase {
+            let due = (started.elapsed().as_secs_f64() * rate) as u64;
+            while n < due {
+                let stamp = schemas::clock::now_micros().to_le_bytes();
+                let key = n.to_le_bytes();
+                if producer.send(BaseRecord::to(TOPIC).key(&key[..]).payload(&stamp[..])).is_ok() {
+                    n += 1;
+                } else {
+                    break;
+                }
+            }
+            producer.poll(Duration::from_millis(1));
+        }
+        let _ = producer.flush(Duration::from_secs(10));
+        n
+    })
+    .await?;
+    // Everything sent has had time to be fetched.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::Relaxed);
+    let out = fetched.await?;
+    eprintln!("broker floor: {sent} sent, {} fetched", out.len());
+    Ok(out)
 }
 
 /// A consumer of the change topic from its end, with the indexers' fetch

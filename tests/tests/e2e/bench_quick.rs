@@ -29,6 +29,11 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
         "| MariaDB, raw single |",
         "| MariaDB, bagstore batch |",
         "| mariadbd CPU per entity: bagstore / raw (target ≤ 1.5) |",
+        "| MariaDB, floor capture single |",
+        "| MariaDB, floor outbox batch |",
+        "| mariadbd CPU per entity: floor with capture (entity + index row) / raw |",
+        "| mariadbd CPU per entity: floor with an outbox / raw |",
+        "| mariadbd CPU per entity: bagstore / floor with an outbox |",
         "| bagstore: latest 20 of one user |",
         "| json: latest 20 of one user |",
         "| bagstore: online backfill (cleaner --index, --rate 0) |",
@@ -55,6 +60,31 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
             && raw.contains("binlog fsyncs"),
         "the raw writes wrote no rows or synced no binary log: {raw:?}"
     );
+    // The floors write exactly the rows of their design: two per entity
+    // with capture, four with an outbox (a floor that skipped its index
+    // rows or its outbox deletes would read lower), and the binary log
+    // grows with every write (a misspelt counter reads 0).
+    for (line, low, high) in [
+        ("| MariaDB, floor capture single |", 1.95, 2.1),
+        ("| MariaDB, floor capture batch |", 1.95, 2.1),
+        ("| MariaDB, floor outbox single |", 3.9, 4.2),
+        ("| MariaDB, floor outbox batch |", 3.9, 4.2),
+    ] {
+        let found = stdout.lines().find(|l| l.starts_with(line)).unwrap_or("");
+        let rows = figure_after(found, "row writes ");
+        assert!(
+            rows.is_some_and(|r| (low..=high).contains(&r)),
+            "{line}: row writes not in {low}..{high}: {found:?}"
+        );
+        assert!(
+            figure_after(found, "binlog bytes ").is_some_and(|b| b > 0.0),
+            "{line} counted no binary log bytes: {found:?}"
+        );
+    }
+    // Statements are broken down by kind; bagstore's writes lock rows
+    // (select) and insert.
+    let bag = stdout.lines().find(|l| l.starts_with("| MariaDB, bagstore single |")).unwrap_or("");
+    assert!(bag.contains("insert ") && bag.contains("select "), "no statement kinds: {bag:?}");
     // The steady writer commits, so the servers' fsync counter must move
     // (a misspelt status variable reads as 0).
     let before =
@@ -63,4 +93,11 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
         before.contains("InnoDB fsyncs/s") && !before.contains("InnoDB fsyncs/s 0,"),
         "no fsyncs counted during the steady writer: {before:?}"
     );
+}
+
+/// The number that follows `label` in `line` ("row writes 2.00, …" → 2.0).
+fn figure_after(line: &str, label: &str) -> Option<f64> {
+    let rest = &line[line.find(label)? + label.len()..];
+    let end = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(rest.len());
+    rest[..end].parse().ok()
 }
