@@ -1628,8 +1628,8 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     );
     // What MariaDB itself does with the backfill's rows on this machine,
     // unpinned and with no steady writer (target 2's 250,000 rows/s): the
-    // backfill's statements from a plain client, and a bulk load into an
-    // empty table.
+    // backfill's statements from a plain client, a bulk load into an
+    // empty table, and the same from a file on the servers' host.
     for (key, what, how) in [
         (
             "floor_backfill_live",
@@ -1641,8 +1641,13 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
             "floor: the same rows loaded sorted into an empty table (bulk insert)",
             floor::Load::Bulk,
         ),
+        (
+            "floor_backfill_file",
+            "floor: the same rows from a file on the servers' host (LOAD DATA INFILE, empty table)",
+            floor::Load::File,
+        ),
     ] {
-        let secs = floor::load_index_rows(native.clone(), n, how, c).await?;
+        let secs = floor::load_index_rows(native.clone(), n, how, c, world.dir.path()).await?;
         report.line(
             key,
             what,
