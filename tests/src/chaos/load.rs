@@ -29,6 +29,10 @@ pub(super) fn outcome_of(shared: &Shared, what: &str, answer: Result<(u16, Value
 pub(super) async fn client(shared: Arc<Shared>, n: usize, seed: u64, keys: usize) {
     let mut rng = StdRng::seed_from_u64(seed.wrapping_mul(1000).wrapping_add(n as u64));
     while !shared.stop.load(Ordering::Relaxed) {
+        if shared.paused.load(Ordering::Relaxed) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            continue;
+        }
         let Some(base) = shared.live_writer(&mut rng) else {
             tokio::time::sleep(Duration::from_millis(20)).await;
             continue;
@@ -110,6 +114,32 @@ pub(super) async fn client(shared: Arc<Shared>, n: usize, seed: u64, keys: usize
         let outcome = outcome_of(&shared, &what, answer);
         shared.record(n, &id, what, outcome);
     }
+}
+
+/// The client number a fault's own writes are recorded under.
+pub(super) const FAULT_CLIENT: usize = 99;
+
+/// Creates `n` new entities at once (each id written once, recorded in
+/// `created` like the load's creates) and returns how many were
+/// acknowledged. Their events reach the topic together, so an idle indexer
+/// fetches them in one batch or two.
+pub(super) async fn burst_of_creates(shared: &Shared, rng: &mut StdRng, n: usize) -> usize {
+    let Some(base) = shared.live_writer(rng) else { return 0 };
+    let requests: Vec<(String, Value)> =
+        (0..n).map(|_| (format!("{:032x}", rng.random::<u128>()), model::random_entity(rng))).collect();
+    let sends = requests.into_iter().map(|(id, body)| {
+        let url = format!("{base}/v1/entities/{id}");
+        shared.created.lock().unwrap().push(id.clone());
+        async move {
+            let req = shared.http.put(&url).header("If-None-Match", "*").json(&body);
+            let what = format!("create (burst) {body}");
+            let outcome = outcome_of(shared, &what, shared.send(req).await);
+            let acked = matches!(outcome, Outcome::Acked(_));
+            shared.record(FAULT_CLIENT, &id, what, outcome);
+            acked
+        }
+    });
+    futures::future::join_all(sends).await.into_iter().filter(|a| *a).count()
 }
 
 /// Reads while the faults go on: random queries (Invariant R) and gets of

@@ -178,6 +178,9 @@ struct Counters {
 struct Shared {
     started: Instant,
     stop: AtomicBool,
+    /// While set, the writing clients start no new request: a fault wants
+    /// the indexers idle (see the stalled `IndexerKill`).
+    paused: AtomicBool,
     /// One slot per writer process; `None` while it is dead.
     writers: RwLock<Vec<Option<String>>>,
     reader: String,
@@ -282,6 +285,7 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
     let shared = Arc::new(Shared {
         started: Instant::now(),
         stop: AtomicBool::new(false),
+        paused: AtomicBool::new(false),
         writers: RwLock::new(stack.writers.iter().map(|w| w.as_ref().map(|p| p.url.clone())).collect()),
         reader: stack.reader.url.clone(),
         ops: Mutex::new(Vec::new()),
