@@ -27,7 +27,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
-use crate::{body_of, entity, entity_id, hex16, shard_of_hex, user_id, Native, BATCH, SHARDS, USERS};
+use crate::{
+    body_of, entity, entity_id, hex16, shard_of_hex, user_id, Native, BATCH, RAW_HEAD, RAW_ROW, SHARDS, USERS,
+};
 
 const TABLE: &str = "floor_index";
 
@@ -189,10 +191,7 @@ pub async fn write(
         async move {
             let ids: Vec<[u8; 16]> = rows.iter().map(|i| hex16(&entity_id(*i))).collect();
             let bodies: Vec<Vec<u8>> = rows.iter().map(|i| body_of(*i)).collect();
-            let sql = format!(
-                "INSERT INTO entities (id, logical, version, updated, body) VALUES {}",
-                vec!["(?, ?, 1, NOW(6), ?)"; rows.len()].join(", ")
-            );
+            let sql = format!("{RAW_HEAD} {}", vec![RAW_ROW; rows.len()].join(", "));
             let mut q = sqlx::query(&sql);
             for (id, body) in ids.iter().zip(&bodies) {
                 let logical = schemas::logical_of(id, schemas::shard::DEFAULT_LOGICAL_SHARDS);
@@ -335,6 +334,14 @@ pub enum Load {
 /// One `link` index row: (link, entity id, logical shard).
 type LinkRow = (String, [u8; 16], u16);
 
+/// Binds `rows` to a multi-row insert of `(link, entity_id, …, logical)`.
+fn bind_links<'q>(mut q: crate::MyQuery<'q>, rows: &'q [LinkRow]) -> crate::MyQuery<'q> {
+    for (link, id, logical) in rows {
+        q = q.bind(link.as_bytes()).bind(id.to_vec()).bind(*logical);
+    }
+    q
+}
+
 /// Rows per statement in [`load_index_rows`], the backfill's own batch.
 const LOAD_BATCH: usize = 1000;
 
@@ -431,11 +438,7 @@ pub async fn load_index_rows(
                     sqlx::query("BEGIN").execute(&mut taken.conn).await?;
                     for chunk in rows.chunks(LOAD_BATCH) {
                         let text = sql(chunk.len(), false);
-                        let mut q = sqlx::query(&text);
-                        for (link, id, logical) in chunk {
-                            q = q.bind(link.as_bytes()).bind(id.to_vec()).bind(*logical);
-                        }
-                        q.execute(&mut taken.conn).await?;
+                        bind_links(sqlx::query(&text), chunk).execute(&mut taken.conn).await?;
                     }
                     sqlx::query("COMMIT").execute(&mut taken.conn).await?;
                     sqlx::query("SET SESSION unique_checks = 1, foreign_key_checks = 1")
@@ -465,11 +468,7 @@ pub async fn load_index_rows(
                         let next = queue.lock().unwrap().next();
                         let Some((shard, chunk)) = next else { return anyhow::Ok(()) };
                         let text = sql(chunk.len(), true);
-                        let mut q = sqlx::query(&text);
-                        for (link, id, logical) in &chunk {
-                            q = q.bind(link.as_bytes()).bind(id.to_vec()).bind(*logical);
-                        }
-                        native.execute(shard, q).await?;
+                        native.execute(shard, bind_links(sqlx::query(&text), &chunk)).await?;
                     }
                 }
             });

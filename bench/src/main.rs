@@ -1096,6 +1096,11 @@ async fn insert_by_shard<T: Send + Sync + 'static>(
     Ok(())
 }
 
+/// The raw contender's multi-row insert into `entities`: this, then one
+/// [`RAW_ROW`] per row (id, logical shard, encoded body).
+const RAW_HEAD: &str = "INSERT INTO entities (id, logical, version, updated, body) VALUES";
+const RAW_ROW: &str = "(?, ?, 1, NOW(6), ?)";
+
 /// Raw rows shaped like bagstore's `entities` (logical shard included),
 /// bodies already encoded.
 async fn raw_insert(native: Arc<Native>, items: Vec<(String, Vec<u8>)>) -> anyhow::Result<()> {
@@ -1106,11 +1111,8 @@ async fn raw_insert(native: Arc<Native>, items: Vec<(String, Vec<u8>)>) -> anyho
             (id, (logical, body))
         })
         .collect();
-    let head = "INSERT INTO entities (id, logical, version, updated, body) VALUES";
-    insert_by_shard(native, items, head, "(?, ?, 1, NOW(6), ?)", |q, (logical, body)| {
-        q.bind(*logical).bind(&body[..])
-    })
-    .await
+    insert_by_shard(native, items, RAW_HEAD, RAW_ROW, |q, (logical, body)| q.bind(*logical).bind(&body[..]))
+        .await
 }
 
 /// JSON documents into the native table.

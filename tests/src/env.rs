@@ -247,23 +247,26 @@ impl TestEnv {
     /// Waits until every outbox is empty and every index group has applied
     /// everything on the topic.
     pub async fn until_caught_up(&self, indexes: &[&str]) {
-        let k = self.kafka_settings();
-        eventually("outbox empty and every index caught up", Duration::from_secs(60), || {
-            let k = k.clone();
-            async move {
-                if self.count_rows("outbox").await != 0 {
-                    return None;
-                }
-                for table in indexes {
-                    let lag = service::kafka::group_lag(&k, &k.group_for(table)).await.ok()?;
-                    if lag.iter().map(|p| p.lag()).sum::<i64>() != 0 {
-                        return None;
-                    }
-                }
-                Some(())
-            }
+        eventually("outbox empty and every index caught up", Duration::from_secs(60), || async {
+            self.caught_up(indexes).await.then_some(())
         })
         .await
+    }
+
+    /// Whether every outbox is empty and every index group in `indexes`
+    /// has applied every event (false also when the lag cannot be read).
+    pub async fn caught_up(&self, indexes: &[&str]) -> bool {
+        if self.count_rows("outbox").await != 0 {
+            return false;
+        }
+        let k = self.kafka_settings();
+        for table in indexes {
+            match service::kafka::group_lag(&k, &k.group_for(table)).await {
+                Ok(lag) if lag.iter().map(|p| p.lag()).sum::<i64>() == 0 => {}
+                _ => return false,
+            }
+        }
+        true
     }
 
     /// Migrated, with writer, reader and all indexers in one `bagstore dev`

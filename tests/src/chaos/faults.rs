@@ -157,24 +157,14 @@ pub(super) const CLEANER_ENV: [(&str, &str); 1] = [("BAGSTORE_CLEANER__INTERVAL_
 /// New entities created while a stalled indexer is about to be killed.
 const BURST: usize = 40;
 
-/// Waits until no index group has events left to apply (the writing
-/// clients are paused), for at most 15 s: a quiet start for the stalled
-/// `IndexerKill`. Lag that stays (a group still rebalancing) only makes
-/// that fault's batch less certain to hold the burst; it goes on anyway.
+/// Waits until the outboxes are empty and no index group has events left
+/// to apply (the writing clients are paused), for at most 15 s: a quiet
+/// start for the stalled `IndexerKill`. Lag that stays (a group still
+/// rebalancing) only makes that fault's batch less certain to hold the
+/// burst; it goes on anyway.
 async fn until_indexers_idle(env: &TestEnv) {
-    let k = env.kafka_settings();
     let since = Instant::now();
-    while since.elapsed() < Duration::from_secs(15) {
-        let mut behind = 0;
-        for t in STANDARD_TABLES {
-            match service::kafka::group_lag(&k, &k.group_for(t)).await {
-                Ok(parts) => behind += parts.iter().map(|p| p.lag()).sum::<i64>(),
-                Err(_) => behind += 1,
-            }
-        }
-        if behind == 0 {
-            return;
-        }
+    while since.elapsed() < Duration::from_secs(15) && !env.caught_up(&STANDARD_TABLES).await {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
