@@ -102,7 +102,7 @@ pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running>
             let stop = pipeline.stop.clone();
             pipeline.tracker.spawn(async move {
                 if let Err(e) = c.run(stop).await {
-                    tracing::error!(error = %e, "index consumer failed to start");
+                    tracing::error!(error = %e, "index consumer stopped with an error");
                 }
             });
         }

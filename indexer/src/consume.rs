@@ -26,6 +26,8 @@ use tokio_util::sync::CancellationToken;
 use crate::apply::Fence;
 use crate::metrics::Metrics;
 use crate::plan::{plan, RowOp};
+use schemas::settings::Assignment;
+use service::leases::Lease;
 use service::membership::Membership;
 
 /// Consumes the change topic for one index.
@@ -73,6 +75,15 @@ enum Exit {
     Shutdown,
     /// The partitions are no longer this consumer's; why.
     Lost(String),
+    /// With leases: another process took this member's name.
+    Taken(String),
+}
+
+/// With `indexer.assignment = "leases"`: the member lease and the topic's
+/// partition count the share is computed over.
+struct Leased {
+    lease: Lease,
+    partitions: usize,
 }
 
 /// What became of a batch in [`IndexConsumer::process`].
@@ -131,29 +142,63 @@ impl IndexConsumer {
     /// stored offsets synchronously and leaves the group. A consumer that
     /// lost its partitions (see [`service::membership`]) is closed, and a new
     /// one joins in its place.
-    pub async fn run(self, shutdown: CancellationToken) -> Result<(), rdkafka::error::KafkaError> {
+    ///
+    /// With `indexer.assignment = "leases"` the consumer never joins the
+    /// broker's group: it keeps a member lease (`service::leases`) and
+    /// assigns itself its share of the partitions, committing offsets
+    /// under the same group id.
+    pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
         let k = &self.settings.kafka;
         let dlq: FutureProducer = kafka::create(&kafka::producer_config(k))?;
         let table = self.spec.table.clone();
+        let session = Duration::from_millis(k.session_timeout_ms);
+        let mut leased = match self.settings.indexer.assignment {
+            Assignment::Group => None,
+            Assignment::Leases => {
+                let member =
+                    self.settings.indexer.member.clone().unwrap_or_else(service::cluster::process_id);
+                let Some(partitions) = self.partition_count(&shutdown).await else { return Ok(()) };
+                let lease = Lease::start(self.shards.clone(), self.group(), member, session);
+                Some(Leased { lease, partitions })
+            }
+        };
         loop {
             let mut config = kafka::consumer_config(k, &self.group(), self.settings.indexer.fetch_wait_ms());
-            // The statistics feed the membership watch (service::membership).
-            config.set("statistics.interval.ms", "1000");
-            let watch = Membership::new(Duration::from_millis(k.session_timeout_ms), &k.topic);
+            if leased.is_none() {
+                // The statistics feed the membership watch (service::membership).
+                config.set("statistics.interval.ms", "1000");
+            }
+            let watch = Membership::new(session, &k.topic);
             let consumer: StreamConsumer<Membership> = kafka::create_with(&config, watch)?;
-            consumer.subscribe(&[&k.topic])?;
-            tracing::info!(index = %table, group = %self.group(), fetch_wait_ms = self.settings.indexer.fetch_wait_ms(),
-                "index consumer joining its group");
-            match self.consume(&consumer, &dlq, &shutdown).await {
+            match &leased {
+                None => {
+                    consumer.subscribe(&[&k.topic])?;
+                    tracing::info!(index = %table, group = %self.group(), fetch_wait_ms = self.settings.indexer.fetch_wait_ms(),
+                        "index consumer joining its group");
+                }
+                Some(l) => tracing::info!(index = %table, group = %self.group(), member = %l.lease.member(),
+                    partitions = l.partitions, "index consumer assigning its partitions by member leases"),
+            }
+            match self.consume(&consumer, &dlq, leased.as_ref(), &shutdown).await {
                 Exit::Shutdown => {
                     self.write_progress(None, true).await;
                     if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
                         tracing::debug!(index = %table, error = %e, "final commit had nothing to commit or failed");
                     }
                     consumer.unsubscribe();
+                    if let Some(l) = leased.take() {
+                        l.lease.leave().await;
+                    }
                     self.metrics.assigned_partitions.with_label_values(&[&table]).set(0);
                     tracing::info!(index = %table, "index consumer stopped");
                     return Ok(());
+                }
+                Exit::Taken(why) => {
+                    self.health.report(&self.part(), Err(why.clone()));
+                    self.metrics.assigned_partitions.with_label_values(&[&table]).set(0);
+                    // Its stored offsets are the new holder's to replay.
+                    tokio::task::spawn_blocking(move || drop(consumer));
+                    anyhow::bail!("index {table}: {why}");
                 }
                 Exit::Lost(why) => {
                     self.health.report(&self.part(), Err(format!("rejoining its group: {why}")));
@@ -176,6 +221,7 @@ impl IndexConsumer {
         &self,
         consumer: &StreamConsumer<Membership>,
         dlq: &FutureProducer,
+        leased: Option<&Leased>,
         shutdown: &CancellationToken,
     ) -> Exit {
         let k = &self.settings.kafka;
@@ -187,10 +233,20 @@ impl IndexConsumer {
         let mut last_error: Option<Instant> = None;
         let mut strays_since: Option<Instant> = None;
         let mut claims_checked: Option<Instant> = None;
+        let mut lease_changes = leased.map(|l| l.lease.changes());
         loop {
+            if let Some(l) = leased {
+                if let Err(why) = self.follow_lease(consumer, l) {
+                    return Exit::Taken(why);
+                }
+            }
             let first = tokio::select! {
                 m = consumer.recv() => m,
                 _ = shutdown.cancelled() => return Exit::Shutdown,
+                Some(Ok(())) = async { match lease_changes.as_mut() {
+                    Some(c) => Some(c.changed().await),
+                    None => None,
+                } } => continue,
                 _ = tokio::time::sleep(IDLE_TICK) => {
                     if let Some(why) = consumer.context().lost(consumer) {
                         return Exit::Lost(why);
@@ -294,6 +350,74 @@ impl IndexConsumer {
             }
             self.report_assignment(consumer);
         }
+    }
+
+    /// The change topic's partition count, asked of the broker until it
+    /// answers (None: shutdown came first). The leases split this many.
+    async fn partition_count(&self, shutdown: &CancellationToken) -> Option<usize> {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let k = self.settings.kafka.clone();
+            let topic = k.topic.clone();
+            let why = match tokio::task::spawn_blocking(move || kafka::partition_count(&k, &topic)).await {
+                Ok(Ok(n)) if n > 0 => return Some(n),
+                Ok(Ok(_)) => "the change topic has no partitions yet".to_string(),
+                Ok(Err(e)) => format!("cannot read the change topic's partitions: {e}"),
+                Err(e) => format!("cannot read the change topic's partitions: {e}"),
+            };
+            tracing::warn!(index = %self.spec.table, %why, "retrying");
+            self.health.report(&self.part(), Err(why));
+            if !sleep_or_stop(shutdown, backoff).await {
+                return None;
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    /// With leases: makes the consumer's assignment this member's share
+    /// (see [`service::leases`]). Partitions no longer its own are let go
+    /// (their stored offsets committed first, so the next holder replays
+    /// less); new ones start from the group's committed offsets and are
+    /// claimed before anything of theirs is applied. An error once
+    /// another process took the member name.
+    fn follow_lease(&self, consumer: &StreamConsumer<Membership>, l: &Leased) -> Result<(), String> {
+        let want = l.lease.share(l.partitions)?;
+        let held = consumer.context().held(consumer);
+        if want == held {
+            return Ok(());
+        }
+        let topic = &self.settings.kafka.topic;
+        let table = &self.spec.table;
+        let gone: Vec<i32> = held.difference(&want).copied().collect();
+        let new: Vec<i32> = want.difference(&held).copied().collect();
+        if !gone.is_empty() {
+            if let Err(e) = consumer.commit_consumer_state(CommitMode::Async) {
+                tracing::debug!(index = %table, error = %e, "nothing to commit before letting partitions go");
+            }
+            let mut tpl = TopicPartitionList::new();
+            for p in &gone {
+                tpl.add_partition(topic, *p);
+            }
+            if let Err(e) = consumer.incremental_unassign(&tpl) {
+                tracing::warn!(index = %table, error = %e, "cannot let partitions go; retrying");
+                return Ok(());
+            }
+            consumer.context().revoked(&gone);
+        }
+        if !new.is_empty() {
+            let mut tpl = TopicPartitionList::new();
+            for p in &new {
+                let _ = tpl.add_partition_offset(topic, *p, Offset::Stored);
+            }
+            if let Err(e) = consumer.incremental_assign(&tpl) {
+                tracing::warn!(index = %table, error = %e, "cannot take partitions; retrying");
+                return Ok(());
+            }
+            consumer.context().assigned(new.clone());
+        }
+        tracing::info!(index = %table, member = %l.lease.member(), ?gone, ?new, "following the member lease");
+        self.report_assignment(consumer);
+        Ok(())
     }
 
     /// The partition claims (see [`service::membership`]): records this

@@ -46,6 +46,10 @@ pub mod tables {
     /// Which indexer consumer last took each partition of each consumer
     /// group (metadata shard): the indexers' own fence.
     pub const PARTITION_CLAIMS: &str = "bagstore_partition_claims";
+    /// The indexers that assign partitions among themselves (`indexer.
+    /// assignment = "leases"`): per consumer group, each member's lease
+    /// (metadata shard).
+    pub const GROUP_MEMBERS: &str = "bagstore_group_members";
 }
 
 /// Tables bagstore owns; an index may not take these names.
@@ -67,6 +71,7 @@ pub const RESERVED_TABLES: &[&str] = &[
     tables::MOVES,
     tables::PROCESSES,
     tables::PARTITION_CLAIMS,
+    tables::GROUP_MEMBERS,
     tables::SNAPSHOTS,
 ];
 /// Columns every index table has besides its property columns; a property

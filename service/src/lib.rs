@@ -11,6 +11,8 @@
 //! - [`kafka`]: client configuration, topics, consumer-group lag.
 //! - [`membership`]: noticing that the group gave a consumer's partitions
 //!   away (the indexers and the writers' Kafka ingest).
+//! - [`leases`]: an indexer's member lease, when indexers assign partitions
+//!   among themselves.
 //! - [`freshness`]: how far behind an index is (the one lag rule).
 //! - [`cluster`]: keeping the map current; this process's heartbeat.
 //! - [`health`]: liveness, and readiness by the README's policy.
@@ -23,6 +25,7 @@ pub mod freshness;
 pub mod health;
 pub mod http;
 pub mod kafka;
+pub mod leases;
 pub mod membership;
 pub mod serve;
 

@@ -48,6 +48,10 @@
 //! costs one more rebalance; the last sign may also fire when a rebalance
 //! truly lasts that long (a member slow to rejoin), and then too a fresh
 //! member is the safe choice.
+//!
+//! With member leases (`service::leases`) an indexer's consumer never
+//! joins the group: it is given partitions by its lease ([`Membership::assigned`],
+//! [`Membership::revoked`]), and of the signs above only the claims apply.
 
 use rdkafka::client::ClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
@@ -87,6 +91,24 @@ struct State {
     claims: BTreeMap<i32, u64>,
 }
 
+impl State {
+    fn assigned(&mut self, partitions: Vec<i32>) {
+        // An old claim on a partition assigned again may have been
+        // overtaken meanwhile: nothing is applied until it is renewed.
+        for p in &partitions {
+            self.claims.remove(p);
+        }
+        self.to_claim.extend(partitions);
+    }
+
+    fn revoked(&mut self, partitions: &[i32]) {
+        for p in partitions {
+            self.claims.remove(p);
+        }
+        self.to_claim.retain(|p| !partitions.contains(p));
+    }
+}
+
 impl ClientContext for Membership {
     fn stats(&self, statistics: Statistics) {
         let Some(cgrp) = statistics.cgrp else { return };
@@ -117,18 +139,10 @@ impl ConsumerContext for Membership {
         match rebalance {
             Rebalance::Assign(tpl) => {
                 s.assigned_as = member_id(consumer);
-                let assigned = partitions_of(tpl, &self.topic);
-                // An old claim on a partition assigned again may have been
-                // overtaken meanwhile: nothing is applied until it is renewed.
-                for p in &assigned {
-                    s.claims.remove(p);
-                }
-                s.to_claim.extend(assigned);
+                s.assigned(partitions_of(tpl, &self.topic));
             }
             Rebalance::Revoke(tpl) => {
-                for p in partitions_of(tpl, &self.topic) {
-                    s.claims.remove(&p);
-                }
+                s.revoked(&partitions_of(tpl, &self.topic));
                 if consumer.assignment_lost() {
                     // librdkafka saw the loss itself and has taken the partitions away.
                     tracing::info!("partitions revoked as lost by the consumer");
@@ -155,6 +169,17 @@ impl Membership {
             topic: topic.to_string(),
             state: Mutex::default(),
         }
+    }
+
+    /// Notes partitions the consumer was given outside a rebalance (by
+    /// leases, `service::leases`): to be claimed before they are applied.
+    pub fn assigned(&self, partitions: Vec<i32>) {
+        self.state.lock().expect("not poisoned").assigned(partitions);
+    }
+
+    /// Notes partitions taken from the consumer outside a rebalance.
+    pub fn revoked(&self, partitions: &[i32]) {
+        self.state.lock().expect("not poisoned").revoked(partitions);
     }
 
     /// This consumer's identity in the partition claims.

@@ -338,7 +338,7 @@ pub fn idempotency() -> String {
 }
 
 /// What only the metadata shard has.
-pub fn meta_tables() -> [String; 9] {
+pub fn meta_tables() -> [String; 10] {
     [
         index_catalog(),
         index_progress(),
@@ -348,6 +348,7 @@ pub fn meta_tables() -> [String; 9] {
         moves(),
         processes(),
         partition_claims(),
+        group_members(),
         snapshots(),
     ]
 }
@@ -388,6 +389,23 @@ pub fn partition_claims() -> String {
     PRIMARY KEY (grp, part)
 ) ENGINE=InnoDB",
         tables::PARTITION_CLAIMS
+    )
+}
+
+/// Per consumer group, the indexers that assign its partitions among
+/// themselves (see `storage::leases`): each member's stable name, the
+/// process now holding the name (its incarnation) and until when its lease
+/// runs.
+pub fn group_members() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    grp VARCHAR(255) NOT NULL,
+    member VARCHAR(255) NOT NULL,
+    incarnation BINARY(16) NOT NULL,
+    expires TIMESTAMP(6) NOT NULL,
+    PRIMARY KEY (grp, member)
+) ENGINE=InnoDB",
+        tables::GROUP_MEMBERS
     )
 }
 

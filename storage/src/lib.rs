@@ -19,6 +19,7 @@
 //! - [`index_scan`]: ordered, keyset-paged index scans for queries.
 //! - [`catalog`]: index definitions, states and progress (metadata shard).
 //! - [`fences`]: partition claims proven inside each index write.
+//! - [`leases`]: indexers' member leases, when they assign partitions themselves.
 //! - [`locks`]: named locks: one relay per shard, one backfiller per index.
 //! - [`moves`]: moving logical shards: the move record, fence, flip.
 //! - [`journal`]: what changed on a move's source while it copied.
@@ -47,6 +48,7 @@ pub mod idempotency;
 pub mod index_rows;
 pub mod index_scan;
 pub mod journal;
+pub mod leases;
 pub mod locks;
 pub mod migrate;
 pub mod moves;

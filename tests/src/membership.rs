@@ -29,9 +29,9 @@ use std::time::{Duration, Instant};
 use crate::{eventually, Proc, TestEnv};
 
 /// The index the scenario runs (one group keeps the judgement readable).
-const INDEX: &str = "index_user_id";
+pub const INDEX: &str = "index_user_id";
 /// The test env's topic has 4 partitions.
-const PARTITIONS: i32 = 4;
+pub const PARTITIONS: i32 = 4;
 /// Longer than the test env's `session_timeout_ms` (6 s).
 pub const OUTAGE: Duration = Duration::from_secs(9);
 /// After the broker is back, by when every partition must have exactly one
@@ -45,14 +45,14 @@ const SETTLE_WITHIN: Duration = Duration::from_secs(40);
 const CLEAN_FOR: Duration = Duration::from_secs(5);
 
 /// Per partition and stage ("fetched", "applied"): the count so far.
-type Counts = BTreeMap<(i32, String), f64>;
+pub type Counts = BTreeMap<(i32, String), f64>;
 
-async fn counts(p: &Proc) -> Counts {
+pub async fn counts(p: &Proc) -> Counts {
     sample(p).await.0
 }
 
 /// A process's counts, and how many partitions it says it holds.
-async fn sample(p: &Proc) -> (Counts, f64) {
+pub async fn sample(p: &Proc) -> (Counts, f64) {
     let text = p.api().metrics().await;
     let claimed = crate::metric_sum(&text, "bagstore_indexer_assigned_partitions", &[("index", INDEX)]);
     let mut out = Counts::new();
@@ -90,7 +90,7 @@ fn workers(before: &[Counts], after: &[Counts]) -> BTreeMap<i32, Vec<usize>> {
 /// A client writing entities with random `user_id`s (so every partition
 /// gets events) until the returned flag is cleared. Failed writes are of
 /// no concern here (the writer goes away at the end of the test).
-fn steady_writes(base: String) -> Arc<AtomicBool> {
+pub fn steady_writes(base: String) -> Arc<AtomicBool> {
     let on = Arc::new(AtomicBool::new(true));
     let flag = on.clone();
     tokio::spawn(async move {
@@ -119,11 +119,25 @@ where
     F: FnOnce() -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
+    no_partition_is_worked_twice_after_an_outage_with(env, &[], outage).await
+}
+
+/// The scenario with `vars` in each indexer's environment (member leases:
+/// `BAGSTORE_INDEXER__ASSIGNMENT=leases`).
+pub async fn no_partition_is_worked_twice_after_an_outage_with<F, Fut>(
+    env: &TestEnv,
+    vars: &[(&str, &str)],
+    outage: F,
+) -> String
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
     env.migrate().await;
     let writer = env.spawn(&["writer"]).await;
     let writing = steady_writes(writer.url.clone());
-    let a = env.spawn(&["indexer", "--index", INDEX]).await;
-    let b = env.spawn(&["indexer", "--index", INDEX]).await;
+    let a = env.spawn_env(&["indexer", "--index", INDEX], vars).await;
+    let b = env.spawn_env(&["indexer", "--index", INDEX], vars).await;
     eventually("indexers A and B to share the partitions", Duration::from_secs(60), || async {
         let (ca, cb) = (counts(&a).await, counts(&b).await);
         (applied(&ca) > 0.0 && applied(&cb) > 0.0).then_some(())
@@ -136,7 +150,7 @@ where
     .await;
 
     b.signal("STOP");
-    let c = env.spawn(&["indexer", "--index", INDEX]).await;
+    let c = env.spawn_env(&["indexer", "--index", INDEX], vars).await;
     // C's JoinGroup opens a rebalance that waits for frozen B; A joins it
     // at its next heartbeat (every session_timeout / 4 = 1.5 s).
     tokio::time::sleep(Duration::from_secs(2)).await;

@@ -13,9 +13,9 @@ mod sections;
 
 pub use secrets::{is_secret_kafka_option, Dsn, Secret};
 pub use sections::{
-    AuthSettings, ChangesSettings, CleanerSettings, ExpirySettings, HttpSettings, IndexerSettings,
-    IngestSettings, KafkaSettings, MoverSettings, MysqlSettings, ReaderSettings, WriterSettings,
-    EMBEDDED_FETCH_WAIT_MS, FETCH_WAIT_MS,
+    Assignment, AuthSettings, ChangesSettings, CleanerSettings, ExpirySettings, HttpSettings,
+    IndexerSettings, IngestSettings, KafkaSettings, MoverSettings, MysqlSettings, ReaderSettings,
+    WriterSettings, EMBEDDED_FETCH_WAIT_MS, FETCH_WAIT_MS,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -147,6 +147,13 @@ impl Settings {
             return Err(SettingsError::Invalid(format!(
                 "kafka.group_prefix {prefix:?}: use at most 100 of the characters a-z, A-Z, 0-9, '.', '_' and '-'"
             )));
+        }
+        if let Some(m) = &self.indexer.member {
+            if m.is_empty() || m.len() > 255 || m.chars().any(char::is_control) {
+                return Err(SettingsError::Invalid(format!(
+                    "indexer.member {m:?}: give 1 to 255 printable characters (the pod's name, say)"
+                )));
+            }
         }
         if self.writer.max_body_bytes == 0
             || self.writer.max_batch == 0
@@ -313,6 +320,31 @@ pub(crate) mod tests {
             Settings::from_toml_and_env("", env(&[("BAGSTORE_HTTP__REQUEST_TIMEOUT_MS", "500")])).unwrap();
         assert_eq!(s.http.request_timeout_ms, 500);
         assert!(Settings::from_toml_and_env("[http]\nrequest_timeout_ms = 0", env(&[])).is_err());
+    }
+
+    #[test]
+    fn assignment_is_the_group_protocol_unless_leases_are_asked_for_under_a_sound_name() {
+        let s = Settings::from_toml_and_env("", env(&[])).unwrap();
+        assert_eq!(s.indexer.assignment, Assignment::Group);
+        assert_eq!(s.indexer.member, None);
+        let vars = [
+            ("BAGSTORE_INDEXER__ASSIGNMENT", "leases"),
+            ("BAGSTORE_INDEXER__MEMBER", "bagstore-indexer-7f9c"),
+        ];
+        let s = Settings::from_toml_and_env("", env(&vars)).unwrap();
+        assert_eq!(s.indexer.assignment, Assignment::Leases);
+        assert_eq!(s.indexer.member.as_deref(), Some("bagstore-indexer-7f9c"));
+        let e = Settings::from_toml_and_env(
+            "[indexer]
+assignment = \"lease\"",
+            env(&[]),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("lease"), "{e}");
+        for bad in ["\"\"", "\"a\\tb\"", &format!("{:?}", "m".repeat(256))] {
+            let e = Settings::from_toml_and_env(&format!("[indexer]\nmember = {bad}"), env(&[])).unwrap_err();
+            assert!(e.to_string().contains("indexer.member"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -228,6 +228,32 @@ pub struct IndexerSettings {
     /// a fetch that found nothing. Unset: [`EMBEDDED_FETCH_WAIT_MS`] on
     /// `bagstore dev`'s embedded broker, [`FETCH_WAIT_MS`] on any other.
     pub fetch_wait_ms: Option<u64>,
+    /// Who gives the index consumers their partitions: the broker's group
+    /// protocol, or the indexers themselves by leases on the metadata shard.
+    pub assignment: Assignment,
+    /// With leases: this indexer's member name, stable across restarts
+    /// (Kubernetes: the pod's name). A process that starts under a name
+    /// takes its partitions at once. Unset: a name of its own per process,
+    /// so a restarted one is a new member.
+    pub member: Option<String>,
+}
+
+/// How the index consumers of one index split the topic's partitions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Assignment {
+    /// The broker's consumer group protocol (cooperative-sticky): a member
+    /// that dies holds its partitions until the broker ends its session,
+    /// and every change is a rebalance the broker runs.
+    #[default]
+    Group,
+    /// Member leases on the metadata shard (`storage::leases`): a member
+    /// restarted under its name takes its partitions back at once, and the
+    /// others take a dead member's within its lease (`kafka.session_timeout_ms`)
+    /// and a renewal. Offsets are still committed to the broker under the
+    /// index's group id; switch every indexer of an index together, with
+    /// all of them stopped.
+    Leases,
 }
 
 /// The index consumers' fetch wait on a broker that answers a fetch as soon
@@ -256,7 +282,14 @@ impl IndexerSettings {
 
 impl Default for IndexerSettings {
     fn default() -> Self {
-        IndexerSettings { batch_max: 500, batch_wait_ms: 5, retry_max_ms: 5_000, fetch_wait_ms: None }
+        IndexerSettings {
+            batch_max: 500,
+            batch_wait_ms: 5,
+            retry_max_ms: 5_000,
+            fetch_wait_ms: None,
+            assignment: Assignment::Group,
+            member: None,
+        }
     }
 }
 

@@ -341,6 +341,15 @@ async fn inject_move(
     detail
 }
 
+/// Indexer `i` of the stack, all indexes. Its member name (used when the
+/// suite's config has `indexer.assignment = "leases"`) is its slot's, so a
+/// killed indexer started again comes back as the same member, as a
+/// restarted container in its pod does.
+pub(super) async fn indexer(env: &TestEnv, i: usize) -> Proc {
+    let member = format!("indexer-{i}");
+    env.spawn_env(&["indexer"], &[("BAGSTORE_INDEXER__MEMBER", member.as_str())]).await
+}
+
 /// Injects `fault`, heals it, and says what it did.
 pub(super) async fn inject(
     fault: Fault,
@@ -390,14 +399,17 @@ pub(super) async fn inject(
             }
             shared.paused.store(false, Ordering::Relaxed);
             tokio::time::sleep(Duration::from_millis(rng.random_range(100..1000))).await;
-            stack.indexers[i] = Some(env.spawn(&["indexer"]).await);
+            stack.indexers[i] = Some(indexer(env, i).await);
             let t = Instant::now();
             let overlap = until_group_owns_everything(env, &stack.indexers).await;
             let during = stall.map_or(String::new(), |s| {
                 format!(" while its writes on shard {s} were stalled by LOCK TABLES (a burst of {burst} creates acknowledged meanwhile)")
             });
             let rebalanced = match overlap {
-                None => format!("group rebalanced in {} ms", t.elapsed().as_millis()),
+                None => format!(
+                    "partitions spread over the live indexers again in {} ms",
+                    t.elapsed().as_millis()
+                ),
                 Some(o) => {
                     shared.counters.overlaps.fetch_add(1, Ordering::Relaxed);
                     shared.fail(format!("after indexer {i} was restarted, {o}"));

@@ -273,7 +273,7 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
     let env = &*env;
     let mut stack = Stack {
         writers: vec![Some(env.spawn(&["writer"]).await), Some(env.spawn(&["writer"]).await)],
-        indexers: vec![Some(env.spawn(&["indexer"]).await), Some(env.spawn(&["indexer"]).await)],
+        indexers: vec![Some(faults::indexer(env, 0).await), Some(faults::indexer(env, 1).await)],
         reader: env.spawn(&["reader"]).await,
         cleaner: Some(env.spawn_env(&["cleaner"], &CLEANER_ENV).await),
         mover: None,

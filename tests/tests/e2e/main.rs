@@ -14,7 +14,8 @@
 //! - `cleaner`: drift repair, online backfill, index drop.
 //! - `shards`: logical shards: the topology guard, online moves, a frozen
 //!   writer across a cutover, resume and rollback.
-//! - `membership`: one indexer per partition after a broker outage.
+//! - `membership`: one indexer per partition after a broker outage (group
+//!   protocol and member leases); leases after kills and restarts.
 //! - `idempotency`: keyed retries (single and batch) after a crash between
 //!   commit and answer.
 //! - `expiry`: expired entities hidden, then deleted; tombstone purge and

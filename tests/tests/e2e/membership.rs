@@ -1,10 +1,18 @@
 //! No partition is fetched and applied by two indexers after a mock-broker
-//! outage longer than the session timeout (issue 17). The same scenario
-//! against the standalone broker is in `chaos_tansu.rs`.
+//! outage longer than the session timeout (issue 17), with the broker's
+//! group protocol and with member leases; the same scenario against the
+//! standalone broker is in `chaos_tansu.rs`. Member leases: a member
+//! killed and restarted under its name takes its own partitions back and
+//! no other member touches them; one not restarted is replaced within its
+//! lease; a second process under a taken name wins and the first stops.
 
-use bagstore_tests::membership::{no_partition_is_worked_twice_after_an_outage, OUTAGE};
-use bagstore_tests::{eventually, TestEnv, STANDARD_INDEXES};
-use std::time::Duration;
+use bagstore_tests::membership::{
+    counts, no_partition_is_worked_twice_after_an_outage, no_partition_is_worked_twice_after_an_outage_with,
+    sample, steady_writes, Counts, INDEX, OUTAGE, PARTITIONS,
+};
+use bagstore_tests::{eventually, Proc, TestEnv, STANDARD_INDEXES};
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_an_outage_past_the_session_timeout_each_partition_has_one_worker() {
@@ -16,6 +24,140 @@ async fn after_an_outage_past_the_session_timeout_each_partition_has_one_worker(
     })
     .await;
     eprintln!("mock broker: {outcome}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_member_leases_after_an_outage_each_partition_has_one_worker() {
+    let env = TestEnv::new("overlapleases", STANDARD_INDEXES).await;
+    let leases = [("BAGSTORE_INDEXER__ASSIGNMENT", "leases")];
+    let outcome = no_partition_is_worked_twice_after_an_outage_with(&env, &leases, || async {
+        env.kafka.broker_down(1).expect("broker down");
+        tokio::time::sleep(OUTAGE).await;
+        env.kafka.broker_up(1).expect("broker up");
+    })
+    .await;
+    eprintln!("mock broker, member leases: {outcome}");
+}
+
+/// The lease length here (`kafka.session_timeout_ms`): long enough that a
+/// restart under load on a busy machine is well inside it.
+const LEASE_MS: &str = "10000";
+
+async fn leased_indexer(env: &TestEnv, member: &str) -> Proc {
+    let vars = [
+        ("BAGSTORE_INDEXER__ASSIGNMENT", "leases"),
+        ("BAGSTORE_INDEXER__MEMBER", member),
+        ("BAGSTORE_KAFKA__SESSION_TIMEOUT_MS", LEASE_MS),
+    ];
+    env.spawn_env(&["indexer", "--index", INDEX], &vars).await
+}
+
+/// Partitions whose applied count rose from `before` to `after`.
+fn advanced(before: &Counts, after: &Counts) -> BTreeSet<i32> {
+    after
+        .iter()
+        .filter(|((_, stage), n)| stage == "applied" && **n > 0.0)
+        .filter(|(k, n)| before.get(*k).is_none_or(|b| *n > b))
+        .map(|((p, _), _)| *p)
+        .collect()
+}
+
+/// The partitions each of `procs` applied events of in the next second
+/// (the test's writes reach every partition several times a second).
+async fn working(procs: &[&Proc]) -> Vec<BTreeSet<i32>> {
+    let mut before = Vec::new();
+    for p in procs {
+        before.push(counts(p).await);
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut out = Vec::new();
+    for (p, b) in procs.iter().zip(&before) {
+        out.push(advanced(b, &counts(p).await));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_give_a_restarted_member_its_partitions_and_a_dead_ones_to_the_others() {
+    let env = TestEnv::new("leases", STANDARD_INDEXES).await;
+    env.migrate().await;
+    let writer = env.spawn(&["writer"]).await;
+    let writing = steady_writes(writer.url.clone());
+    // Sorted members ["a", "b"]: a applies partitions 0 and 2, b 1 and 3.
+    let (a_share, b_share): (BTreeSet<i32>, BTreeSet<i32>) =
+        ((0..PARTITIONS).step_by(2).collect(), (1..PARTITIONS).step_by(2).collect());
+    let a = leased_indexer(&env, "a").await;
+    let b = leased_indexer(&env, "b").await;
+    eventually("a and b to apply their shares", Duration::from_secs(60), || async {
+        (working(&[&a, &b]).await == [a_share.clone(), b_share.clone()]).then_some(())
+    })
+    .await;
+
+    // kill -9 and restarted at once under the same name: a takes its own
+    // partitions back, and b, whose lease view never lost a, never holds
+    // more than its share.
+    let b_at_kill = counts(&b).await;
+    a.kill9().await;
+    let restarted = Instant::now();
+    let a2 = leased_indexer(&env, "a").await;
+    let mut b_worked = BTreeSet::new();
+    let back = loop {
+        let (cb, b_held) = sample(&b).await;
+        assert!(b_held <= 2.0, "b held {b_held} partitions while a restarted under its name");
+        b_worked.extend(advanced(&b_at_kill, &cb));
+        let a2_worked = advanced(&Counts::new(), &counts(&a2).await);
+        if a2_worked == a_share {
+            break restarted.elapsed();
+        }
+        assert!(
+            restarted.elapsed() < Duration::from_secs(30),
+            "the restarted a applies {a2_worked:?} 30 s on"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        b_worked.is_subset(&b_share),
+        "b applied {b_worked:?} while a restarted; its share is {b_share:?}"
+    );
+
+    // kill -9, not restarted: b takes every partition once a's lease runs out.
+    a2.kill9().await;
+    let killed = Instant::now();
+    let b_before = counts(&b).await;
+    eventually("b to apply every partition", Duration::from_secs(40), || async {
+        (advanced(&b_before, &counts(&b).await).len() == PARTITIONS as usize).then_some(())
+    })
+    .await;
+    let taken_over = killed.elapsed();
+
+    // A second process under b's name: the one started last holds it, and
+    // the first stops applying and says why.
+    let c = leased_indexer(&env, "b").await;
+    eventually(
+        "the first b to stop, and the second to apply every partition",
+        Duration::from_secs(40),
+        || async {
+            let stopped = b.log_text().contains("a process started later took this member name");
+            let b_held = sample(&b).await.1;
+            let now = working(&[&b, &c]).await;
+            (stopped && b_held == 0.0 && now[0].is_empty() && now[1].len() == PARTITIONS as usize)
+                .then_some(())
+        },
+    )
+    .await;
+
+    // Nothing was lost across the kills: every entity has its index row.
+    writing.store(false, std::sync::atomic::Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    env.until_caught_up(&[INDEX]).await;
+    assert_eq!(env.count_rows(INDEX).await, env.count_rows("entities").await, "index rows against entities");
+    eprintln!(
+        "member leases: restarted a applied its partitions {:.2} s after its start; \
+         b took a dead a's partitions {:.2} s after the kill (lease {LEASE_MS} ms)",
+        back.as_secs_f64(),
+        taken_over.as_secs_f64()
+    );
+    drop(c);
 }
 
 /// The partition fence (`storage::fences`) on real InnoDB: a consumer's

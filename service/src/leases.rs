@@ -1,0 +1,184 @@
+//! Keeping an indexer's member lease (`storage::leases`) while it runs, so
+//! the indexers of an index split its partitions among themselves
+//! (`indexer.assignment = "leases"`).
+//!
+//! Why not the broker's group protocol: a member killed with `kill -9`
+//! holds its partitions until the broker ends its session, and when it is
+//! restarted at once it waits for a rebalance the broker runs (6 to 18 s in
+//! the chaos reports, and a lone tansu survivor never got them back). With
+//! leases, a member restarted under its name computes the same share as
+//! before from the same member list and applies it within a renewal; a
+//! member that does not come back drops out of the list when its lease
+//! runs out, and the others take its partitions at their next renewal.
+//!
+//! [`Lease`] renews in a task of its own every [`Lease::every`], so a
+//! consumer busy on a slow batch keeps its lease. What the consumer loop
+//! asks is [`Lease::share`]: the partitions it should hold now. A lease not
+//! renewed for its whole length may have run out (the metadata shard out
+//! of reach), and then the share is empty: others may hold the partitions.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+use storage::leases::{self, Beat};
+use storage::Shards;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+/// A member's lease in one consumer group, renewed until [`Lease::leave`].
+#[derive(Debug)]
+pub struct Lease {
+    me: Member,
+    view: watch::Receiver<View>,
+    stop: CancellationToken,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// Whose lease it is: a member of a group, as one process (incarnation).
+#[derive(Debug, Clone)]
+struct Member {
+    shards: Shards,
+    group: String,
+    name: String,
+    incarnation: [u8; 16],
+    ttl: Duration,
+}
+
+/// What the last renewal found.
+#[derive(Debug, Clone, Default)]
+pub struct View {
+    members: Vec<String>,
+    /// When the last renewal that succeeded started (its lease runs at
+    /// least `ttl` from then).
+    renewed: Option<Instant>,
+    /// A process started later took this member's name.
+    taken: bool,
+}
+
+impl Lease {
+    /// Starts renewing `member`'s lease of length `ttl` in `group`.
+    pub fn start(shards: Shards, group: String, member: String, ttl: Duration) -> Lease {
+        let me = Member { shards, group, name: member, incarnation: *uuid::Uuid::new_v4().as_bytes(), ttl };
+        let (tx, view) = watch::channel(View::default());
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(Keeper { me: me.clone(), tx }.run(stop.clone()));
+        Lease { me, view, stop, task: Some(task) }
+    }
+
+    /// How often a lease of length `ttl` is renewed: a tenth of it, between
+    /// 100 and 250 ms (a dead member's partitions move within its lease
+    /// and one renewal).
+    pub fn every(ttl: Duration) -> Duration {
+        (ttl / 10).clamp(Duration::from_millis(100), Duration::from_millis(250))
+    }
+
+    pub fn member(&self) -> &str {
+        &self.me.name
+    }
+
+    /// The partitions of a topic of `partitions` this member should hold
+    /// now; an error once another process took its name.
+    pub fn share(&self, partitions: usize) -> Result<BTreeSet<i32>, String> {
+        let v = self.view.borrow();
+        if v.taken {
+            return Err(format!(
+                "another indexer process started under the member name {:?} in group {:?}; \
+                 member names must be unique per process (indexer.member)",
+                self.me.name, self.me.group
+            ));
+        }
+        if v.renewed.is_none_or(|t| t.elapsed() >= self.me.ttl) {
+            return Ok(BTreeSet::new());
+        }
+        Ok(leases::share(&v.members, &self.me.name, partitions))
+    }
+
+    /// A receiver that wakes when the members change, the name is taken, or
+    /// a renewal succeeds after the lease may have run out.
+    pub fn changes(&self) -> watch::Receiver<View> {
+        self.view.clone()
+    }
+
+    /// Stops renewing and ends the lease, so the others take the partitions
+    /// at once rather than when it would run out.
+    pub async fn leave(mut self) {
+        self.stop.cancel();
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+        if let Err(e) =
+            leases::leave(&self.me.shards, &self.me.group, &self.me.name, self.me.incarnation).await
+        {
+            tracing::warn!(group = %self.me.group, member = %self.me.name, error = %e,
+                "cannot end the member lease; the others take its partitions when it runs out");
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+struct Keeper {
+    me: Member,
+    tx: watch::Sender<View>,
+}
+
+impl Keeper {
+    async fn run(self, stop: CancellationToken) {
+        let every = Lease::every(self.me.ttl);
+        let mut first = true;
+        let mut failing_since: Option<Instant> = None;
+        loop {
+            let started = Instant::now();
+            match leases::beat(
+                &self.me.shards,
+                &self.me.group,
+                &self.me.name,
+                self.me.incarnation,
+                self.me.ttl,
+                first,
+            )
+            .await
+            {
+                Ok(Beat::Members(members)) => {
+                    first = false;
+                    failing_since = None;
+                    let ttl = self.me.ttl;
+                    self.tx.send_if_modified(|v| {
+                        let lapsed = v.renewed.is_none_or(|t| t.elapsed() >= ttl);
+                        let changed = v.members != members;
+                        if changed {
+                            tracing::info!(group = %self.me.group, member = %self.me.name, ?members, "group members");
+                            v.members = members;
+                        }
+                        v.renewed = Some(started);
+                        changed || lapsed
+                    });
+                }
+                Ok(Beat::Taken) => {
+                    tracing::error!(group = %self.me.group, member = %self.me.name,
+                        "a process started later took this member name; this one stops applying");
+                    self.tx.send_modify(|v| v.taken = true);
+                    return;
+                }
+                Err(e) => {
+                    let since = *failing_since.get_or_insert(started);
+                    if since.elapsed() >= self.me.ttl {
+                        tracing::warn!(group = %self.me.group, member = %self.me.name, error = %e,
+                            "cannot renew the member lease; holding no partitions until it is renewed");
+                        // Wake the consumer: its share is now empty.
+                        self.tx.send_modify(|_| {});
+                    } else {
+                        tracing::debug!(group = %self.me.group, error = %e, "cannot renew the member lease yet");
+                    }
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(every.saturating_sub(started.elapsed())) => {}
+                _ = stop.cancelled() => return,
+            }
+        }
+    }
+}
