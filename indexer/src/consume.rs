@@ -77,6 +77,8 @@ enum Exit {
     Lost(String),
     /// With leases: another process took this member's name.
     Taken(String),
+    /// With leases: this member's share changed; a new consumer takes it.
+    Reshared,
 }
 
 /// With `indexer.assignment = "leases"`: the member lease and the topic's
@@ -200,6 +202,12 @@ impl IndexConsumer {
                     tokio::task::spawn_blocking(move || drop(consumer));
                     anyhow::bail!("index {table}: {why}");
                 }
+                Exit::Reshared => {
+                    tracing::info!(index = %table, "the member lease's share changed; a new consumer takes it");
+                    self.metrics.assigned_partitions.with_label_values(&[&table]).set(0);
+                    // Closing commits the offsets stored; not waited for.
+                    tokio::task::spawn_blocking(move || drop(consumer));
+                }
                 Exit::Lost(why) => {
                     self.health.report(&self.part(), Err(format!("rejoining its group: {why}")));
                     tracing::warn!(index = %table, %why,
@@ -236,8 +244,10 @@ impl IndexConsumer {
         let mut lease_changes = leased.map(|l| l.lease.changes());
         loop {
             if let Some(l) = leased {
-                if let Err(why) = self.follow_lease(consumer, l) {
-                    return Exit::Taken(why);
+                match self.follow_lease(consumer, l) {
+                    Ok(false) => {}
+                    Ok(true) => return Exit::Reshared,
+                    Err(why) => return Exit::Taken(why),
                 }
             }
             let first = tokio::select! {
@@ -374,50 +384,37 @@ impl IndexConsumer {
         }
     }
 
-    /// With leases: makes the consumer's assignment this member's share
-    /// (see [`service::leases`]). Partitions no longer its own are let go
-    /// (their stored offsets committed first, so the next holder replays
-    /// less); new ones start from the group's committed offsets and are
-    /// claimed before anything of theirs is applied. An error once
-    /// another process took the member name.
-    fn follow_lease(&self, consumer: &StreamConsumer<Membership>, l: &Leased) -> Result<(), String> {
+    /// With leases: gives a consumer that holds nothing this member's
+    /// share (see [`service::leases`]), from the group's committed offsets;
+    /// each partition is claimed before anything of it is applied. Ok(true)
+    /// when the consumer holds partitions and the share is no longer what
+    /// it holds: then a new consumer takes the new share (changing a live
+    /// consumer's assignment piecemeal, `incremental_assign` and
+    /// `incremental_unassign` around a broker outage, once left a consumer
+    /// fetching nothing for good). An error once another process took the
+    /// member name.
+    fn follow_lease(&self, consumer: &StreamConsumer<Membership>, l: &Leased) -> Result<bool, String> {
         let want = l.lease.share(l.partitions)?;
         let held = consumer.context().held(consumer);
         if want == held {
-            return Ok(());
+            return Ok(false);
         }
-        let topic = &self.settings.kafka.topic;
-        let table = &self.spec.table;
-        let gone: Vec<i32> = held.difference(&want).copied().collect();
-        let new: Vec<i32> = want.difference(&held).copied().collect();
-        if !gone.is_empty() {
-            if let Err(e) = consumer.commit_consumer_state(CommitMode::Async) {
-                tracing::debug!(index = %table, error = %e, "nothing to commit before letting partitions go");
-            }
-            let mut tpl = TopicPartitionList::new();
-            for p in &gone {
-                tpl.add_partition(topic, *p);
-            }
-            if let Err(e) = consumer.incremental_unassign(&tpl) {
-                tracing::warn!(index = %table, error = %e, "cannot let partitions go; retrying");
-                return Ok(());
-            }
-            consumer.context().revoked(&gone);
+        if !held.is_empty() {
+            return Ok(true);
         }
-        if !new.is_empty() {
-            let mut tpl = TopicPartitionList::new();
-            for p in &new {
-                let _ = tpl.add_partition_offset(topic, *p, Offset::Stored);
-            }
-            if let Err(e) = consumer.incremental_assign(&tpl) {
-                tracing::warn!(index = %table, error = %e, "cannot take partitions; retrying");
-                return Ok(());
-            }
-            consumer.context().assigned(new.clone());
+        let mut tpl = TopicPartitionList::new();
+        for p in &want {
+            let _ = tpl.add_partition_offset(&self.settings.kafka.topic, *p, Offset::Stored);
         }
-        tracing::info!(index = %table, member = %l.lease.member(), ?gone, ?new, "following the member lease");
+        if let Err(e) = consumer.assign(&tpl) {
+            tracing::warn!(index = %self.spec.table, error = %e, "cannot take the lease's partitions; retrying");
+            return Ok(false);
+        }
+        consumer.context().assigned(want.iter().copied().collect());
+        tracing::info!(index = %self.spec.table, member = %l.lease.member(), partitions = ?want,
+            "applying the member lease's share");
         self.report_assignment(consumer);
-        Ok(())
+        Ok(false)
     }
 
     /// The partition claims (see [`service::membership`]): records this

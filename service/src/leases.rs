@@ -11,8 +11,9 @@
 //! member that does not come back drops out of the list when its lease
 //! runs out, and the others take its partitions at their next renewal.
 //!
-//! [`Lease`] renews in a task of its own every [`Lease::every`], so a
-//! consumer busy on a slow batch keeps its lease. What the consumer loop
+//! [`Lease`] renews in a task of its own (every third of its length, and
+//! reads the member list every [`Lease::every`] in between), so a consumer
+//! busy on a slow batch keeps its lease. What the consumer loop
 //! asks is [`Lease::share`]: the partitions it should hold now. A lease not
 //! renewed for its whole length may have run out (the metadata shard out
 //! of reach), and then the share is empty: others may hold the partitions.
@@ -64,9 +65,9 @@ impl Lease {
         Lease { me, view, stop, task: Some(task) }
     }
 
-    /// How often a lease of length `ttl` is renewed: a tenth of it, between
-    /// 100 and 250 ms (a dead member's partitions move within its lease
-    /// and one renewal).
+    /// How often the member list is read under a lease of length `ttl`: a
+    /// tenth of it, between 100 and 250 ms (a dead member's partitions
+    /// move within its lease and one read).
     pub fn every(ttl: Duration) -> Duration {
         (ttl / 10).clamp(Duration::from_millis(100), Duration::from_millis(250))
     }
@@ -126,52 +127,57 @@ struct Keeper {
 }
 
 impl Keeper {
+    /// Renews (a write) every third of the lease, and between renewals
+    /// reads the members every [`Lease::every`], so a member costs the
+    /// metadata shard one small commit every few seconds, not one per read.
     async fn run(self, stop: CancellationToken) {
-        let every = Lease::every(self.me.ttl);
-        let mut first = true;
+        let me = &self.me;
+        let every = Lease::every(me.ttl);
+        let renew_every = me.ttl / 3;
+        let mut renewed: Option<Instant> = None;
         let mut failing_since: Option<Instant> = None;
         loop {
             let started = Instant::now();
-            match leases::beat(
-                &self.me.shards,
-                &self.me.group,
-                &self.me.name,
-                self.me.incarnation,
-                self.me.ttl,
-                first,
-            )
-            .await
-            {
+            let write = renewed.is_none_or(|t| t.elapsed() >= renew_every);
+            let found = if write {
+                leases::beat(&me.shards, &me.group, &me.name, me.incarnation, me.ttl, renewed.is_none()).await
+            } else {
+                leases::look(&me.shards, &me.group, &me.name, me.incarnation).await
+            };
+            match found {
                 Ok(Beat::Members(members)) => {
-                    first = false;
                     failing_since = None;
-                    let ttl = self.me.ttl;
+                    if write {
+                        renewed = Some(started);
+                    }
                     self.tx.send_if_modified(|v| {
-                        let lapsed = v.renewed.is_none_or(|t| t.elapsed() >= ttl);
+                        let lapsed = v.renewed.is_none_or(|t| t.elapsed() >= me.ttl);
                         let changed = v.members != members;
                         if changed {
-                            tracing::info!(group = %self.me.group, member = %self.me.name, ?members, "group members");
+                            tracing::info!(group = %me.group, member = %me.name, ?members, "group members");
                             v.members = members;
                         }
-                        v.renewed = Some(started);
-                        changed || lapsed
+                        if write {
+                            v.renewed = Some(started);
+                        }
+                        changed || (lapsed && write)
                     });
                 }
                 Ok(Beat::Taken) => {
-                    tracing::error!(group = %self.me.group, member = %self.me.name,
+                    tracing::error!(group = %me.group, member = %me.name,
                         "a process started later took this member name; this one stops applying");
                     self.tx.send_modify(|v| v.taken = true);
                     return;
                 }
                 Err(e) => {
                     let since = *failing_since.get_or_insert(started);
-                    if since.elapsed() >= self.me.ttl {
-                        tracing::warn!(group = %self.me.group, member = %self.me.name, error = %e,
+                    if since.elapsed() >= me.ttl {
+                        tracing::warn!(group = %me.group, member = %me.name, error = %e,
                             "cannot renew the member lease; holding no partitions until it is renewed");
                         // Wake the consumer: its share is now empty.
                         self.tx.send_modify(|_| {});
                     } else {
-                        tracing::debug!(group = %self.me.group, error = %e, "cannot renew the member lease yet");
+                        tracing::debug!(group = %me.group, error = %e, "cannot renew the member lease yet");
                     }
                 }
             }

@@ -50,8 +50,9 @@
 //! member is the safe choice.
 //!
 //! With member leases (`service::leases`) an indexer's consumer never
-//! joins the group: it is given partitions by its lease ([`Membership::assigned`],
-//! [`Membership::revoked`]), and of the signs above only the claims apply.
+//! joins the group: it is given partitions by its lease
+//! ([`Membership::assigned`]; a changed share gets a new consumer), and of
+//! the signs above only the claims apply.
 
 use rdkafka::client::ClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
@@ -175,11 +176,6 @@ impl Membership {
     /// leases, `service::leases`): to be claimed before they are applied.
     pub fn assigned(&self, partitions: Vec<i32>) {
         self.state.lock().expect("not poisoned").assigned(partitions);
-    }
-
-    /// Notes partitions taken from the consumer outside a rebalance.
-    pub fn revoked(&self, partitions: &[i32]) {
-        self.state.lock().expect("not poisoned").revoked(partitions);
     }
 
     /// This consumer's identity in the partition claims.

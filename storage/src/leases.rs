@@ -96,6 +96,28 @@ pub async fn beat(
     Ok(Beat::Members(members))
 }
 
+/// Lists the live members of `group` without renewing anything (a read
+/// between renewals: no write, no fsync); [`Beat::Taken`] if a process
+/// other than `incarnation` now holds `member`'s name.
+pub async fn look(shards: &Shards, group: &str, member: &str, incarnation: [u8; 16]) -> Result<Beat> {
+    let rows = sqlx::query(
+        "SELECT member, incarnation FROM bagstore_group_members WHERE grp = ? AND expires > NOW(6) ORDER BY member",
+    )
+    .bind(group)
+    .fetch_all(shards.meta())
+    .await
+    .on(META_SHARD)?;
+    let mut members = Vec::with_capacity(rows.len());
+    for r in rows {
+        let (name, holder): (String, Vec<u8>) = (r.get(0), r.get(1));
+        if name == member && holder != incarnation {
+            return Ok(Beat::Taken);
+        }
+        members.push(name);
+    }
+    Ok(Beat::Members(members))
+}
+
 /// Ends `member`'s lease, if `incarnation` still holds the name: the
 /// others take its partitions at their next renewal.
 pub async fn leave(shards: &Shards, group: &str, member: &str, incarnation: [u8; 16]) -> Result<()> {
