@@ -134,7 +134,10 @@ impl CleanerMetrics {
                 &["index"],
             )?,
             consumers: IntGaugeVec::new(
-                Opts::new("bagstore_index_consumers", "Live members of the index's consumer group"),
+                Opts::new(
+                    "bagstore_index_consumers",
+                    "Live indexers of the index: its consumer group's members, or the member leases held",
+                ),
                 &["index"],
             )?,
             lag_probe: GaugeVec::new(

@@ -118,6 +118,18 @@ pub async fn look(shards: &Shards, group: &str, member: &str, incarnation: [u8; 
     Ok(Beat::Members(members))
 }
 
+/// How many members of `group` hold a live lease (the indexers of an
+/// index on leases; 0 for one on the broker's group protocol).
+pub async fn live_members(shards: &Shards, group: &str) -> Result<usize> {
+    let (n,): (i64,) =
+        sqlx::query_as("SELECT COUNT(*) FROM bagstore_group_members WHERE grp = ? AND expires > NOW(6)")
+            .bind(group)
+            .fetch_one(shards.meta())
+            .await
+            .on(META_SHARD)?;
+    Ok(n as usize)
+}
+
 /// Ends `member`'s lease, if `incarnation` still holds the name: the
 /// others take its partitions at their next renewal.
 pub async fn leave(shards: &Shards, group: &str, member: &str, incarnation: [u8; 16]) -> Result<()> {

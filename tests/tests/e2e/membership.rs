@@ -92,6 +92,20 @@ async fn leases_give_a_restarted_member_its_partitions_and_a_dead_ones_to_the_ot
         (working(&[&a, &b]).await == [a_share.clone(), b_share.clone()]).then_some(())
     })
     .await;
+    // The cleaner counts the index's indexers from their leases (the mock
+    // broker lists no group members, and leased indexers join none).
+    let cleaner = env.spawn(&["cleaner"]).await;
+    let consumers = || async {
+        bagstore_tests::metric_sum(
+            &cleaner.api().metrics().await,
+            "bagstore_index_consumers",
+            &[("index", INDEX)],
+        )
+    };
+    eventually("the cleaner to count 2 indexers", Duration::from_secs(30), || async {
+        (consumers().await == 2.0).then_some(())
+    })
+    .await;
 
     // kill -9 and restarted at once under the same name: a takes its own
     // partitions back, and b, whose lease view never lost a, never holds
@@ -129,6 +143,10 @@ async fn leases_give_a_restarted_member_its_partitions_and_a_dead_ones_to_the_ot
     })
     .await;
     let taken_over = killed.elapsed();
+    eventually("the cleaner to count 1 indexer", Duration::from_secs(30), || async {
+        (consumers().await == 1.0).then_some(())
+    })
+    .await;
 
     // A second process under b's name: the one started last holds it, and
     // the first stops applying and says why.
