@@ -7,9 +7,9 @@
 //! restarted at once it waits for a rebalance the broker runs (6 to 18 s in
 //! the chaos reports, and a lone tansu survivor never got them back). With
 //! leases, a member restarted under its name computes the same share as
-//! before from the same member list and applies it within a renewal; a
-//! member that does not come back drops out of the list when its lease
-//! runs out, and the others take its partitions at their next renewal.
+//! before from the same member list and applies it at once; a member
+//! that does not come back drops out of the list when its lease runs out,
+//! and the others take its partitions at their next read of the list.
 //!
 //! [`Lease`] renews in a task of its own (every third of its length, and
 //! reads the member list every [`Lease::every`] in between), so a consumer
@@ -68,7 +68,7 @@ impl Lease {
     /// How often the member list is read under a lease of length `ttl`: a
     /// tenth of it, between 100 and 250 ms (a dead member's partitions
     /// move within its lease and one read).
-    pub fn every(ttl: Duration) -> Duration {
+    fn every(ttl: Duration) -> Duration {
         (ttl / 10).clamp(Duration::from_millis(100), Duration::from_millis(250))
     }
 

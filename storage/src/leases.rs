@@ -33,13 +33,16 @@ pub enum Beat {
     Taken,
 }
 
+/// The live leases of a group (bind the group), by the metadata shard's clock.
+const LIVE: &str = "FROM bagstore_group_members WHERE grp = ? AND expires > NOW(6)";
+
 /// How long a lease that ran out is kept before it is deleted (a member
 /// that comes back within it finds nothing changed but the time).
 const FORGET_AFTER_SECS: u64 = 24 * 3600;
 
 /// Renews `member`'s lease in `group` for `ttl` on behalf of the process
-/// `incarnation`, and lists the live members. `first`: this process's
-/// first renewal, which takes the name over from whoever held it.
+/// `incarnation`, then lists the live members ([`look`]). `first`: this
+/// process's first renewal, which takes the name over from whoever held it.
 pub async fn beat(
     shards: &Shards,
     group: &str,
@@ -82,31 +85,19 @@ pub async fn beat(
         .await
         .on(META_SHARD)?;
     }
-    let members: Vec<String> = sqlx::query(
-        "SELECT member FROM bagstore_group_members WHERE grp = ? AND expires > NOW(6) ORDER BY member",
-    )
-    .bind(group)
-    .fetch_all(&mut *tx)
-    .await
-    .on(META_SHARD)?
-    .into_iter()
-    .map(|r| r.get(0))
-    .collect();
     tx.commit().await.on(META_SHARD)?;
-    Ok(Beat::Members(members))
+    look(shards, group, member, incarnation).await
 }
 
 /// Lists the live members of `group` without renewing anything (a read
 /// between renewals: no write, no fsync); [`Beat::Taken`] if a process
 /// other than `incarnation` now holds `member`'s name.
 pub async fn look(shards: &Shards, group: &str, member: &str, incarnation: [u8; 16]) -> Result<Beat> {
-    let rows = sqlx::query(
-        "SELECT member, incarnation FROM bagstore_group_members WHERE grp = ? AND expires > NOW(6) ORDER BY member",
-    )
-    .bind(group)
-    .fetch_all(shards.meta())
-    .await
-    .on(META_SHARD)?;
+    let rows = sqlx::query(&format!("SELECT member, incarnation {LIVE} ORDER BY member"))
+        .bind(group)
+        .fetch_all(shards.meta())
+        .await
+        .on(META_SHARD)?;
     let mut members = Vec::with_capacity(rows.len());
     for r in rows {
         let (name, holder): (String, Vec<u8>) = (r.get(0), r.get(1));
@@ -121,12 +112,11 @@ pub async fn look(shards: &Shards, group: &str, member: &str, incarnation: [u8; 
 /// How many members of `group` hold a live lease (the indexers of an
 /// index on leases; 0 for one on the broker's group protocol).
 pub async fn live_members(shards: &Shards, group: &str) -> Result<usize> {
-    let (n,): (i64,) =
-        sqlx::query_as("SELECT COUNT(*) FROM bagstore_group_members WHERE grp = ? AND expires > NOW(6)")
-            .bind(group)
-            .fetch_one(shards.meta())
-            .await
-            .on(META_SHARD)?;
+    let (n,): (i64,) = sqlx::query_as(&format!("SELECT COUNT(*) {LIVE}"))
+        .bind(group)
+        .fetch_one(shards.meta())
+        .await
+        .on(META_SHARD)?;
     Ok(n as usize)
 }
 
