@@ -50,6 +50,8 @@ pub async fn migrate(settings: &Settings, kafka: bool) -> anyhow::Result<(Report
     let shards =
         Shards::connect(&settings.mysql).await.context("checking the configuration against the cluster")?;
     shards.try_each(migrate::create_base_tables).await.context("creating base tables")?;
+    let outbox = settings.writer.outbox;
+    shards.try_each(|shard, pool| migrate::prepare_outbox(shard, pool, outbox)).await?;
     let l = shards.logical_shards();
     shards.try_each(|shard, pool| migrate::fill_logical(shard, pool, None, l)).await?;
     let any_entities = shards.try_each(entities::has_entities).await?.into_iter().any(|has| has);

@@ -15,6 +15,13 @@
 //! - [`Floor::Outbox`]: the same, and the change event inserted into an
 //!   outbox in the entity's transaction, deleted afterwards in ranges of
 //!   [`BATCH`] (the cheapest delete: no read of the events).
+//! - [`Floor::LoggedOutbox`]: the entity row and its index row, and the
+//!   change event inserted in the entity's transaction into a `BLACKHOLE`
+//!   table (`outbox_log`): MariaDB writes the insert to the binary log
+//!   with the transaction and stores nothing, so there is nothing to
+//!   delete. A relay would read the events back from the binary log, as
+//!   [`Floor::Capture`]'s readers stream it here; unlike capturing the
+//!   entity rows, the events stay exactly the ones the writer makes.
 //!
 //! The index rows are bagstore's (`storage::ddl::index_table` of the main
 //! index's spec), on the shard of their `user_id`, as bagstore places them.
@@ -37,6 +44,15 @@ const TABLE: &str = "floor_index";
 pub enum Floor {
     Capture,
     Outbox,
+    LoggedOutbox,
+}
+
+impl Floor {
+    /// Whether the floor reads its events back from the binary log (and
+    /// so runs [`BinlogReaders`] while it writes).
+    pub fn streams_binlog(self) -> bool {
+        matches!(self, Floor::Capture | Floor::LoggedOutbox)
+    }
 }
 
 /// One index row: `(user_id, published, entity_id, logical)`.
@@ -67,6 +83,8 @@ pub async fn create_tables(native: &Native) -> anyhow::Result<()> {
     for pool in &native.pools {
         sqlx::query(&storage::ddl::index_table(&spec)).execute(pool).await?;
         sqlx::query(&storage::ddl::outbox()).execute(pool).await?;
+        // The `BLACKHOLE` outbox of [`Floor::LoggedOutbox`], as bagstore's.
+        sqlx::query(&storage::ddl::outbox_log()).execute(pool).await?;
     }
     Ok(())
 }
@@ -202,10 +220,11 @@ pub async fn write(
                 Floor::Capture => {
                     q.execute(&mut taken.conn).await?;
                 }
-                Floor::Outbox => {
+                Floor::Outbox | Floor::LoggedOutbox => {
                     let events: Vec<Vec<u8>> = rows.iter().map(|i| event(*i, shard)).collect();
+                    let table = if floor == Floor::Outbox { "outbox" } else { "outbox_log" };
                     let outbox = format!(
-                        "INSERT INTO outbox (entity_id, version, committed, event) VALUES {}",
+                        "INSERT INTO {table} (entity_id, version, committed, event) VALUES {}",
                         vec!["(?, 1, NOW(6), ?)"; rows.len()].join(", ")
                     );
                     let mut o = sqlx::query(&outbox);
@@ -216,7 +235,9 @@ pub async fn write(
                     q.execute(&mut taken.conn).await?;
                     o.execute(&mut taken.conn).await?;
                     sqlx::query("COMMIT").execute(&mut taken.conn).await?;
-                    pending.fetch_add(rows.len() as i64, Ordering::SeqCst);
+                    if floor == Floor::Outbox {
+                        pending.fetch_add(rows.len() as i64, Ordering::SeqCst);
+                    }
                 }
             }
             native.conns[shard].give_back(taken);

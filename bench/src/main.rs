@@ -31,7 +31,7 @@
 use anyhow::{bail, ensure, Context};
 use bagstore_tests::{metric_sum, MariaDb, Proc};
 use rdkafka::mocking::MockCluster;
-use schemas::settings::{EMBEDDED_FETCH_WAIT_MS, FETCH_WAIT_MS};
+use schemas::settings::{Outbox, EMBEDDED_FETCH_WAIT_MS, FETCH_WAIT_MS};
 use serde_json::{json, Value};
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::Row;
@@ -48,10 +48,11 @@ mod floor;
 mod moves;
 
 const USAGE: &str =
-    "usage: bench [--quick] [--only-move] [--only-writes] [--entities N] [--phase-secs S] [--clients C] [--steady-rate R]\n\
+    "usage: bench [--quick] [--only-move] [--only-writes] [--binlog-outbox] [--entities N] [--phase-secs S] [--clients C] [--steady-rate R]\n\
   --quick          CI smoke run: 3000 entities, 2 s phases, 4 clients\n\
   --only-move      load bagstore's N entities, then run the move phase alone (for working on the mover)\n\
   --only-writes    load N entities, then run the write phases and MariaDB's cost per entity alone\n\
+  --binlog-outbox  bagstore's writers put change events in the binary log (writer.outbox = \"binlog\")\n\
   --entities N     entities loaded before queries and the index build (default 1000000)\n\
   --phase-secs S   length of each measured phase (default 20)\n\
   --clients C      concurrent clients (connections, requests in flight) for every contender (default 16)\n\
@@ -86,6 +87,9 @@ struct Options {
     only_move: bool,
     /// After the load, only the write phases (for working on the write path).
     only_writes: bool,
+    /// bagstore's writers put change events in the binary log
+    /// (`writer.outbox = "binlog"`) instead of the outbox table.
+    binlog_outbox: bool,
     entities: usize,
     phase: Duration,
     clients: usize,
@@ -102,6 +106,7 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
     let mut quick = false;
     let mut only_move = false;
     let mut only_writes = false;
+    let mut binlog_outbox = false;
     let mut backfill_rate = 0;
     let (mut entities, mut phase, mut clients, mut rate) = (None, None, None, None);
     let mut it = args.iter();
@@ -110,6 +115,7 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
             "--quick" => quick = true,
             "--only-move" => only_move = true,
             "--only-writes" => only_writes = true,
+            "--binlog-outbox" => binlog_outbox = true,
             "--entities" => entities = Some(value::<usize>(a, it.next())?),
             "--phase-secs" => phase = Some(value::<f64>(a, it.next())?),
             "--clients" => clients = Some(value::<usize>(a, it.next())?),
@@ -123,6 +129,7 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
         quick,
         only_move,
         only_writes,
+        binlog_outbox,
         entities: entities.unwrap_or(if quick { 3000 } else { 1_000_000 }),
         phase: Duration::from_secs_f64(phase.unwrap_or(if quick { 2.0 } else { 20.0 })),
         clients: clients.unwrap_or(if quick { 4 } else { 16 }),
@@ -578,6 +585,8 @@ struct World {
     topic: String,
     http: reqwest::Client,
     procs: Arc<ProcSampler>,
+    /// bagstore's `writer.outbox` (`--binlog-outbox`: "binlog").
+    outbox: &'static str,
 }
 
 /// What the machine spent: CPU ticks per process group, and the statements
@@ -827,11 +836,13 @@ impl World {
         let mut toml = format!(
             "[mysql]\nshards = [{}]\nmax_connections = 32\n\n[kafka]\nbrokers = {:?}\ntopic = {:?}\npartitions = {PARTITIONS}\nreplication_factor = 1\n\n\
              [http]\naddr = \"127.0.0.1:0\"\n\n\
+             [writer]\noutbox = {:?}\n\n\
              [indexer]\nfetch_wait_ms = {EMBEDDED_FETCH_WAIT_MS}\n\n\
              [[indexes]]\ntable = \"{INDEX_MAIN}\"\nproperties = [{{ name = \"user_id\", type = \"uuid\" }}, {{ name = \"published\", type = \"int\" }}]\nshard_on = \"user_id\"\n",
             shards.join(", "),
             self.kafka.bootstrap_servers(),
             self.topic,
+            self.outbox,
         );
         if with_new_index {
             for table in [INDEX_NEW, INDEX_PACED] {
@@ -877,7 +888,6 @@ impl World {
         Ok(())
     }
 
-    /// Waits until the outbox is empty and `index`'s group has applied everything.
     /// The settings a client of the bench's Kafka needs.
     fn kafka_settings(&self) -> schemas::settings::KafkaSettings {
         schemas::settings::KafkaSettings {
@@ -887,15 +897,17 @@ impl World {
         }
     }
 
+    /// Waits until the outbox is empty (binlog mode: every write published)
+    /// and `index`'s group has applied everything.
     async fn caught_up(&self, index: &str, deadline: Duration) -> anyhow::Result<Duration> {
         let k = self.kafka_settings();
         let start = Instant::now();
         loop {
-            let mut outbox = 0i64;
-            for d in &self.bag_dsns {
+            let mut outbox = 0;
+            let mode = if self.outbox == "binlog" { Outbox::Binlog } else { Outbox::Table };
+            for (shard, d) in self.bag_dsns.iter().enumerate() {
                 let pool = MySqlPool::connect(d).await?;
-                outbox +=
-                    sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM outbox").fetch_one(&pool).await?;
+                outbox += storage::relay_log::backlog(shard, &pool, mode).await?.rows;
                 pool.close().await;
             }
             if outbox == 0 {
@@ -923,6 +935,9 @@ fn server_options(quick: bool, server_id: usize) -> devstack::mariadb::MariaDbOp
             "--log-bin=binlog".into(),
             "--binlog-format=ROW".into(),
             "--sync-binlog=1".into(),
+            // The logged outbox floor's `BLACKHOLE` table (a plugin on
+            // Debian's MariaDB).
+            "--plugin-load-add=ha_blackhole".into(),
             format!("--server-id={}", server_id + 1),
         ],
         ..Default::default()
@@ -1033,7 +1048,8 @@ async fn setup(opts: &Options) -> anyhow::Result<World> {
         kafka.create_topic(t, PARTITIONS, 1)?;
     }
     let http = reqwest::Client::builder().pool_max_idle_per_host(opts.clients * 2).build()?;
-    Ok(World { dir, servers, bag_dsns, native, kafka, topic, http, procs })
+    let outbox = if opts.binlog_outbox { "binlog" } else { "table" };
+    Ok(World { dir, servers, bag_dsns, native, kafka, topic, http, procs, outbox })
 }
 
 // ---------------------------------------------------------------- contenders
@@ -1893,16 +1909,14 @@ async fn write_phases(
         ("floor capture batch", floor::Floor::Capture, BATCH),
         ("floor outbox single", floor::Floor::Outbox, 1),
         ("floor outbox batch", floor::Floor::Outbox, BATCH),
+        ("floor logged single", floor::Floor::LoggedOutbox, 1),
+        ("floor logged batch", floor::Floor::LoggedOutbox, BATCH),
     ] {
-        let readers = match kind {
-            floor::Floor::Capture => {
-                let ports: Vec<u16> = world.servers.iter().map(|s| s.port()).collect();
-                Some(
-                    floor::BinlogReaders::start(&native, &ports, world.dir.path(), &off_server_cores())
-                        .await?,
-                )
-            }
-            floor::Floor::Outbox => None,
+        let readers = if kind.streams_binlog() {
+            let ports: Vec<u16> = world.servers.iter().map(|s| s.port()).collect();
+            Some(floor::BinlogReaders::start(&native, &ports, world.dir.path(), &off_server_cores()).await?)
+        } else {
+            None
         };
         let deferred = Arc::new(floor::Deferred::start(native.clone(), kind));
         let run = {
@@ -2078,6 +2092,12 @@ async fn write_phases(
             "mysql_floor_outbox_ratio",
             "mariadbd CPU per entity: floor with an outbox / raw",
             "floor outbox",
+            "raw",
+        ),
+        (
+            "mysql_floor_logged_ratio",
+            "mariadbd CPU per entity: floor with a logged outbox (BLACKHOLE, read from the binary log) / raw",
+            "floor logged",
             "raw",
         ),
         (

@@ -1,9 +1,10 @@
 //! The cutover: a short fence on the source, then ownership changes hands
 //! and the map flips. Also the recovery of a cutover that was killed.
 
+use schemas::settings::Outbox;
 use std::time::{Duration, Instant};
 use storage::moves::{self, Fence, Phase};
-use storage::{carry, topology, StoreError};
+use storage::{carry, relay_log, topology, StoreError};
 
 use crate::copy::Differs;
 use crate::{MoveError, Mover, Result, Running};
@@ -69,7 +70,10 @@ impl Mover {
             // can commit a later version of the same entity.
             let deadline = Instant::now() + Duration::from_millis(self.settings().outbox_wait_ms);
             let l = shards.logical_shards();
-            while moves::outbox_pending_in(source, src, fence.outbox_upto, &logicals, l).await? > 0 {
+            let binlog = self.outbox() == Outbox::Binlog;
+            while moves::outbox_pending_in(source, src, fence.outbox_upto, &logicals, l).await? > 0
+                || (binlog && !relay_log::published_before(source, src, fence.closed_us).await?)
+            {
                 if Instant::now() >= deadline {
                     self.metrics().cutover_attempts.with_label_values(&["outbox"]).inc();
                     return Ok(Err("the source's outbox did not reach Kafka within mover.outbox_wait_ms"));

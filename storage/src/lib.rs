@@ -12,6 +12,7 @@
 //! - [`entities`]: the entity rows ([`EntityRecord`]): the writer's locking
 //!   read and writes, reads by id and by location, the cleaner's sweeps.
 //! - [`outbox`]: change events waiting for Kafka.
+//! - [`relay_log`]: the outbox in the binary log (`writer.outbox = "binlog"`).
 //! - [`purge`]: expired entities to delete; old tombstones purged under a
 //!   version floor per logical shard.
 //! - [`idempotency`]: `Idempotency-Key` records, written with the write they guard.
@@ -54,6 +55,7 @@ pub mod migrate;
 pub mod moves;
 pub mod outbox;
 pub mod purge;
+pub mod relay_log;
 pub mod server;
 pub mod shards;
 pub mod snapshots;

@@ -5,9 +5,10 @@ use schemas::index::IndexSpec;
 use schemas::settings::Dsn;
 use sqlx::mysql::MySqlPool;
 
-use crate::ddl;
 use crate::error::{OnShard, Result};
 use crate::shards::{dedicated_connection, split_database, META_SHARD};
+use crate::{ddl, relay_log};
+use schemas::settings::Outbox;
 
 /// Creates the shard's database if the DSN names one that is missing.
 pub async fn create_database(shard: usize, dsn: &Dsn) -> Result<()> {
@@ -47,6 +48,25 @@ pub async fn create_base_tables(shard: usize, pool: &MySqlPool) -> Result<()> {
         add_column(shard, pool, "bagstore_partition_claims", "gen", ddl::CLAIM_GEN_COLUMN).await?;
     }
     Ok(())
+}
+
+/// What the configured outbox needs on a shard: in binlog mode a server
+/// that logs rows in full, the `BLACKHOLE` table `outbox_log` (an error
+/// naming the engine if the server lacks it), and the relay's starting
+/// place (see `relay_log::ensure_start`). Nothing in table mode.
+pub async fn prepare_outbox(shard: usize, pool: &MySqlPool, outbox: Outbox) -> Result<()> {
+    if outbox == Outbox::Table {
+        return Ok(());
+    }
+    let mut conn = pool.acquire().await.on(shard)?;
+    relay_log::check_server(shard, &mut conn).await?;
+    sqlx::query(&ddl::outbox_log()).execute(&mut *conn).await.map_err(|e| {
+        crate::error::StoreError::BadTopology(format!(
+            "shard {shard}: writer.outbox = \"binlog\" needs the BLACKHOLE engine \
+             (plugin_load_add = ha_blackhole in the server's configuration): {e}"
+        ))
+    })?;
+    relay_log::ensure_start(shard, &mut conn).await
 }
 
 /// Creates the index table, or brings an older one up to date: a table

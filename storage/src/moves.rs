@@ -206,6 +206,10 @@ pub struct Fence {
     /// The newest outbox event at the moment the fence closed: every event
     /// up to it must reach Kafka before the target takes writes.
     pub outbox_upto: u64,
+    /// The source's clock when the fence closed (µs): in binlog mode every
+    /// write committed before it must reach Kafka first (see
+    /// `relay_log::published_before`).
+    pub closed_us: i64,
 }
 
 impl Fence {
@@ -245,11 +249,14 @@ impl Fence {
                 logicals.len()
             )));
         }
-        let (upto,): (u64,) = sqlx::query_as("SELECT CAST(COALESCE(MAX(seq), 0) AS UNSIGNED) FROM outbox")
-            .fetch_one(&mut conn)
-            .await
-            .on(shard)?;
-        Ok(Fence { shard, conn, logicals: logicals.to_vec(), outbox_upto: upto })
+        let (upto, closed_us): (u64, i64) = sqlx::query_as(
+            "SELECT CAST(COALESCE(MAX(seq), 0) AS UNSIGNED), \
+             CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', NOW(6)) AS SIGNED) FROM outbox",
+        )
+        .fetch_one(&mut conn)
+        .await
+        .on(shard)?;
+        Ok(Fence { shard, conn, logicals: logicals.to_vec(), outbox_upto: upto, closed_us })
     }
 
     /// Gives the logical shards up: deletes their ownership rows and sets

@@ -3,6 +3,7 @@
 //! shard's relay reads them in `seq` order and deletes what Kafka
 //! acknowledged.
 
+use schemas::settings::Outbox;
 use schemas::EntityId;
 use sqlx::mysql::MySqlPool;
 use sqlx::{MySqlConnection, Row};
@@ -46,17 +47,23 @@ pub struct OutboxProbe {
     pub oldest_commit_us: Option<i64>,
 }
 
-/// Change events into the outbox in multi-row statements, in the given
-/// order (so `seq` follows it).
+/// Change events into the configured outbox (the table, or `outbox_log`
+/// in binlog mode: see `relay_log`) in multi-row statements, in the given
+/// order (so `seq`, or the log, follows it).
 #[tracing::instrument(level = "debug", skip_all, fields(shard))]
 pub async fn insert_outbox_rows(
     shard: usize,
     conn: &mut MySqlConnection,
     rows: &[OutboxInsert],
+    outbox: Outbox,
 ) -> Result<()> {
+    let table = match outbox {
+        Outbox::Table => schemas::names::tables::OUTBOX,
+        Outbox::Binlog => schemas::names::tables::OUTBOX_LOG,
+    };
     for chunk in rows.chunks(500) {
         let sql = format!(
-            "INSERT INTO outbox (entity_id, version, committed, event) VALUES {}",
+            "INSERT INTO {table} (entity_id, version, committed, event) VALUES {}",
             vec!["(?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)"; chunk.len()].join(", ")
         );
         let mut q = sqlx::query(&sql);

@@ -7,7 +7,7 @@ use sqlx::mysql::MySqlPool;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::servers::{servers, unique};
+use crate::servers::{binlog_servers, servers, unique};
 use crate::{bagstore_bin, eventually, tansu, Proc};
 
 /// One test's world: fresh databases on both servers, its own Kafka, a
@@ -21,6 +21,8 @@ pub struct TestEnv {
     pub topic: String,
     /// Extra TOML appended to the config (indexes, tuning).
     pub indexes_toml: String,
+    /// Where the writers put change events (`writer.outbox`).
+    pub outbox: schemas::settings::Outbox,
 }
 
 impl Drop for TestEnv {
@@ -113,7 +115,16 @@ properties = [{ name = "tags", type = "string", max_len = 64 }]
 
 impl TestEnv {
     pub async fn new(name: &str, indexes_toml: &str) -> TestEnv {
-        let ports = servers().to_vec();
+        TestEnv::on(servers(), schemas::settings::Outbox::Table, name, indexes_toml)
+    }
+
+    /// Like [`TestEnv::new`], on servers with the binary log on, and the
+    /// writers' outbox in it (`writer.outbox = "binlog"`).
+    pub async fn with_binlog_outbox(name: &str, indexes_toml: &str) -> TestEnv {
+        TestEnv::on(binlog_servers(), schemas::settings::Outbox::Binlog, name, indexes_toml)
+    }
+
+    fn on(ports: &[u16], outbox: schemas::settings::Outbox, name: &str, indexes_toml: &str) -> TestEnv {
         let name = unique(name);
         let dsns: Vec<String> = ports
             .iter()
@@ -132,7 +143,15 @@ impl TestEnv {
             kafka.create_topic(t, 4, 1).expect("ingest topic");
         }
         let dir = tempfile::Builder::new().prefix(&format!("{name}-")).tempdir().expect("tempdir");
-        TestEnv { name, dir, kafka: Kafka::Mock(kafka), dsns, topic, indexes_toml: indexes_toml.to_string() }
+        TestEnv {
+            name,
+            dir,
+            kafka: Kafka::Mock(kafka),
+            dsns,
+            topic,
+            indexes_toml: indexes_toml.to_string(),
+            outbox,
+        }
     }
 
     /// Like [`TestEnv::new`], with a standalone `tansu` broker process
@@ -157,9 +176,13 @@ impl TestEnv {
     /// The config with other shard DSNs and extra `[mysql]` lines.
     pub fn config_toml_with(&self, dsns: &[String], mysql_extra: &str) -> String {
         let shards: Vec<String> = dsns.iter().map(|d| format!("{d:?}")).collect();
+        let outbox = match self.outbox {
+            schemas::settings::Outbox::Table => "table",
+            schemas::settings::Outbox::Binlog => "binlog",
+        };
         format!(
             "[mysql]\nshards = [{}]\nmax_connections = 8\n{mysql_extra}\n\n[kafka]\nbrokers = {:?}\ntopic = {:?}\npartitions = 4\n\
-             replication_factor = 1\nsession_timeout_ms = 6000\nmessage_timeout_ms = 3000\n\n[writer]\nrelay_poll_ms = 100\n\n[http]\n\
+             replication_factor = 1\nsession_timeout_ms = 6000\nmessage_timeout_ms = 3000\n\n[writer]\nrelay_poll_ms = 100\noutbox = {outbox:?}\n\n[http]\n\
              addr = \"127.0.0.1:0\"\nshutdown_grace_ms = 3000\n{}",
             shards.join(", "),
             self.brokers(),
@@ -184,7 +207,10 @@ impl TestEnv {
     /// The DSN of a further database of this test (a shard to add), on one
     /// of the two servers.
     pub fn extra_dsn(&self, i: usize) -> String {
-        let ports = servers();
+        let ports = match self.outbox {
+            schemas::settings::Outbox::Table => servers(),
+            schemas::settings::Outbox::Binlog => binlog_servers(),
+        };
         format!("mysql://root@127.0.0.1:{}/{}_s{i}", ports[i % ports.len()], self.name)
     }
 
@@ -253,11 +279,16 @@ impl TestEnv {
         .await
     }
 
-    /// Whether every outbox is empty and every index group in `indexes`
-    /// has applied every event (false also when the lag cannot be read).
+    /// Whether every outbox is empty (in binlog mode: every entity write
+    /// published) and every index group in `indexes` has applied every
+    /// event (false also when the lag cannot be read).
     pub async fn caught_up(&self, indexes: &[&str]) -> bool {
-        if self.count_rows("outbox").await != 0 {
-            return false;
+        for shard in 0..self.dsns.len() {
+            let pool = self.pool(shard).await;
+            match storage::relay_log::backlog(shard, &pool, self.outbox).await {
+                Ok(b) if b.rows == 0 => {}
+                _ => return false,
+            }
         }
         let k = self.kafka_settings();
         for table in indexes {

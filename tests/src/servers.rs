@@ -10,44 +10,69 @@ use std::sync::OnceLock;
 /// The ports of this process's two private MariaDB servers.
 pub(crate) fn servers() -> &'static [u16] {
     static PORTS: OnceLock<Vec<u16>> = OnceLock::new();
-    PORTS.get_or_init(|| {
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::Builder::new()
-            .name("mariadb-servers".into())
-            .spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-                rt.block_on(async move {
-                    let base = std::env::temp_dir().join(format!("bagstore-test-{}", std::process::id()));
-                    let started = futures_lite_join(
-                        MariaDb::start_with(&base.join("a"), opts()),
-                        MariaDb::start_with(&base.join("b"), opts()),
-                    )
-                    .await;
-                    match started {
-                        (Ok(a), Ok(b)) => {
-                            tx.send(Ok(vec![a.port(), b.port()])).ok();
-                            // Keep both alive for the life of the process: the
-                            // wrapper stops mariadbd when this process exits.
-                            let _keep = (a, b);
-                            std::future::pending::<()>().await;
-                        }
-                        (a, b) => {
-                            let err = a.err().or(b.err()).expect("one failed");
-                            tx.send(Err(format!("{err:#}"))).ok();
-                        }
-                    }
-                });
-            })
-            .expect("spawn server thread");
-        match rx.recv().expect("server thread answers") {
-            Ok(ports) => ports,
-            Err(e) => panic!("cannot start the private MariaDB servers: {e}"),
-        }
-    })
+    PORTS.get_or_init(|| start_pair("", opts))
 }
 
-fn opts() -> MariaDbOptions {
+/// The ports of two more, started on first use, as production runs MySQL:
+/// the binary log on in ROW format, and the `BLACKHOLE` engine loaded, for
+/// the writers' binlog outbox (`writer.outbox = "binlog"`).
+pub(crate) fn binlog_servers() -> &'static [u16] {
+    static PORTS: OnceLock<Vec<u16>> = OnceLock::new();
+    PORTS.get_or_init(|| start_pair("binlog-", binlog_opts))
+}
+
+/// Starts two servers on a thread of their own (so they outlive each
+/// test's runtime), kept until the process exits.
+fn start_pair(prefix: &'static str, opts: fn(usize) -> MariaDbOptions) -> Vec<u16> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name(format!("mariadb-{prefix}servers"))
+        .spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+            rt.block_on(async move {
+                let base = std::env::temp_dir().join(format!("bagstore-test-{}", std::process::id()));
+                let started = futures_lite_join(
+                    MariaDb::start_with(&base.join(format!("{prefix}a")), opts(0)),
+                    MariaDb::start_with(&base.join(format!("{prefix}b")), opts(1)),
+                )
+                .await;
+                match started {
+                    (Ok(a), Ok(b)) => {
+                        tx.send(Ok(vec![a.port(), b.port()])).ok();
+                        // Keep both alive for the life of the process: the
+                        // wrapper stops mariadbd when this process exits.
+                        let _keep = (a, b);
+                        std::future::pending::<()>().await;
+                    }
+                    (a, b) => {
+                        let err = a.err().or(b.err()).expect("one failed");
+                        tx.send(Err(format!("{err:#}"))).ok();
+                    }
+                }
+            });
+        })
+        .expect("spawn server thread");
+    match rx.recv().expect("server thread answers") {
+        Ok(ports) => ports,
+        Err(e) => panic!("cannot start the private MariaDB servers: {e}"),
+    }
+}
+
+fn opts(_: usize) -> MariaDbOptions {
     MariaDbOptions { ephemeral: true, ..Default::default() }
+}
+
+fn binlog_opts(i: usize) -> MariaDbOptions {
+    MariaDbOptions {
+        ephemeral: true,
+        extra_args: vec![
+            "--log-bin=binlog".into(),
+            "--binlog-format=ROW".into(),
+            "--plugin-load-add=ha_blackhole".into(),
+            format!("--server-id={}", i + 1),
+        ],
+        ..Default::default()
+    }
 }
 
 async fn futures_lite_join<A: std::future::Future, B: std::future::Future>(

@@ -14,7 +14,7 @@ mod sections;
 pub use secrets::{is_secret_kafka_option, Dsn, Secret};
 pub use sections::{
     Assignment, AuthSettings, ChangesSettings, CleanerSettings, ExpirySettings, HttpSettings,
-    IndexerSettings, IngestSettings, KafkaSettings, MoverSettings, MysqlSettings, ReaderSettings,
+    IndexerSettings, IngestSettings, KafkaSettings, MoverSettings, MysqlSettings, Outbox, ReaderSettings,
     WriterSettings, EMBEDDED_FETCH_WAIT_MS, FETCH_WAIT_MS,
 };
 
@@ -320,6 +320,16 @@ pub(crate) mod tests {
             Settings::from_toml_and_env("", env(&[("BAGSTORE_HTTP__REQUEST_TIMEOUT_MS", "500")])).unwrap();
         assert_eq!(s.http.request_timeout_ms, 500);
         assert!(Settings::from_toml_and_env("[http]\nrequest_timeout_ms = 0", env(&[])).is_err());
+    }
+
+    #[test]
+    fn the_outbox_is_the_table_unless_the_binary_log_is_asked_for() {
+        let s = Settings::from_toml_and_env("", env(&[])).unwrap();
+        assert_eq!(s.writer.outbox, Outbox::Table);
+        let s = Settings::from_toml_and_env("", env(&[("BAGSTORE_WRITER__OUTBOX", "binlog")])).unwrap();
+        assert_eq!(s.writer.outbox, Outbox::Binlog);
+        let e = Settings::from_toml_and_env("[writer]\noutbox = \"blackhole\"", env(&[])).unwrap_err();
+        assert!(e.to_string().contains("blackhole"), "{e}");
     }
 
     #[test]

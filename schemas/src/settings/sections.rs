@@ -198,6 +198,28 @@ pub struct WriterSettings {
     /// carries an `Idempotency-Key`, before answering (a crash between
     /// commit and answer). Never set it in production.
     pub drill_exit_after_commit: bool,
+    /// Where a write's change events wait for the relay: see [`Outbox`].
+    pub outbox: Outbox,
+}
+
+/// Where the writer puts a write's change events, in the write's
+/// transaction, for the shard's relay to publish.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Outbox {
+    /// The InnoDB table `outbox`: the relay reads the rows and deletes
+    /// what Kafka acknowledged.
+    #[default]
+    Table,
+    /// The `BLACKHOLE` table `outbox_log`: MariaDB writes the insert to the
+    /// binary log with the transaction and stores nothing, and the relay
+    /// reads the events back from the binary log (`storage::relay_log`).
+    /// No outbox row is written or deleted. Needs the binary log on in ROW
+    /// format with full row images, the `BLACKHOLE` engine
+    /// (`plugin_load_add = ha_blackhole`), and for the shards' user
+    /// `REPLICATION SLAVE`, `BINLOG MONITOR` and `BINLOG ADMIN`. Switch
+    /// every writer together, with all of them stopped.
+    Binlog,
 }
 
 impl Default for WriterSettings {
@@ -211,6 +233,7 @@ impl Default for WriterSettings {
             max_pending_writes: 10_000,
             idempotency_window_secs: 86_400,
             drill_exit_after_commit: false,
+            outbox: Outbox::Table,
         }
     }
 }

@@ -6,6 +6,7 @@ use bagstore_tests::{eventually, metric_sum, until_query_is, TestEnv, STANDARD_I
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use schemas::event::ChangeEvent;
+use schemas::settings::Outbox;
 use serde_json::json;
 use std::collections::HashMap;
 use std::time::Duration;
@@ -52,7 +53,18 @@ fn read_topic(env: &TestEnv) -> Vec<ChangeEvent> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_committed_while_kafka_is_down_survive_a_writer_crash_and_are_indexed_in_order() {
-    let env = TestEnv::new("outage", STANDARD_INDEXES).await;
+    outage_and_writer_crash(TestEnv::new("outage", STANDARD_INDEXES).await).await;
+}
+
+/// The same with the outbox in the binary log (`writer.outbox = "binlog"`):
+/// nothing is stored in an outbox table, and the second writer's relay
+/// reads the events the first one never published back from the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_binlog_outbox_writes_committed_while_kafka_is_down_survive_a_writer_crash_in_order() {
+    outage_and_writer_crash(TestEnv::with_binlog_outbox("outagelog", STANDARD_INDEXES).await).await;
+}
+
+async fn outage_and_writer_crash(env: TestEnv) {
     env.migrate().await;
     let indexer = env.spawn(&["indexer"]).await;
     let reader = env.spawn(&["reader"]).await;
@@ -74,8 +86,18 @@ async fn writes_committed_while_kafka_is_down_survive_a_writer_crash_and_are_ind
             assert_eq!(b["version"], v);
         }
     }
-    // Committed, acknowledged, and not published: the events wait in the outbox.
-    assert_eq!(env.count_rows("outbox").await, (3 * N) as i64);
+    // Committed, acknowledged, and not published: the events wait in the
+    // outbox table, or (binlog mode) in the binary log only.
+    match env.outbox {
+        Outbox::Table => assert_eq!(env.count_rows("outbox").await, (3 * N) as i64),
+        Outbox::Binlog => {
+            assert_eq!(env.count_rows("outbox").await, 0);
+            assert_eq!(env.count_rows("outbox_log").await, 0, "a BLACKHOLE table stores nothing");
+            let places: Vec<(usize, (String, u64, i64))> =
+                env.fetch_all_shards("SELECT file, pos, through_us FROM bagstore_relay_log").await;
+            assert!(!env.caught_up(&[]).await, "unpublished writes counted as published: {places:?}");
+        }
+    }
 
     // The writer dies between commit and publish.
     writer.kill9().await;
@@ -83,7 +105,7 @@ async fn writes_committed_while_kafka_is_down_survive_a_writer_crash_and_are_ind
     env.kafka.broker_up(1).unwrap();
 
     eventually("the outbox to drain", Duration::from_secs(60), || async {
-        (env.count_rows("outbox").await == 0).then_some(())
+        env.caught_up(&[]).await.then_some(())
     })
     .await;
     let rapi = reader.api();
@@ -109,6 +131,17 @@ async fn writes_committed_while_kafka_is_down_survive_a_writer_crash_and_are_ind
     let m = writer2.api().metrics().await;
     assert!(metric_sum(&m, "bagstore_writer_events_published_total", &[]) >= (3 * N) as f64, "{m}");
     assert_eq!(metric_sum(&m, "bagstore_writer_relay_leader", &[]), 2.0, "this writer leads both shards");
+    if env.outbox == Outbox::Binlog {
+        // Each shard's relay saved its place, and a time before which every
+        // write is published.
+        let places: Vec<(usize, (String, u64, i64))> =
+            env.fetch_all_shards("SELECT file, pos, through_us FROM bagstore_relay_log").await;
+        assert_eq!(places.len(), 2, "{places:?}");
+        assert!(
+            places.iter().all(|(_, (file, pos, through))| !file.is_empty() && *pos > 4 && *through > 0),
+            "{places:?}"
+        );
+    }
     writer2.terminate().await;
     indexer.terminate().await;
     reader.terminate().await;
