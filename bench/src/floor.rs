@@ -150,7 +150,7 @@ impl BinlogReaders {
             let pos: u64 = sqlx::Row::try_get(&row, "Position")?;
             let prefix = dir.join(format!("captured-{i}-"));
             files.push(dir.join(format!("captured-{i}-{file}")));
-            let child = std::process::Command::new("taskset")
+            let child = bagstore_tests::std_command("taskset")
                 .args(["-c", cores, "mariadb-binlog", "--no-defaults"])
                 .args([
                     "--read-from-remote-server",

@@ -723,7 +723,7 @@ where
     let before = world.usage().await;
     let writer = tokio::spawn(open_loop(rate, stop.clone(), steady.clone()));
     let t = Instant::now();
-    let mut child = tokio::process::Command::new(bagstore_tests::bagstore_bin())
+    let mut child = bagstore_tests::command(bagstore_tests::bagstore_bin())
         .args(["cleaner", "--index", index])
         .args(args)
         .arg("--config")
@@ -878,7 +878,7 @@ impl World {
     }
 
     async fn migrate(&self, new_index: bool) -> anyhow::Result<()> {
-        let out = tokio::process::Command::new(bagstore_tests::bagstore_bin())
+        let out = bagstore_tests::command(bagstore_tests::bagstore_bin())
             .arg("migrate")
             .arg("--config")
             .arg(self.config(new_index))
@@ -946,7 +946,7 @@ fn server_options(quick: bool, server_id: usize) -> devstack::mariadb::MariaDbOp
 
 /// Pins `pid` (every thread of it) to `cores` with `taskset`.
 fn pin(pid: u32, cores: &str) -> anyhow::Result<()> {
-    let status = std::process::Command::new("taskset")
+    let status = bagstore_tests::std_command("taskset")
         .args(["-a", "-p", "-c", cores, &pid.to_string()])
         .stdout(std::process::Stdio::null())
         .status()
@@ -1586,7 +1586,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         bag_steady.clone(),
     )
     .await?;
-    let dropped = tokio::process::Command::new(bagstore_tests::bagstore_bin())
+    let dropped = bagstore_tests::command(bagstore_tests::bagstore_bin())
         .args(["index", "drop", INDEX_PACED, "--config"])
         .arg(world.config(true))
         .env("RUST_LOG", "warn")

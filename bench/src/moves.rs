@@ -53,7 +53,7 @@ where
     world.procs.watch("mariadbd shard 2", third.pid());
     let dsn = third.dsn("bench_bag");
     let run = |args: Vec<String>| async move {
-        let child = tokio::process::Command::new(bagstore_tests::bagstore_bin())
+        let child = bagstore_tests::command(bagstore_tests::bagstore_bin())
             .args(&args)
             .env("RUST_LOG", "warn")
             .stdout(std::process::Stdio::piped())

@@ -10,8 +10,10 @@
 //! - [`supervise`]: the wrapper that ties a server's life to ours.
 //! - [`kafka`]: the embedded Kafka (librdkafka's mock cluster).
 //! - [`drain`]: waiting until the pipeline has nothing in flight.
+//! - [`fds`]: children inherit stdio and no other descriptor of ours.
 
 pub mod drain;
+pub mod fds;
 pub mod kafka;
 pub mod mariadb;
 pub mod postgres;

@@ -88,7 +88,7 @@ impl Supervised {
     /// Starts the server under the wrapper, its output appended to `<dir>/error.log`.
     pub(crate) async fn spawn(cmd: ServerCommand<'_>) -> Result<(Supervised, ExitWatch)> {
         let (name, stop_signal) = (cmd.name, cmd.stop_signal);
-        let mut child = Command::new("sh")
+        let mut child = crate::fds::only_stdio_tokio(&mut Command::new("sh"))
             .args(["-c", WRAPPER, "server-wrapper"])
             .arg(cmd.dir)
             .arg(if cmd.ephemeral { "1" } else { "0" })

@@ -296,7 +296,8 @@ fn is_fencing(code: RDKafkaErrorCode) -> bool {
 
 /// The member id the group coordinator gave this consumer (None before the
 /// first join; empty while rejoining after a loss). rust-rdkafka does not
-/// wrap `rd_kafka_memberid`, hence the one unsafe block of the workspace.
+/// wrap `rd_kafka_memberid`, hence an unsafe block (the workspace's others
+/// are in `devstack::fds`).
 #[allow(unsafe_code)]
 fn member_id<C: Consumer<Membership>>(consumer: &C) -> Option<String> {
     let rk = consumer.client().native_ptr();

@@ -216,7 +216,7 @@ impl TestEnv {
 
     /// Runs `bagstore <args…>` to completion: (success, stdout, stderr).
     pub async fn run(&self, args: &[String], env: &[(&str, &str)]) -> (bool, String, String) {
-        let out = tokio::process::Command::new(bagstore_bin())
+        let out = crate::command(bagstore_bin())
             .args(args)
             .envs(env.iter().copied())
             .output()
@@ -231,7 +231,7 @@ impl TestEnv {
 
     /// `bagstore migrate` with this env's config; panics on failure.
     pub async fn migrate(&self) -> String {
-        let out = tokio::process::Command::new(bagstore_bin())
+        let out = crate::command(bagstore_bin())
             .arg("migrate")
             .arg("--config")
             .arg(self.config_path())

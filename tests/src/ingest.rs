@@ -7,7 +7,6 @@
 
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
-use std::process::Command;
 use std::time::Duration;
 
 use crate::python::{python, repo_file, run_tool};
@@ -26,7 +25,7 @@ pub struct Sent {
 pub fn produce(bootstrap: &str, count: usize, entities: usize, seed: u64, api_version: Option<&str>) -> Sent {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("plan.json");
-    let mut cmd = Command::new(python());
+    let mut cmd = crate::std_command(python());
     cmd.arg(repo_file("tests/python/ingest_producer.py"))
         .arg("produce")
         .arg(bootstrap)
@@ -45,7 +44,7 @@ pub fn produce(bootstrap: &str, count: usize, entities: usize, seed: u64, api_ve
 /// (blocking).
 pub fn collect(bootstrap: &str, sent: &Sent, api_version: Option<&str>) -> (Value, String) {
     let out = sent.dir.path().join("collected.json");
-    let mut cmd = Command::new(python());
+    let mut cmd = crate::std_command(python());
     cmd.arg(repo_file("tests/python/ingest_producer.py"))
         .arg("collect")
         .arg(bootstrap)

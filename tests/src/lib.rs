@@ -33,4 +33,4 @@ pub use api::{metric_sum, until_query_is, Api, Reply};
 pub use devstack::mariadb::MariaDb;
 pub use env::{Kafka, RowLocation, TestEnv, STANDARD_INDEXES};
 pub use poll::eventually;
-pub use process::{bagstore_bin, Proc};
+pub use process::{bagstore_bin, command, std_command, Proc};

@@ -2,6 +2,7 @@
 //! its ready line, killed or stopped.
 
 use anyhow::{bail, Context};
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -23,6 +24,24 @@ pub fn bagstore_bin() -> PathBuf {
     bin
 }
 
+/// A command for a test's child process. Every child of a test is made
+/// here or by [`std_command`]: it inherits stdio and no other descriptor,
+/// because the mock brokers' sockets are not close-on-exec, and a child's
+/// copy would keep a connection open after its broker closed it
+/// ([`devstack::fds`]).
+pub fn command(program: impl AsRef<OsStr>) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(program);
+    devstack::fds::only_stdio_tokio(&mut cmd);
+    cmd
+}
+
+/// [`command`] for a blocking child.
+pub fn std_command(program: impl AsRef<OsStr>) -> std::process::Command {
+    let mut cmd = std::process::Command::new(program);
+    devstack::fds::only_stdio(&mut cmd);
+    cmd
+}
+
 /// A running `bagstore` process.
 #[derive(Debug)]
 pub struct Proc {
@@ -38,7 +57,7 @@ impl Proc {
         static N: AtomicU32 = AtomicU32::new(0);
         let log = dir.join(format!("{}-{}.log", args[0], N.fetch_add(1, Ordering::Relaxed)));
         let logfile = std::fs::File::create(&log)?;
-        let mut cmd = tokio::process::Command::new(bagstore_bin());
+        let mut cmd = command(bagstore_bin());
         cmd.args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -101,7 +120,7 @@ impl Proc {
 
     /// Sends a signal by name (`STOP` freezes the process, `CONT` thaws it).
     pub fn signal(&self, name: &str) {
-        let status = std::process::Command::new("kill")
+        let status = std_command("kill")
             .arg(format!("-{name}"))
             .arg(self.pid().to_string())
             .status()
@@ -117,7 +136,7 @@ impl Proc {
     /// SIGTERM and wait (bounded) for a clean exit; returns the exit code.
     pub async fn terminate(mut self) -> Option<i32> {
         let pid = self.pid();
-        std::process::Command::new("kill").arg("-TERM").arg(pid.to_string()).status().ok();
+        std_command("kill").arg("-TERM").arg(pid.to_string()).status().ok();
         match tokio::time::timeout(Duration::from_secs(60), self.child.wait()).await {
             Ok(Ok(status)) => status.code(),
             _ => {

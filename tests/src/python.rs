@@ -3,7 +3,6 @@
 //! of them would.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// The venv `scripts/test` makes (`ensure_python_tools` in
 /// `scripts/lib.sh`): `$BAGSTORE_PYTHON_TOOLS`, else its default place.
@@ -31,7 +30,7 @@ pub fn repo_file(path: &str) -> PathBuf {
 
 /// Runs `cmd`; panics with its output unless it succeeds. Returns its
 /// stdout and stderr.
-pub fn run_tool(cmd: &mut Command, what: &str) -> String {
+pub fn run_tool(cmd: &mut std::process::Command, what: &str) -> String {
     let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{what} failed ({}):\n{text}", out.status);
@@ -51,7 +50,7 @@ pub fn consume_change_stream(
 ) -> (serde_json::Value, String) {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("live.json");
-    let mut cmd = Command::new(python());
+    let mut cmd = crate::std_command(python());
     cmd.arg(repo_file("tests/python/change_stream_consumer.py"))
         .arg(bootstrap)
         .arg(topic)

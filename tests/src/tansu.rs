@@ -21,7 +21,7 @@ use devstack::postgres::Postgres;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::ClientConfig;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -122,7 +122,7 @@ impl Tansu {
     async fn launch(&self) -> anyhow::Result<()> {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log_path())?;
         *self.log_start.lock().unwrap() = log.metadata()?.len();
-        let child = Command::new(&self.bin)
+        let child = crate::std_command(&self.bin)
             .arg("broker")
             .args(["--listener-url", &self.url(), "--advertised-listener-url", &self.url()])
             .args(["--storage-engine", &self.storage.url(DATABASE)])

@@ -24,7 +24,7 @@ async fn a_broker_that_dies_on_its_own_is_recorded_as_a_crash() {
     assert_eq!(tansu.check().await.expect("check"), None);
     let pid = tansu.pid().expect("running");
     // Not through the harness: as if the broker crashed.
-    let status = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status().expect("kill");
+    let status = bagstore_tests::std_command("kill").args(["-9", &pid.to_string()]).status().expect("kill");
     assert!(status.success());
     let why =
         bagstore_tests::eventually("the crash to be noticed", std::time::Duration::from_secs(10), || async {

@@ -550,7 +550,7 @@ async fn run_backfill(env: &TestEnv, rate: u64, follow_health: bool) -> anyhow::
         args.push("--follow-health");
     }
     let started = Instant::now();
-    let mut child = tokio::process::Command::new(bagstore_bin())
+    let mut child = bagstore_tests::command(bagstore_bin())
         .args(env.args(&args))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -622,7 +622,7 @@ async fn index_state(api: &Api, table: &str) -> Option<String> {
 /// in, as it is now (the binaries may be older than that).
 fn workspace_now() -> String {
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
-    std::process::Command::new("git")
+    bagstore_tests::std_command("git")
         .args(["-C", root, "describe", "--always", "--dirty"])
         .output()
         .ok()
@@ -633,7 +633,7 @@ fn workspace_now() -> String {
 
 fn machine() -> (usize, String) {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    let mem = std::process::Command::new("free")
+    let mem = bagstore_tests::std_command("free")
         .arg("-g")
         .output()
         .ok()
@@ -861,7 +861,7 @@ async fn measure(
     let ratio = during_lat.p99 / base_lat.p99;
     let base_rate = base.sent as f64 / secs(base.elapsed);
     let during_rate = during.sent as f64 / secs(during.elapsed);
-    let date = std::process::Command::new("date")
+    let date = bagstore_tests::std_command("date")
         .args(["-u", "+%Y-%m-%d %H:%M UTC"])
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())

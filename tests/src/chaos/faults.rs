@@ -59,7 +59,7 @@ impl MoveLog {
 fn spawn_shards_command(env: &TestEnv, args: &[&str], vars: &[(&str, &str)]) -> tokio::process::Child {
     let mut all = vec!["shards"];
     all.extend_from_slice(args);
-    tokio::process::Command::new(crate::bagstore_bin())
+    crate::command(crate::bagstore_bin())
         .args(env.args(&all))
         .envs(vars.iter().copied())
         .env("RUST_LOG", "warn")

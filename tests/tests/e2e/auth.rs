@@ -74,7 +74,7 @@ async fn routes_need_the_token_of_their_role_and_refusals_write_nothing() {
     assert_eq!(metrics.status(), StatusCode::OK);
 
     // The CLI passes --token.
-    let out = tokio::process::Command::new(bagstore_tests::bagstore_bin())
+    let out = bagstore_tests::command(bagstore_tests::bagstore_bin())
         .args(["get", "--url", &dev.url, "--token", "r-secret-1", "d4d4d4d4d4d4d4d4d4d4d4d4d4d4d4d4"])
         .output()
         .await

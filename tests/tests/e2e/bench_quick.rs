@@ -11,7 +11,7 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
     assert!(bench.exists(), "{} is missing: cargo build --workspace", bench.display());
     let out = tokio::time::timeout(
         std::time::Duration::from_secs(600),
-        tokio::process::Command::new(&bench).arg("--quick").kill_on_drop(true).output(),
+        bagstore_tests::command(&bench).arg("--quick").kill_on_drop(true).output(),
     )
     .await
     .expect("bench --quick finishes within 10 minutes")

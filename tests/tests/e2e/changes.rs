@@ -196,7 +196,7 @@ async fn every_write_reaches_the_public_change_stream_as_a_documented_envelope()
                  bad = {'op': 'd', 'before': None, 'after': {'a': 1}, 'ts_ms': 1, 'source': values[0]['source']}\n\
                  assert not v.is_valid(bad), 'a delete with an after passed'\n\
                  print(f'{len(values)} valid')\n";
-    let out = std::process::Command::new(bagstore_tests::python::python())
+    let out = bagstore_tests::std_command(bagstore_tests::python::python())
         .args(["-c", check])
         .arg(&schema)
         .arg(dir.path().join("values.json"))
@@ -250,7 +250,7 @@ async fn a_snapshot_then_the_tail_give_a_new_group_every_live_entity() {
     let group = "search-indexer";
     let args = env.args(&["changes", "snapshot", "--group", group, "--rate", "400"]);
     let meta = env.pool(0).await;
-    let mut child = tokio::process::Command::new(bagstore_tests::bagstore_bin())
+    let mut child = bagstore_tests::command(bagstore_tests::bagstore_bin())
         .args(&args)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
@@ -377,7 +377,7 @@ async fn a_kafka_python_consumer_rebuilds_bagstore_devs_live_entities_from_snaps
     let writer = spawn_writer().await.unwrap();
     mixed_round(&writer.api(), 2).await;
     let group = "dev-warehouse";
-    let snapshot = tokio::process::Command::new(bagstore_tests::bagstore_bin())
+    let snapshot = bagstore_tests::command(bagstore_tests::bagstore_bin())
         .args(args(&["changes", "snapshot", "--group", group], &joined))
         .output()
         .await

@@ -144,7 +144,7 @@ async fn a_backfill_killed_half_way_resumes_from_its_cursor_and_ends_exact() {
     env.indexes_toml.push_str(INDEX_LINK);
     env.migrate().await;
 
-    let mut first = tokio::process::Command::new(bagstore_bin())
+    let mut first = bagstore_tests::command(bagstore_bin())
         .args(env.args(&["cleaner", "--index", "index_link", "--rate", "400"]))
         .env("BAGSTORE_CLEANER__BACKFILL_BATCH", "40")
         .stdout(std::process::Stdio::null())
@@ -162,7 +162,7 @@ async fn a_backfill_killed_half_way_resumes_from_its_cursor_and_ends_exact() {
     assert_eq!(total, 2000);
     assert!(done_at_kill < total, "the kill came too late to test anything");
 
-    let out = tokio::process::Command::new(bagstore_bin())
+    let out = bagstore_tests::command(bagstore_bin())
         .args(env.args(&["cleaner", "--index", "index_link"]))
         .output()
         .await
@@ -409,7 +409,7 @@ async fn a_dropped_index_stops_being_maintained_and_can_be_added_again() {
     }
     until_query_is(&rapi, &json!({"where": {"tags": "t3"}}), &[&id(3)]).await;
 
-    let out = tokio::process::Command::new(bagstore_bin())
+    let out = bagstore_tests::command(bagstore_bin())
         .args(["index", "drop", "index_tag", "--config"])
         .arg(env.config_path())
         .output()

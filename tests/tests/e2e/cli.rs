@@ -5,7 +5,7 @@ use bagstore_tests::{bagstore_bin, until_query_is, TestEnv, STANDARD_INDEXES};
 use serde_json::{json, Value};
 
 async fn run(args: &[&str]) -> (bool, String, String) {
-    let out = tokio::process::Command::new(bagstore_bin()).args(args).output().await.unwrap();
+    let out = bagstore_tests::command(bagstore_bin()).args(args).output().await.unwrap();
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into(),
@@ -94,12 +94,8 @@ async fn the_client_commands_write_read_query_and_administer() {
 /// Runs the binary with extra environment variables; returns the exit code,
 /// stdout and stderr.
 async fn run_env(args: &[&str], vars: &[(&str, &str)]) -> (i32, String, String) {
-    let out = tokio::process::Command::new(bagstore_bin())
-        .args(args)
-        .envs(vars.iter().copied())
-        .output()
-        .await
-        .unwrap();
+    let out =
+        bagstore_tests::command(bagstore_bin()).args(args).envs(vars.iter().copied()).output().await.unwrap();
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into(),
@@ -147,7 +143,7 @@ async fn failures_exit_with_distinct_codes_and_honour_json() {
 async fn the_client_commands_speak_https() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let ok = std::process::Command::new("openssl")
+    let ok = bagstore_tests::std_command("openssl")
         .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"])
         .args(["-addext", "subjectAltName=IP:127.0.0.1", "-keyout", "key.pem", "-out", "cert.pem"])
         .current_dir(d)
@@ -159,7 +155,7 @@ async fn the_client_commands_speak_https() {
     let entity = json!({"id": id, "version": 3, "body": {"title": "over TLS"}});
     std::fs::write(d.join("v1/entities").join(id), entity.to_string()).unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let mut server = tokio::process::Command::new("openssl")
+    let mut server = bagstore_tests::command("openssl")
         .args(["s_server", "-quiet", "-WWW", "-cert", "cert.pem", "-key", "key.pem", "-accept"])
         .arg(port.to_string())
         .current_dir(d)

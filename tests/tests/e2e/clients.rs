@@ -8,7 +8,6 @@
 
 use bagstore_tests::python::{python, python_tools, repo_file as workspace, run_tool as run};
 use bagstore_tests::{TestEnv, STANDARD_INDEXES};
-use std::process::Command;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_generated_from_the_openapi_document_runs_the_seed_scenario() {
@@ -18,7 +17,7 @@ async fn a_client_generated_from_the_openapi_document_runs_the_seed_scenario() {
 
     // Valid OpenAPI 3.0, and every operation named.
     let said = run(
-        Command::new(&python).arg("-m").arg("openapi_spec_validator").arg(&doc_path),
+        bagstore_tests::std_command(&python).arg("-m").arg("openapi_spec_validator").arg(&doc_path),
         "openapi-spec-validator",
     );
     assert!(said.contains(": OK"), "{said}");
@@ -41,7 +40,7 @@ async fn a_client_generated_from_the_openapi_document_runs_the_seed_scenario() {
     let out = tempfile::tempdir().unwrap();
     std::fs::write(out.path().join("config.yaml"), "post_hooks: []\n").unwrap();
     let said = run(
-        Command::new(tools.join("bin/openapi-python-client"))
+        bagstore_tests::std_command(tools.join("bin/openapi-python-client"))
             .current_dir(out.path())
             .args(["generate", "--meta", "none", "--config", "config.yaml", "--path"])
             .arg(&doc_path),
@@ -53,7 +52,7 @@ async fn a_client_generated_from_the_openapi_document_runs_the_seed_scenario() {
     let env = TestEnv::new("genclient", STANDARD_INDEXES).await;
     let dev = env.dev().await;
     let said = run(
-        Command::new(&python)
+        bagstore_tests::std_command(&python)
             .arg(workspace("tests/python/generated_client_scenario.py"))
             .env("PYTHONPATH", out.path())
             .env("BAGSTORE_URL", &dev.url),

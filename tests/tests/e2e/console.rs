@@ -24,7 +24,7 @@ fn chromium() -> Option<PathBuf> {
 /// pause it, so every poll completes).
 async fn browse(url: &str, budget_ms: u32, args: &[&str], profile: &std::path::Path) -> String {
     let bin = chromium().expect("chromium is installed by the test command (scripts/test)");
-    let out = tokio::process::Command::new(bin)
+    let out = bagstore_tests::command(bin)
         .args(["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars"])
         .arg(format!("--user-data-dir={}", profile.display()))
         .arg(format!("--virtual-time-budget={budget_ms}"))

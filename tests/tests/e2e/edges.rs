@@ -135,7 +135,7 @@ async fn migrate_is_repeatable_and_refuses_a_changed_index_definition() {
     let second = env.migrate().await;
     assert_eq!(first, second);
     env.indexes_toml = STANDARD_INDEXES.replace("max_len = 64", "max_len = 32");
-    let out = tokio::process::Command::new(bagstore_bin())
+    let out = bagstore_tests::command(bagstore_bin())
         .args(["migrate", "--config"])
         .arg(env.config_path())
         .output()

@@ -49,7 +49,7 @@ async fn ready_names_a_frozen_or_stopped_shard_within_two_seconds_and_recovers()
     }
 
     let freeze = |sig: &str| {
-        let status = std::process::Command::new("kill")
+        let status = bagstore_tests::std_command("kill")
             .args([sig, &private.pid().to_string()])
             .status()
             .expect("kill");

@@ -32,7 +32,7 @@ fn prometheus_tool(name: &str) -> PathBuf {
 
 /// Runs promtool; returns whether it succeeded and everything it printed.
 fn promtool(args: &[&str], dir: &Path) -> (bool, String) {
-    let out = std::process::Command::new(prometheus_tool("promtool"))
+    let out = bagstore_tests::std_command(prometheus_tool("promtool"))
         .args(args)
         .current_dir(dir)
         .output()
@@ -730,7 +730,7 @@ async fn a_real_prometheus_scrapes_the_dev_stack_and_evaluates_the_rules() {
          scrape_configs:\n  - job_name: bagstore-dev\n    static_configs:\n      - targets: [{target:?}]\n"
     );
     std::fs::write(dir.join("prometheus.yml"), config).unwrap();
-    let mut prometheus = tokio::process::Command::new(prometheus_tool("prometheus"))
+    let mut prometheus = bagstore_tests::command(prometheus_tool("prometheus"))
         .arg(format!("--config.file={}", dir.join("prometheus.yml").display()))
         .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
         .arg(format!("--web.listen-address=127.0.0.1:{port}"))

@@ -317,7 +317,7 @@ async fn a_frozen_writer_with_the_old_map_cannot_commit_to_the_old_owner() {
     })
     .await;
     let pid = w.pid().to_string();
-    let signal = |sig: &str| std::process::Command::new("kill").args([sig, &pid]).status().unwrap();
+    let signal = |sig: &str| bagstore_tests::std_command("kill").args([sig, &pid]).status().unwrap();
     assert!(signal("-STOP").success());
     // The cutover completes while it is frozen (it holds no lock: frozen
     // between requests), and the source's copy goes once it stops
@@ -393,7 +393,7 @@ async fn a_move_killed_mid_copy_resumes_and_one_not_yet_flipped_rolls_back() {
         let args = env.args(&["shards", "move", "--logical", range, "--to", "s2"]);
         let meta = meta.clone();
         async move {
-            let mut child = tokio::process::Command::new(bagstore_tests::bagstore_bin())
+            let mut child = bagstore_tests::command(bagstore_tests::bagstore_bin())
                 .args(&args)
                 .env("BAGSTORE_MOVER__RATE", "300")
                 .env("BAGSTORE_MOVER__BATCH", "50")
@@ -1110,7 +1110,7 @@ async fn a_target_row_changed_after_its_copy_is_found_by_the_copys_own_digests()
     env.dsns.push(dsn2);
     let s2 = MySqlPool::connect(&env.dsns[2]).await.unwrap();
 
-    let child = tokio::process::Command::new(bagstore_tests::bagstore_bin())
+    let child = bagstore_tests::command(bagstore_tests::bagstore_bin())
         .args(env.args(&["shards", "move", "--logical", "0-255", "--to", "s2"]))
         .env("BAGSTORE_MOVER__RATE", "40")
         .env("BAGSTORE_MOVER__BATCH", "10")

@@ -26,7 +26,7 @@ use std::time::Duration;
 use storage::shards::dedicated_connection;
 use storage::Shards;
 use tokio::io::{AsyncRead, AsyncReadExt};
-use tokio::process::{Child, ChildStdin, Command};
+use tokio::process::{Child, ChildStdin};
 
 /// The password of both TLS-only users. Checked to never show in output.
 const PASSWORD: &str = "Tls-Secret-7781";
@@ -47,7 +47,7 @@ struct Pki {
 }
 
 async fn openssl(dir: &Path, args: &[&str]) -> anyhow::Result<()> {
-    let out = Command::new("openssl")
+    let out = bagstore_tests::command("openssl")
         .args(args)
         .current_dir(dir)
         .stdin(Stdio::null())
@@ -238,7 +238,7 @@ async fn migrate(dir: &Path, dsns: &[String]) -> Output {
     );
     let path = dir.join("bagstore.toml");
     std::fs::write(&path, config).expect("write config");
-    let run = Command::new(bagstore_bin()).arg("migrate").arg("--config").arg(&path).output();
+    let run = bagstore_tests::command(bagstore_bin()).arg("migrate").arg("--config").arg(&path).output();
     tokio::time::timeout(Duration::from_secs(90), run).await.expect("migrate finishes").expect("run migrate")
 }
 
@@ -420,7 +420,7 @@ impl TlsListener {
     async fn start(pki: &Pki) -> TlsListener {
         for _ in 0..5 {
             let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-            let mut child = Command::new("openssl")
+            let mut child = bagstore_tests::command("openssl")
                 .args(["s_server", "-accept", &format!("127.0.0.1:{port}")])
                 .arg("-cert")
                 .arg(&pki.server_cert)
