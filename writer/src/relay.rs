@@ -183,8 +183,8 @@ impl Writer {
                     source: sqlx::Error::Protocol("relay lock lost".into()),
                 });
             }
-            let rows = outbox::read_outbox(shard, lock_conn, self.settings().writer.relay_batch).await?;
-            if rows.is_empty() {
+            let (read, acked) = self.table_round(shard, lock_conn, producer).await?;
+            if read == 0 {
                 self.inner.health.report(&part, Ok(()));
                 if report() {
                     self.report_backlog(shard).await;
@@ -200,16 +200,10 @@ impl Writer {
                 }
                 continue;
             }
-            let acked = self.publish(shard, producer, &rows).await;
-            if acked > 0 {
-                let seqs: Vec<u64> = rows[..acked].iter().map(|r| r.seq).collect();
-                outbox::delete_outbox(shard, lock_conn, &seqs).await?;
-                self.inner.metrics.published.with_label_values(&[&shard.to_string()]).inc_by(acked as u64);
-            }
             if report() {
                 self.report_backlog(shard).await;
             }
-            if acked < rows.len() {
+            if acked < read {
                 if drain_until.is_some() {
                     // Kafka refuses now; the rows stay for the next leader.
                     return Ok(());
@@ -227,7 +221,7 @@ impl Writer {
                 // occurrences on the topic stay in version order. And after
                 // a fatal idempotence error a producer cannot go on at all.
                 let reason = producer.client().fatal_error().map(|(_, why)| why);
-                let unsent = rows.len() - acked;
+                let unsent = read - acked;
                 self.inner
                     .health
                     .report(&part, Err(format!("Kafka did not acknowledge {unsent} change events")));
@@ -433,17 +427,11 @@ impl Writer {
         producer: &mut FutureProducer,
     ) -> Result<(), StoreError> {
         loop {
-            let rows = outbox::read_outbox(shard, conn, self.settings().writer.relay_batch).await?;
-            if rows.is_empty() {
+            let (read, acked) = self.table_round(shard, conn, producer).await?;
+            if read == 0 {
                 return Ok(());
             }
-            let acked = self.publish(shard, producer, &rows).await;
-            if acked > 0 {
-                let seqs: Vec<u64> = rows[..acked].iter().map(|r| r.seq).collect();
-                outbox::delete_outbox(shard, conn, &seqs).await?;
-                self.inner.metrics.published.with_label_values(&[&shard.to_string()]).inc_by(acked as u64);
-            }
-            if acked < rows.len() {
+            if acked < read {
                 self.replace_producer(shard, producer);
                 return Err(StoreError::Shard {
                     shard,
@@ -451,6 +439,28 @@ impl Writer {
                 });
             }
         }
+    }
+
+    /// One round of the outbox table: reads up to `writer.relay_batch` rows
+    /// in order, publishes them and deletes the acknowledged prefix.
+    /// Returns how many rows it read and how many Kafka acknowledged.
+    async fn table_round(
+        &self,
+        shard: usize,
+        conn: &mut MySqlConnection,
+        producer: &FutureProducer,
+    ) -> Result<(usize, usize), StoreError> {
+        let rows = outbox::read_outbox(shard, conn, self.settings().writer.relay_batch).await?;
+        if rows.is_empty() {
+            return Ok((0, 0));
+        }
+        let acked = self.publish(shard, producer, &rows).await;
+        if acked > 0 {
+            let seqs: Vec<u64> = rows[..acked].iter().map(|r| r.seq).collect();
+            outbox::delete_outbox(shard, conn, &seqs).await?;
+            self.inner.metrics.published.with_label_values(&[&shard.to_string()]).inc_by(acked as u64);
+        }
+        Ok((rows.len(), acked))
     }
 
     /// Sends the rows in order, each to the change topic and (when on) as
