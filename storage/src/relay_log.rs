@@ -65,8 +65,13 @@ pub async fn log_end(shard: usize, conn: &mut MySqlConnection) -> Result<(i64, L
 /// Checks the server logs what the relay needs: ROW format with full row
 /// images (the relay reads the event column of each insert).
 pub async fn check_server(shard: usize, conn: &mut MySqlConnection) -> Result<()> {
+    // The server's values, which the writers' sessions log with: the
+    // table-mode relay's own session logs with a MINIMAL row image
+    // (`crate::outbox::log_deletes_by_key`), and it is the one that checks
+    // before it publishes what binlog mode left.
     let (log_bin, format, image): (i64, String, String) = sqlx::query_as(
-        "SELECT CAST(@@log_bin AS SIGNED), CAST(@@binlog_format AS CHAR), CAST(@@binlog_row_image AS CHAR)",
+        "SELECT CAST(@@GLOBAL.log_bin AS SIGNED), CAST(@@GLOBAL.binlog_format AS CHAR), \
+         CAST(@@GLOBAL.binlog_row_image AS CHAR)",
     )
     .fetch_one(&mut *conn)
     .await

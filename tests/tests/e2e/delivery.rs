@@ -147,6 +147,92 @@ async fn outage_and_writer_crash(env: TestEnv) {
     reader.terminate().await;
 }
 
+/// `writer.outbox` switched both ways on one cluster, each time with the
+/// previous mode's events unpublished (the broker down, the writer killed):
+/// a binlog-mode writer first publishes what the outbox table holds, and a
+/// table-mode writer first publishes the binary log from the saved place,
+/// then forgets the place. Every version reaches the topic in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switching_the_outbox_mode_publishes_what_the_other_mode_left() {
+    let env = TestEnv::with_binlog_outbox("switch", STANDARD_INDEXES).await;
+    env.migrate().await;
+    let table_mode = [("BAGSTORE_WRITER__OUTBOX", "table")];
+    let indexer = env.spawn(&["indexer"]).await;
+    let reader = env.spawn(&["reader"]).await;
+    const N: usize = 6;
+    let write_all = |api: bagstore_tests::Api, v: usize| async move {
+        for i in 0..N {
+            let (s, b) = api.put(&entity_id(i), &json!({"user_id": user_id(i, v), "n": v})).await;
+            assert!(s == 200 || s == 201, "{b}");
+            assert_eq!(b["version"], v);
+        }
+    };
+
+    // Version 1 in table mode, left in the outbox table.
+    env.kafka.broker_down(1).unwrap();
+    let writer = env.spawn_env(&["writer"], &table_mode).await;
+    write_all(writer.api(), 1).await;
+    assert_eq!(env.count_rows("outbox").await, N as i64);
+    writer.kill9().await;
+
+    // A binlog-mode writer publishes them; version 2 is then left in the log only.
+    let writer = env.spawn(&["writer"]).await;
+    env.kafka.broker_up(1).unwrap();
+    eventually(
+        "the binlog-mode relay to publish the outbox table's rows",
+        Duration::from_secs(60),
+        || async { (env.count_rows("outbox").await == 0).then_some(()) },
+    )
+    .await;
+    env.kafka.broker_down(1).unwrap();
+    write_all(writer.api(), 2).await;
+    assert_eq!(env.count_rows("outbox").await, 0, "binlog mode stores no outbox rows");
+    writer.kill9().await;
+    let places: Vec<(usize, (String, u64))> =
+        env.fetch_all_shards("SELECT file, pos FROM bagstore_relay_log").await;
+    assert_eq!(places.len(), 2, "each shard has a saved place: {places:?}");
+
+    // A table-mode writer publishes version 2 from the log and forgets the
+    // place; version 3 goes through its outbox table.
+    let writer = env.spawn_env(&["writer"], &table_mode).await;
+    env.kafka.broker_up(1).unwrap();
+    eventually(
+        "the table-mode relay to publish the log and forget its place",
+        Duration::from_secs(60),
+        || async {
+            let places: Vec<(usize, (String,))> =
+                env.fetch_all_shards("SELECT file FROM bagstore_relay_log").await;
+            places.is_empty().then_some(())
+        },
+    )
+    .await;
+    write_all(writer.api(), 3).await;
+    eventually("the outbox table to drain", Duration::from_secs(60), || async {
+        (env.count_rows("outbox").await == 0).then_some(())
+    })
+    .await;
+
+    let rapi = reader.api();
+    for i in 0..N {
+        until_query_is(&rapi, &json!({"where": {"user_id": user_id(i, 3)}}), &[&entity_id(i)]).await;
+        until_query_is(&rapi, &json!({"where": {"user_id": user_id(i, 2)}}), &[]).await;
+    }
+    let events = read_topic(&env);
+    let mut per_entity: HashMap<String, Vec<u64>> = HashMap::new();
+    for e in &events {
+        per_entity.entry(e.id.to_hex()).or_default().push(e.version);
+    }
+    assert_eq!(per_entity.len(), N, "{per_entity:?}");
+    for (id, versions) in per_entity {
+        let mut dedup = versions.clone();
+        dedup.dedup();
+        assert_eq!(dedup, vec![1, 2, 3], "entity {id}: versions on the topic {versions:?}");
+    }
+    writer.terminate().await;
+    indexer.terminate().await;
+    reader.terminate().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_indexers_share_the_partitions_and_the_survivor_takes_over_after_a_crash() {
     let env = TestEnv::new("group", STANDARD_INDEXES).await;
