@@ -79,6 +79,8 @@ const INDEX_MAIN: &str = "index_user_published";
 const INDEX_NEW: &str = "index_link";
 /// Built after `index_link`, by a backfill whose pace follows the shards' health.
 const INDEX_PACED: &str = "index_paced";
+/// Built after those, by the bulk backfill (`cleaner.backfill_method = "bulk"`).
+const INDEX_BULK: &str = "index_bulk";
 
 #[derive(Debug, Clone)]
 struct Options {
@@ -700,6 +702,14 @@ struct Backfilled {
     burned_use: (Usage, f64),
 }
 
+/// How the bench runs a backfill: `cleaner --index` arguments and
+/// `BAGSTORE_…` settings.
+#[derive(Clone, Copy)]
+struct Backfill<'a> {
+    args: &'a [&'a str],
+    env: &'a [(&'a str, &'a str)],
+}
+
 /// Backfills `index` (created by `migrate`, CREATING) with `bagstore
 /// cleaner --index <index> <args>` while `steady` writes at `rate`, checks
 /// the index holds one row per live entity, then runs the control: the
@@ -708,7 +718,7 @@ struct Backfilled {
 async fn backfill_beside_writer<F, Fut>(
     world: &World,
     index: &str,
-    args: &[&str],
+    how: Backfill<'_>,
     base: (&Usage, f64),
     rate: f64,
     d: Duration,
@@ -725,10 +735,11 @@ where
     let t = Instant::now();
     let mut child = bagstore_tests::command(bagstore_tests::bagstore_bin())
         .args(["cleaner", "--index", index])
-        .args(args)
+        .args(how.args)
         .arg("--config")
         .arg(world.config(true))
         .env("RUST_LOG", "warn")
+        .envs(how.env.iter().copied())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .kill_on_drop(true)
@@ -845,7 +856,7 @@ impl World {
             self.outbox,
         );
         if with_new_index {
-            for table in [INDEX_NEW, INDEX_PACED] {
+            for table in [INDEX_NEW, INDEX_PACED, INDEX_BULK] {
                 toml.push_str(&format!(
                     "\n[[indexes]]\ntable = \"{table}\"\nproperties = [{{ name = \"link\", type = \"string\", max_len = 200 }}]\n"
                 ));
@@ -1569,7 +1580,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     let unlimited = backfill_beside_writer(
         world,
         INDEX_NEW,
-        &["--rate", &rate_arg],
+        Backfill { args: &["--rate", &rate_arg], env: &[] },
         (&base_use, base_secs),
         rate,
         d,
@@ -1579,21 +1590,33 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     let paced = backfill_beside_writer(
         world,
         INDEX_PACED,
-        &["--rate", "0", "--follow-health"],
+        Backfill { args: &["--rate", "0", "--follow-health"], env: &[] },
         (&base_use, base_secs),
         rate,
         d,
         bag_steady.clone(),
     )
     .await?;
-    let dropped = bagstore_tests::command(bagstore_tests::bagstore_bin())
-        .args(["index", "drop", INDEX_PACED, "--config"])
-        .arg(world.config(true))
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .status()
-        .await?;
-    ensure!(dropped.success(), "bagstore index drop {INDEX_PACED}: {dropped}");
+    let bulk = backfill_beside_writer(
+        world,
+        INDEX_BULK,
+        Backfill { args: &["--rate", "0"], env: &[("BAGSTORE_CLEANER__BACKFILL_METHOD", "bulk")] },
+        (&base_use, base_secs),
+        rate,
+        d,
+        bag_steady.clone(),
+    )
+    .await?;
+    for index in [INDEX_PACED, INDEX_BULK] {
+        let dropped = bagstore_tests::command(bagstore_tests::bagstore_bin())
+            .args(["index", "drop", index, "--config"])
+            .arg(world.config(true))
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .status()
+            .await?;
+        ensure!(dropped.success(), "bagstore index drop {index}: {dropped}");
+    }
     let nat = native.clone();
     let json_steady = move || {
         let nat = nat.clone();
@@ -1674,15 +1697,28 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         );
     }
     report.line(
+        "backfill_bulk",
+        "bagstore: bulk backfill (cleaner --index, backfill_method = \"bulk\")",
+        format!("{:.0} rows/s", n as f64 / bulk.secs),
+        format!(
+            "{:.1} s; {} of 250,000 rows/s; {} as fast as the upsert backfill",
+            bulk.secs,
+            ratio(n as f64 / bulk.secs, 250_000.0),
+            ratio(unlimited.secs, bulk.secs)
+        ),
+    );
+    report.line(
         "backfill_paced",
         "bagstore: online backfill following health (cleaner --index --follow-health)",
         format!("{:.1} s", paced.secs),
         format!("{:.0} rows/s", n as f64 / paced.secs),
     );
     report.run("steady_bagstore_base", "bagstore steady writer, before", &bag_base, "writes/s");
-    for (key, what, b) in
-        [("", "the backfill", &unlimited), ("_paced", "the backfill following health", &paced)]
-    {
+    for (key, what, b) in [
+        ("", "the backfill", &unlimited),
+        ("_paced", "the backfill following health", &paced),
+        ("_bulk", "the bulk backfill", &bulk),
+    ] {
         report.run(
             &format!("steady_bagstore_during{key}"),
             &format!("bagstore steady writer, during {what}"),
@@ -1733,6 +1769,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         ("beside the CPU burner", &unlimited.burned_use),
         ("during the backfill following health", &paced.during_use),
         ("beside its CPU burner", &paced.burned_use),
+        ("during the bulk backfill", &bulk.during_use),
         ("json steady writer, before", &json_use[0]),
         ("during the ALTER", &json_use[1]),
     ];

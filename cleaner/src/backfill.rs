@@ -15,6 +15,7 @@
 
 use schemas::codec;
 use schemas::index::IndexState;
+use schemas::settings::BackfillMethod;
 use schemas::IndexSpec;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -32,11 +33,15 @@ const SAVE_EVERY: Duration = Duration::from_secs(1);
 
 /// Persisted in `bagstore_indexes.backfill_cursor` as JSON.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct Cursor {
+pub(crate) struct Cursor {
     /// By physical id: scan entities with `added_id` below this (a cursor
     /// saved by an older cluster is shorter: shards past its end are done).
-    below: Vec<u64>,
-    done: Vec<bool>,
+    pub(crate) below: Vec<u64>,
+    pub(crate) done: Vec<bool>,
+    /// By physical id, for the bulk method: the shards whose loaded table
+    /// is swapped in (see `crate::bulk`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) bulk_done: Vec<bool>,
 }
 
 /// Progress as shown to the operator.
@@ -122,7 +127,7 @@ impl Cleaner {
                         Ok((shard, entities::entity_bounds(shard, pool).await?))
                     })
                     .await?;
-                let mut c = Cursor { below: vec![0; n], done: vec![true; n] };
+                let mut c = Cursor { below: vec![0; n], done: vec![true; n], bulk_done: Vec::new() };
                 for (shard, b) in &bounds {
                     c.below[*shard] = b.max_added_id + 1;
                     c.done[*shard] = false;
@@ -145,6 +150,17 @@ impl Cleaner {
             self.metrics().backfill_pace.with_label_values(&[&table]).set(c.backfill_rate as f64);
             Arc::new(Pace::fixed(c.backfill_rate))
         };
+        if c.backfill_method == BackfillMethod::Upsert {
+            // A bulk backfill stopped mid-swap left rows only its merge
+            // brings into the index table; and a loaded copy is no use now.
+            for shard in shards.ids().into_iter().filter(|s| *s < n) {
+                storage::bulk::finish_swap(shard, shards.pool(shard), &meta.spec).await?;
+                storage::bulk::drop_bulk(shard, shards.pool(shard), &table).await?;
+            }
+        } else {
+            let run = crate::bulk::BulkRun { spec: &meta.spec, rows_total, start, report, shutdown };
+            return self.backfill_bulk(run, cursor, &pace).await;
+        }
         tracing::info!(index = %table, rows_done, rows_total, "backfill running");
         let shared =
             Arc::new(Mutex::new(Shared { cursor, rows_done, scanned_this_run: 0, saved_at: Instant::now() }));
@@ -244,6 +260,22 @@ impl Cleaner {
 
     /// Upserts the rows of a batch of entities, grouped by target shard.
     async fn write_rows(&self, spec: &IndexSpec, batch: &[EntityRecord]) -> Result<(), StoreError> {
+        let per_shard = self.index_rows_of(spec, batch);
+        let done = self
+            .shards()
+            .each_with(&per_shard, |shard, pool, rows| async move {
+                let logicals: Vec<u16> = rows.iter().map(|r| r.logical).collect();
+                let mut tx = topology::begin_owned(shard, pool, &logicals).await?;
+                index_rows::upsert_index_rows(shard, &mut tx, spec, rows).await?;
+                tx.commit().await.on(shard)
+            })
+            .await;
+        done.into_iter().try_for_each(|(_, r)| r)
+    }
+
+    /// The index rows of a batch of entities, by the physical shard each
+    /// goes to (that of its logical shard). Tombstones have none.
+    pub(crate) fn index_rows_of(&self, spec: &IndexSpec, batch: &[EntityRecord]) -> Vec<Vec<IndexRow>> {
         let n = self.shards().slots_len();
         let l = self.shards().logical_shards();
         let mut per_shard: Vec<Vec<IndexRow>> = vec![Vec::new(); n];
@@ -265,15 +297,6 @@ impl Cleaner {
                 Err(err) => tracing::error!(id = %e.id, error = %err, "corrupt entity body; not indexed"),
             }
         }
-        let done = self
-            .shards()
-            .each_with(&per_shard, |shard, pool, rows| async move {
-                let logicals: Vec<u16> = rows.iter().map(|r| r.logical).collect();
-                let mut tx = topology::begin_owned(shard, pool, &logicals).await?;
-                index_rows::upsert_index_rows(shard, &mut tx, spec, rows).await?;
-                tx.commit().await.on(shard)
-            })
-            .await;
-        done.into_iter().try_for_each(|(_, r)| r)
+        per_shard
     }
 }

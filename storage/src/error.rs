@@ -35,6 +35,9 @@ pub enum StoreError {
     Fenced { shard: usize, group: String, partitions: Vec<i32> },
     #[error("{0}")]
     BadTopology(String),
+    /// A backfill's `LOAD DATA LOCAL INFILE` (see `crate::bulk`) failed.
+    #[error("shard {shard}: the bulk load of {table:?} failed: {what}")]
+    BulkLoad { shard: usize, table: String, what: String },
     #[error(transparent)]
     Topology(#[from] schemas::topology::TopologyError),
     #[error("stored index metadata for {table:?} is unreadable")]

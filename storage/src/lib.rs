@@ -19,6 +19,7 @@
 //! - [`index_rows`]: index rows: upserts, version-guarded deletes, repairs.
 //! - [`index_scan`]: ordered, keyset-paged index scans for queries.
 //! - [`catalog`]: index definitions, states and progress (metadata shard).
+//! - [`bulk`]: a backfill's bulk load of a new index, swapped in and merged.
 //! - [`fences`]: partition claims proven inside each index write.
 //! - [`leases`]: indexers' member leases, when they assign partitions themselves.
 //! - [`locks`]: named locks: one relay per shard, one backfiller per index.
@@ -37,6 +38,7 @@
 //! against the epoch are exact. Table and column names in SQL text come
 //! only from validated specs (`schemas::names`); every value is bound.
 
+pub mod bulk;
 pub mod carry;
 pub mod catalog;
 pub mod checksums;

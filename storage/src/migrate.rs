@@ -181,8 +181,12 @@ async fn fill_index_batch(shard: usize, pool: &MySqlPool, spec: &IndexSpec, l: u
     Ok(rows.len() as u64)
 }
 
+/// Drops an index table, and the copies a bulk backfill may have left
+/// (`crate::bulk`).
 pub async fn drop_index_table(shard: usize, pool: &MySqlPool, table: &str) -> Result<()> {
     debug_assert!(schemas::names::is_valid_identifier(table));
-    sqlx::query(&format!("DROP TABLE IF EXISTS `{table}`")).execute(pool).await.on(shard)?;
+    for t in [table.to_string(), crate::bulk::bulk_table(table), crate::bulk::live_table(table)] {
+        sqlx::query(&format!("DROP TABLE IF EXISTS `{t}`")).execute(pool).await.on(shard)?;
+    }
     Ok(())
 }

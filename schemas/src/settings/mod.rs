@@ -13,7 +13,7 @@ mod sections;
 
 pub use secrets::{is_secret_kafka_option, Dsn, Secret};
 pub use sections::{
-    Assignment, AuthSettings, ChangesSettings, CleanerSettings, ExpirySettings, HttpSettings,
+    Assignment, AuthSettings, BackfillMethod, ChangesSettings, CleanerSettings, ExpirySettings, HttpSettings,
     IndexerSettings, IngestSettings, KafkaSettings, MoverSettings, MysqlSettings, Outbox, ReaderSettings,
     WriterSettings, EMBEDDED_FETCH_WAIT_MS, FETCH_WAIT_MS,
 };
@@ -198,6 +198,7 @@ impl Settings {
             || self.cleaner.expiry_interval_ms == 0
             || self.cleaner.purge_interval_ms == 0
             || self.cleaner.backfill_batch == 0
+            || self.cleaner.backfill_bulk_rows == 0
             || self.cleaner.backfill_concurrency == 0
         {
             return Err(SettingsError::Invalid(
@@ -330,6 +331,19 @@ pub(crate) mod tests {
         assert_eq!(s.writer.outbox, Outbox::Binlog);
         let e = Settings::from_toml_and_env("[writer]\noutbox = \"blackhole\"", env(&[])).unwrap_err();
         assert!(e.to_string().contains("blackhole"), "{e}");
+    }
+
+    #[test]
+    fn backfills_upsert_unless_bulk_is_asked_for() {
+        let s = Settings::from_toml_and_env("", env(&[])).unwrap();
+        assert_eq!(s.cleaner.backfill_method, BackfillMethod::Upsert);
+        assert_eq!(s.cleaner.backfill_bulk_rows, 1_000_000);
+        let s =
+            Settings::from_toml_and_env("", env(&[("BAGSTORE_CLEANER__BACKFILL_METHOD", "bulk")])).unwrap();
+        assert_eq!(s.cleaner.backfill_method, BackfillMethod::Bulk);
+        let e = Settings::from_toml_and_env("[cleaner]\nbackfill_method = \"copy\"", env(&[])).unwrap_err();
+        assert!(e.to_string().contains("copy"), "{e}");
+        assert!(Settings::from_toml_and_env("[cleaner]\nbackfill_bulk_rows = 0", env(&[])).is_err());
     }
 
     #[test]

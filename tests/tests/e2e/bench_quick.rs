@@ -49,6 +49,9 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
         "| bagstore writer p99, during the backfill following health / beside its burner (target ≤ 1.5 following health) |",
         "| CPU, during the backfill following health |",
         "| CPU, during the backfill |",
+        "| bagstore: bulk backfill (cleaner --index, backfill_method = \"bulk\") |",
+        "| bagstore writer p99, during the bulk backfill / before |",
+        "| CPU, during the bulk backfill |",
     ] {
         assert!(stdout.contains(line), "the report lacks {line:?}:\n{stdout}");
     }
