@@ -104,32 +104,45 @@ impl Cleaner {
                 Ok(())
             }
         };
-        let batch = self.settings().cleaner.backfill_batch;
-        let scans = live.iter().copied().filter(|s| !cursor.done[*s]).map(|source| {
+        // Reads do not lock, so the scan reads ten upsert batches a statement.
+        let batch = self.settings().cleaner.backfill_batch.saturating_mul(10);
+        // Nothing to load when every shard was swapped in by earlier runs.
+        let sources: Vec<usize> = if targets.is_empty() {
+            Vec::new()
+        } else {
+            live.iter().copied().filter(|s| !cursor.done[*s]).collect()
+        };
+        let scans = sources.into_iter().map(|source| {
             let (held, scanned, targets, cursor) = (&held, &scanned, &targets, &cursor);
+            let scan = move |below: u64| {
+                entities::scan_entities_by_added_id(
+                    source,
+                    shards.pool(source),
+                    Some(below),
+                    pace.batch(batch),
+                )
+            };
             async move {
-                let mut below = cursor.below[source];
-                loop {
+                let mut found = scan(cursor.below[source]).await?;
+                while let Some(last) = found.last() {
                     if shutdown.is_cancelled() {
                         return Err(CleanerError::Interrupted(table.to_string()));
                     }
-                    let found = entities::scan_entities_by_added_id(
-                        source,
-                        shards.pool(source),
-                        Some(below),
-                        pace.batch(batch),
-                    )
-                    .await?;
-                    let Some(last) = found.last() else { return Ok(()) };
-                    below = last.added_id;
-                    // A moved-away copy's rows are not this shard's to index.
-                    let mine: Vec<_> =
-                        found.iter().filter(|e| shards.of_logical(e.logical) == source).cloned().collect();
-                    for (shard, rows) in self.index_rows_of(spec, &mine).into_iter().enumerate() {
-                        if !rows.is_empty() && targets.contains(&shard) {
-                            held[shard].lock().await.extend(rows);
+                    // The next batch is read while this one's rows are computed.
+                    let hold = async {
+                        // A moved-away copy's rows are not this shard's to index.
+                        let mine: Vec<_> = found
+                            .iter()
+                            .filter(|e| shards.of_logical(e.logical) == source)
+                            .cloned()
+                            .collect();
+                        for (shard, rows) in self.index_rows_of(spec, &mine).into_iter().enumerate() {
+                            if !rows.is_empty() && targets.contains(&shard) {
+                                held[shard].lock().await.extend(rows);
+                            }
                         }
-                    }
+                    };
+                    let (next, ()) = futures::join!(scan(last.added_id), hold);
                     for &shard in targets {
                         flush(shard, false).await?;
                     }
@@ -139,12 +152,13 @@ impl Cleaner {
                     self.metrics().backfill_progress.with_label_values(&[table]).set(p.ratio());
                     report(p);
                     pace.after(found.len() as u64).await;
+                    found = next?;
                 }
+                Ok(())
             }
         });
-        for r in futures::future::join_all(scans).await {
-            r?;
-        }
+        // The first error stops the other shards' scans.
+        futures::future::try_join_all(scans).await?;
         for &shard in &targets {
             flush(shard, true).await?;
         }
