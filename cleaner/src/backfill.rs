@@ -275,7 +275,11 @@ impl Cleaner {
 
     /// The index rows of a batch of entities, by the physical shard each
     /// goes to (that of its logical shard). Tombstones have none.
-    pub(crate) fn index_rows_of(&self, spec: &IndexSpec, batch: &[EntityRecord]) -> Vec<Vec<IndexRow>> {
+    pub(crate) fn index_rows_of<'e>(
+        &self,
+        spec: &IndexSpec,
+        batch: impl IntoIterator<Item = &'e EntityRecord>,
+    ) -> Vec<Vec<IndexRow>> {
         let n = self.shards().slots_len();
         let l = self.shards().logical_shards();
         let mut per_shard: Vec<Vec<IndexRow>> = vec![Vec::new(); n];

@@ -131,12 +131,8 @@ impl Cleaner {
                     // The next batch is read while this one's rows are computed.
                     let hold = async {
                         // A moved-away copy's rows are not this shard's to index.
-                        let mine: Vec<_> = found
-                            .iter()
-                            .filter(|e| shards.of_logical(e.logical) == source)
-                            .cloned()
-                            .collect();
-                        for (shard, rows) in self.index_rows_of(spec, &mine).into_iter().enumerate() {
+                        let mine = found.iter().filter(|e| shards.of_logical(e.logical) == source);
+                        for (shard, rows) in self.index_rows_of(spec, mine).into_iter().enumerate() {
                             if !rows.is_empty() && targets.contains(&shard) {
                                 held[shard].lock().await.extend(rows);
                             }

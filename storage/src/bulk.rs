@@ -103,8 +103,10 @@ fn key_order(a: &[KeyValue], b: &[KeyValue]) -> Ordering {
 }
 
 fn push_hex(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     for b in bytes {
-        let _ = write!(out, "{b:02x}");
+        out.push(DIGITS[usize::from(b >> 4)] as char);
+        out.push(DIGITS[usize::from(b & 0xf)] as char);
     }
 }
 
