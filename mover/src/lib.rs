@@ -67,6 +67,14 @@ pub enum MoveError {
     Task(String),
 }
 
+impl MoveError {
+    /// This run lost its move to another run of the mover (see
+    /// `StoreError::MoveTakenOver`).
+    pub fn is_taken_over(&self) -> bool {
+        matches!(self, MoveError::Store(StoreError::MoveTakenOver { .. }))
+    }
+}
+
 pub type Result<T, E = MoveError> = std::result::Result<T, E>;
 
 /// Transient failures in a row (no progress between them) a move rides
@@ -246,30 +254,64 @@ impl Mover {
     /// Runs `plans` one after another (after finishing any move already in
     /// flight), holding the mover lock. Stops at the first error; what was
     /// done stays done, and the move that failed resumes on the next run.
+    /// A run that loses its move (its lock's connection died, and a
+    /// cleaner's mover took the lock and the move) waits for the lock,
+    /// finishes what is in flight and goes on with the plan.
     pub async fn execute(
         &self,
         plans: &[MovePlan],
         report: Report<'_>,
         stop: &CancellationToken,
     ) -> Result<Vec<Outcome>> {
-        let lock = self.lock().await?;
+        let mut lock = self.lock().await?;
         let mut out = self.resume_in_flight(&lock, report, stop).await?;
         for plan in plans {
-            // A resumed move may have done part of the plan already.
-            self.shards().reload().await?;
-            let t = self.shards().topology();
-            let logicals: Vec<u16> =
-                plan.logicals.iter().copied().filter(|k| t.owner(*k) == plan.from).collect();
-            if logicals.is_empty() {
-                continue;
+            loop {
+                // A resumed move may have done part of the plan already.
+                self.shards().reload().await?;
+                let t = self.shards().topology();
+                let logicals: Vec<u16> =
+                    plan.logicals.iter().copied().filter(|k| t.owner(*k) == plan.from).collect();
+                if logicals.is_empty() {
+                    break;
+                }
+                if t.shard(plan.to).is_none() {
+                    return Err(MoveError::Invalid(format!("physical shard {} is not registered", plan.to)));
+                }
+                let rec = moves::create_move(self.shards().meta(), &logicals, plan.from, plan.to).await?;
+                match self.run(&lock, rec, report, stop).await {
+                    Ok(outcome) => {
+                        out.push(outcome);
+                        break;
+                    }
+                    Err(e) if e.is_taken_over() => {
+                        tracing::warn!(error = %e,
+                            "this run lost the mover lock and its move to another process; waiting for the lock");
+                        drop(lock);
+                        lock = self.wait_for_lock(stop).await?;
+                        out.extend(self.resume_in_flight(&lock, report, stop).await?);
+                    }
+                    Err(e) => return Err(e),
+                }
             }
-            if t.shard(plan.to).is_none() {
-                return Err(MoveError::Invalid(format!("physical shard {} is not registered", plan.to)));
-            }
-            let rec = moves::create_move(self.shards().meta(), &logicals, plan.from, plan.to).await?;
-            out.push(self.run(&lock, rec, report, stop).await?);
         }
         Ok(out)
+    }
+
+    /// Takes the mover lock once the process holding it lets it go.
+    async fn wait_for_lock(&self, stop: &CancellationToken) -> Result<MoverLock> {
+        loop {
+            match self.lock().await {
+                Ok(lock) => return Ok(lock),
+                Err(MoveError::Busy) => {}
+                Err(MoveError::Store(e)) if e.is_dead_connection() => {}
+                Err(e) => return Err(e),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                _ = stop.cancelled() => return Err(MoveError::Stopped),
+            }
+        }
     }
 
     /// Finishes the move in flight, if any.

@@ -35,6 +35,10 @@ pub enum StoreError {
     Fenced { shard: usize, group: String, partitions: Vec<i32> },
     #[error("{0}")]
     BadTopology(String),
+    /// A mover run found its token replaced on the target: it lost the
+    /// mover lock, and another run took the move over (`crate::moves`).
+    #[error("another run of the mover took this move over (physical shard {shard} no longer accepts this run's copy)")]
+    MoveTakenOver { shard: usize },
     /// A backfill's `LOAD DATA LOCAL INFILE` (see `crate::bulk`) failed.
     #[error("shard {shard}: the bulk load of {table:?} failed: {what}")]
     BulkLoad { shard: usize, table: String, what: String },

@@ -368,9 +368,7 @@ async fn check_incoming(
     if held == logicals.len() {
         return Ok(());
     }
-    Err(StoreError::BadTopology(format!(
-        "another run of the mover took this move over (physical shard {shard} no longer accepts this run's copy)"
-    )))
+    Err(StoreError::MoveTakenOver { shard })
 }
 
 /// Begins a copy transaction into a target shard: fails unless run
