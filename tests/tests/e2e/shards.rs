@@ -809,6 +809,81 @@ async fn a_mover_run_that_lost_the_move_cannot_write_the_copy() {
     assert!(storage::moves::begin_incoming(1, &target, &logicals, 222).await.is_err());
 }
 
+/// A `shards move` whose mover lock's connection is killed mid-copy loses
+/// its move to the cleaner's mover, which takes the lock within a second
+/// and runs the move under a new token. The command then finds its token
+/// replaced, waits for the lock, and goes on with the rest of its plan: it
+/// exits 0 with every logical shard where it asked (the chaos suite's
+/// killed connections found the command failing there instead).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_command_that_loses_its_lock_mid_copy_waits_and_finishes_its_plan() {
+    let mut env = TestEnv::new("takeover", STANDARD_INDEXES).await;
+    env.migrate().await;
+    let writer = env.spawn(&["writer"]).await;
+    let api = writer.api();
+    let ids: Vec<String> = (0..600).map(|_| id_in(0..=1365)).collect();
+    for chunk in ids.chunks(200) {
+        let items: Vec<Value> = chunk.iter().map(|id| json!({"id": id, "user_id": id})).collect();
+        assert_eq!(api.batch(&items).await.0, 200);
+    }
+    let dsn2 = env.extra_dsn(2);
+    let (ok, out, err) = env.run(&env.args(&["shards", "add", "s2", &dsn2]), &[]).await;
+    assert!(ok && out.contains("shard s2 added"), "{out}{err}");
+    env.dsns.push(dsn2);
+    let cleaner = env.spawn(&["cleaner"]).await;
+
+    // Two moves, each copying slowly enough to be caught mid-copy.
+    let args = env.args(&["shards", "move", "--logical", "0-1365", "--to", "s2"]);
+    let command = tokio::spawn(
+        bagstore_tests::command(bagstore_tests::bagstore_bin())
+            .args(args)
+            .envs([
+                ("BAGSTORE_MOVER__RATE", "200"),
+                ("BAGSTORE_MOVER__BATCH", "10"),
+                ("BAGSTORE_MOVER__LOGICALS_PER_MOVE", "683"),
+                ("RUST_LOG", "warn"),
+            ])
+            .kill_on_drop(true)
+            .output(),
+    );
+    let meta = env.pool(0).await;
+    let s2 = MySqlPool::connect(&env.dsns[2]).await.unwrap();
+    eventually("the first move to be copying", Duration::from_secs(30), || async {
+        let copied: Option<(i64,)> =
+            sqlx::query_as("SELECT COUNT(*) FROM entities").fetch_optional(&s2).await.ok().flatten();
+        copied.is_some_and(|(n,)| n > 0).then_some(())
+    })
+    .await;
+    let (holder,): (Option<i64>,) =
+        sqlx::query_as("SELECT IS_USED_LOCK(CONCAT('bagstore.mover.', DATABASE()))")
+            .fetch_one(&meta)
+            .await
+            .unwrap();
+    let holder = holder.expect("the command holds the mover lock");
+    sqlx::query(&format!("KILL {holder}")).execute(&meta).await.unwrap();
+
+    let out = tokio::time::timeout(Duration::from_secs(120), command).await.unwrap().unwrap().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stderr.contains("lost the mover lock"), "the kill came too late to test anything:\n{stderr}");
+    let reader = env.spawn(&["reader"]).await;
+    let (status, doc) = reader.api().shards().await;
+    assert_eq!(status, 200, "{doc}");
+    assert_eq!(doc["moves"], json!([]), "{doc}");
+    let owned: BTreeMap<String, u64> = doc["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["name"].as_str().unwrap().to_string(), s["logical"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(owned, BTreeMap::from([("s0".into(), 1365), ("s1".into(), 1365), ("s2".into(), 1366)]));
+    let all: Vec<&String> = ids.iter().collect();
+    assert_eq!(entity_count(&s2, &all).await, 600);
+    for p in [cleaner, writer, reader] {
+        p.terminate().await;
+    }
+}
+
 /// What a move carries besides rows, statement by statement: records of
 /// some logical shards stamped since a time, page by page in order; a copy
 /// that never replaces a newer record; deletes by logical shard; floors
