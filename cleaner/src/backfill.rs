@@ -167,9 +167,8 @@ impl Cleaner {
         let gate = Semaphore::new(self.settings().cleaner.backfill_concurrency);
         // The cursor covers only batches whose rows are committed.
         let save = |s: &Shared| {
-            let text = serde_json::to_string(&s.cursor).expect("cursor serializes");
-            let (rows_done, table) = (s.rows_done, &table);
-            async move { catalog::set_backfill_progress(shards, table, Some(&text), rows_done, rows_total).await }
+            let (cursor, rows_done, table) = (s.cursor.clone(), s.rows_done, &table);
+            async move { self.save_cursor(table, &cursor, rows_done, rows_total).await }
         };
         let progress_now = |s: &Shared| Progress {
             rows_done: s.rows_done,

@@ -175,7 +175,8 @@ impl Cleaner {
         Ok(p)
     }
 
-    async fn save_cursor(
+    /// Saves the cursor and the row counts in one statement.
+    pub(crate) async fn save_cursor(
         &self,
         table: &str,
         cursor: &Cursor,

@@ -203,6 +203,16 @@ async fn check_acked(api: &Api, acked: &Acked) {
     }
 }
 
+/// How many logical shards each physical shard owns, by name, from `GET /v1/shards`.
+fn logicals_by_shard(doc: &Value) -> BTreeMap<String, u64> {
+    doc["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["name"].as_str().unwrap().to_string(), s["logical"].as_u64().unwrap()))
+        .collect()
+}
+
 async fn entity_count(pool: &MySqlPool, ids: &[&String]) -> i64 {
     let mut n = 0;
     for id in ids {
@@ -250,12 +260,7 @@ async fn logical_shards_move_online_to_a_shard_added_while_serving() {
     assert_eq!(status, 200, "{doc}");
     assert_eq!(doc["logical_shards"], 4096);
     assert_eq!(doc["moves"], json!([]), "{doc}");
-    let owned: BTreeMap<String, u64> = doc["shards"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| (s["name"].as_str().unwrap().to_string(), s["logical"].as_u64().unwrap()))
-        .collect();
+    let owned = logicals_by_shard(&doc);
     assert_eq!(owned, BTreeMap::from([("s0".into(), 1365), ("s1".into(), 1365), ("s2".into(), 1366)]));
 
     // Where the rows are: every moved entity on s2 only (the sources'
@@ -870,12 +875,7 @@ async fn a_move_command_that_loses_its_lock_mid_copy_waits_and_finishes_its_plan
     let (status, doc) = reader.api().shards().await;
     assert_eq!(status, 200, "{doc}");
     assert_eq!(doc["moves"], json!([]), "{doc}");
-    let owned: BTreeMap<String, u64> = doc["shards"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| (s["name"].as_str().unwrap().to_string(), s["logical"].as_u64().unwrap()))
-        .collect();
+    let owned = logicals_by_shard(&doc);
     assert_eq!(owned, BTreeMap::from([("s0".into(), 1365), ("s1".into(), 1365), ("s2".into(), 1366)]));
     let all: Vec<&String> = ids.iter().collect();
     assert_eq!(entity_count(&s2, &all).await, 600);
