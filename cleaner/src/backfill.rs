@@ -195,6 +195,7 @@ impl Cleaner {
                     if shutdown.is_cancelled() {
                         return Err(CleanerError::Interrupted(table.to_string()));
                     }
+                    let map = shards.routing();
                     let scanned = entities::scan_entities_by_added_id(
                         shard,
                         shards.pool(shard),
@@ -202,9 +203,17 @@ impl Cleaner {
                         pace.batch(self.settings().cleaner.backfill_batch),
                     )
                     .await?;
-                    // A moved-away copy's rows are not this shard's to index.
+                    // A moved-away copy's rows are not this shard's to index,
+                    // by a map the shard's epoch still vouches for (else a
+                    // move released logical shards the map gives it: reload
+                    // and scan the batch again).
+                    if topology::shard_epoch(shard, shards.pool(shard)).await? != map.epoch_of(shard) {
+                        shards.reload().await?;
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        continue;
+                    }
                     let batch: Vec<EntityRecord> =
-                        scanned.iter().filter(|e| shards.of_logical(e.logical) == shard).cloned().collect();
+                        scanned.iter().filter(|e| map.of_logical(e.logical) == shard).cloned().collect();
                     // Live indexer writes can deadlock with ours; InnoDB rolled
                     // the statement back, so run it again (upserts are idempotent).
                     let mut attempt = 0u32;

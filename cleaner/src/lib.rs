@@ -44,9 +44,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use storage::entities::{self, EntityRecord, UpdatedCursor};
 use storage::index_rows;
-use storage::{catalog, IndexMeta, Shards, StoreError};
+use storage::shards::Routing;
+use storage::{catalog, topology, IndexMeta, Shards, StoreError};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+
+/// How many times [`Cleaner::read_any`] reloads a map found stale before
+/// it gives up with [`StoreError::StaleMap`] (a move per reload is rare).
+const STALE_MAP_RETRIES: u32 = 5;
 
 pub use metrics::CleanerMetrics;
 
@@ -237,9 +242,13 @@ impl Cleaner {
                 self.inner.metrics.drift_fixed.with_label_values(&[&spec.table, kind]);
             }
         }
+        // One map for the whole cycle: which rows each shard answers for,
+        // where index rows belong, and the epochs that vouch for both.
+        let map = self.shards().routing();
+        let map = &*map;
         // Per physical id; ids not live count as done.
-        let live = self.shards().ids();
-        let n = self.shards().slots_len();
+        let live = map.live.clone();
+        let n = map.slots_len();
         let fresh = |live: &[usize]| SweepState {
             deep: vec![None; n],
             deep_done: (0..n).map(|s| !live.contains(&s)).collect(),
@@ -255,9 +264,16 @@ impl Cleaner {
         let batch = self.settings().cleaner.batch;
         let now_us = schemas::clock::now_micros();
         let window_us = self.settings().cleaner.recent_window_secs as i64 * 1_000_000;
-        // A moved-away copy's rows are not this shard's to judge.
-        let owned = |shard: usize, rows: Vec<EntityRecord>| -> Vec<EntityRecord> {
-            rows.into_iter().filter(|e| self.shards().of_logical(e.logical) == shard).collect()
+        // A moved-away copy's rows are not this shard's to judge. Nor are
+        // rows of a shard whose epoch moved since `map` was loaded: a move
+        // released logical shards the map still gives it, and their rows
+        // there may be that stale copy (StaleMap: reloaded, swept again).
+        let owned = |shard: usize, rows: Vec<EntityRecord>| async move {
+            let epoch = topology::shard_epoch(shard, self.shards().pool(shard)).await?;
+            if epoch != map.epoch_of(shard) {
+                return Err(CleanerError::Store(StoreError::StaleMap { shard }));
+            }
+            Ok::<_, CleanerError>(rows.into_iter().filter(|e| map.of_logical(e.logical) == shard).collect())
         };
         for &shard in &live {
             // Fresh drift first: everything updated within the window.
@@ -269,7 +285,7 @@ impl Cleaner {
                 batch,
             )
             .await?;
-            self.reconcile_scanned(&specs, &settled, owned(shard, recent)).await?;
+            self.reconcile_scanned(map, &specs, &settled, owned(shard, recent).await?).await?;
             // One step of the deep pass.
             if !st.deep_done[shard] {
                 let rows = entities::scan_entities_by_updated(
@@ -282,7 +298,7 @@ impl Cleaner {
                 .await?;
                 st.deep[shard] = rows.last().map(UpdatedCursor::after);
                 st.deep_done[shard] = rows.len() < batch;
-                self.reconcile_scanned(&specs, &settled, owned(shard, rows)).await?;
+                self.reconcile_scanned(map, &specs, &settled, owned(shard, rows).await?).await?;
             }
             // One step of each index table's pass.
             for spec in &specs {
@@ -305,7 +321,7 @@ impl Cleaner {
                 st.index_pass.insert(k, ids.last().copied());
                 let found = self.read_any(&ids).await?;
                 self.inner.metrics.rows_scanned.with_label_values(&[&spec.table]).inc_by(ids.len() as u64);
-                reconcile::reconcile(self, spec, &ids, &found, settled[&spec.table]).await?;
+                reconcile::reconcile(self, map, spec, &ids, &found, settled[&spec.table]).await?;
                 // Tombstones long past the settled time have done their job.
                 let keep_us =
                     (self.settings().cleaner.index_tombstone_retention_secs as i64).saturating_mul(1_000_000);
@@ -329,6 +345,7 @@ impl Cleaner {
 
     async fn reconcile_scanned(
         &self,
+        map: &Routing,
         specs: &[IndexSpec],
         settled: &HashMap<String, i64>,
         rows: Vec<EntityRecord>,
@@ -339,31 +356,56 @@ impl Cleaner {
         let ids: Vec<EntityId> = rows.iter().map(|e| e.id).collect();
         for spec in specs {
             self.inner.metrics.rows_scanned.with_label_values(&[&spec.table]).inc_by(rows.len() as u64);
-            reconcile::reconcile(self, spec, &ids, &rows, settled[&spec.table]).await?;
+            reconcile::reconcile(self, map, spec, &ids, &rows, settled[&spec.table]).await?;
         }
         Ok(())
     }
 
-    /// Entities among `ids` on whatever shards own them, tombstones
-    /// included; a shard whose epoch moved since the map was loaded is a
-    /// stale map ([`StoreError::StaleMap`]: the cycle reloads and runs again).
+    /// Entities among `ids` as stored now, on whatever shards own them,
+    /// tombstones included. Each attempt routes with one map and checks
+    /// every shard it read against that map's epoch for it (rows or none:
+    /// a moved-away copy, or its absence once removed, must not pass for
+    /// the entity); a stale map is reloaded and the read run again, up to
+    /// [`STALE_MAP_RETRIES`] times, then [`StoreError::StaleMap`].
     pub async fn read_any(&self, ids: &[EntityId]) -> Result<Vec<EntityRecord>, StoreError> {
-        let per_shard = self.shards().by_shard(ids);
         let shards = self.shards();
-        let found = shards
-            .each_with(&per_shard, |shard, pool, ids| async move {
-                let f = entities::read_entities_any(shard, pool, ids).await?;
-                if f.shard_epoch.is_some_and(|e| e != shards.epoch_of(shard)) {
-                    return Err(StoreError::StaleMap { shard });
+        let mut tries = 0;
+        loop {
+            let map = shards.routing();
+            let per_shard = map.by_shard(ids);
+            let map = &map;
+            let found = shards
+                .each_with(&per_shard, |shard, pool, ids| async move {
+                    let f = entities::read_entities_any(shard, pool, ids).await?;
+                    let epoch = match f.shard_epoch {
+                        Some(e) => e,
+                        None => topology::shard_epoch(shard, pool).await?,
+                    };
+                    if epoch != map.epoch_of(shard) {
+                        return Err(StoreError::StaleMap { shard });
+                    }
+                    Ok(f.records)
+                })
+                .await;
+            let mut out = Vec::new();
+            let mut stale = None;
+            for (_, r) in found {
+                match r {
+                    Ok(r) => out.extend(r),
+                    Err(e) if e.is_stale_map() => stale = Some(e),
+                    Err(e) => return Err(e),
                 }
-                Ok(f.records)
-            })
-            .await;
-        let mut out = Vec::new();
-        for (_, r) in found {
-            out.extend(r?);
+            }
+            match stale {
+                None => return Ok(out),
+                Some(e) if tries >= STALE_MAP_RETRIES => return Err(e),
+                Some(_) => {
+                    tries += 1;
+                    shards.reload().await?;
+                    tokio::time::sleep(Duration::from_millis(20 * tries as u64)).await;
+                }
+            }
         }
-        Ok(out)
     }
 
     fn start_backfill(&self, spec: IndexSpec, tracker: &TaskTracker, shutdown: CancellationToken) {

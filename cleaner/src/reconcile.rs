@@ -5,6 +5,7 @@ use schemas::codec;
 use schemas::{EntityId, IndexKey, IndexSpec};
 use std::collections::HashMap;
 use storage::index_rows::{self, IndexRow, IndexRowLocation};
+use storage::shards::Routing;
 use storage::{topology, EntityRecord, OnShard};
 
 use crate::{Cleaner, CleanerError};
@@ -35,6 +36,7 @@ fn expected_keys(spec: &IndexSpec, e: Option<&EntityRecord>) -> (u64, Vec<IndexK
 /// still be on their way through Kafka, and that is lag, not drift.
 pub async fn reconcile(
     cleaner: &Cleaner,
+    map: &Routing,
     spec: &IndexSpec,
     ids: &[EntityId],
     found: &[EntityRecord],
@@ -48,10 +50,14 @@ pub async fn reconcile(
         return Ok(());
     }
     let shards = cleaner.shards();
-    let n = shards.slots_len();
-    let l = shards.logical_shards();
+    // One map for where rows belong and which rows count (`map`, the
+    // caller's): with two, a reload in between made a row filtered out as
+    // a moved-away copy "missing" at its new home. Its writes check
+    // ownership on the shard ([`topology::begin_owned`]) whatever the map.
+    let n = map.slots_len();
+    let l = map.logical_shards();
     // Where a key's row belongs: the owner of its logical shard.
-    let home = |key: &IndexKey| shards.of_logical(spec.logical_of_key(key, l));
+    let home = |key: &IndexKey| map.of_logical(spec.logical_of_key(key, l));
     let by_id: HashMap<EntityId, &EntityRecord> = found.iter().map(|e| (e.id, e)).collect();
     let expected: HashMap<EntityId, (u64, Vec<IndexKey>)> =
         ids.iter().map(|id| (*id, expected_keys(spec, by_id.get(id).copied()))).collect();
@@ -69,7 +75,7 @@ pub async fn reconcile(
     let actual: Vec<(usize, IndexRow)> = per_shard
         .into_iter()
         .flat_map(|(shard, rows)| rows.into_iter().map(move |r| (shard, r)))
-        .filter(|(shard, r)| shards.of_logical(r.logical) == *shard)
+        .filter(|(shard, r)| map.of_logical(r.logical) == *shard)
         .collect();
 
     // Missing: a key the entity produces without its row. Mislocated: a

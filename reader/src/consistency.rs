@@ -16,7 +16,7 @@
 use schemas::{EntityId, IndexSpec};
 use service::freshness::{self, Freshness};
 use std::time::{Duration, Instant};
-use storage::{entities, index_rows, StoreError};
+use storage::{entities, index_rows, topology, StoreError};
 
 use crate::{ReadError, Reader};
 
@@ -24,13 +24,24 @@ impl Reader {
     /// Whether `spec` reflects version `version` of `id` (or something newer).
     pub async fn applied(&self, spec: &IndexSpec, id: &EntityId, version: u64) -> Result<bool, StoreError> {
         let shards = self.shards();
-        let shard = shards.of_id(id);
+        let map = shards.routing();
+        let shard = map.of_id(id);
         let found = entities::read_entities_any(shard, shards.pool(shard), std::slice::from_ref(id)).await?;
+        let epoch = match found.shard_epoch {
+            Some(e) => e,
+            None => topology::shard_epoch(shard, shards.pool(shard)).await?,
+        };
+        if epoch != map.epoch_of(shard) {
+            // A move took the entity elsewhere since the map was loaded:
+            // not known yet; the caller polls again with the new map.
+            shards.reload().await?;
+            return Ok(false);
+        }
         let Some(e) = found.records.first() else { return Ok(true) };
         let Some(body) = e.body.as_deref() else { return Ok(true) };
         let Ok(bag) = schemas::codec::decode_body(body) else { return Ok(true) };
         for key in spec.keys(&bag) {
-            let s = shards.of_logical(spec.logical_of_key(&key, shards.logical_shards()));
+            let s = map.of_logical(spec.logical_of_key(&key, map.logical_shards()));
             match index_rows::index_row_version(s, shards.pool(s), spec, &key, id).await? {
                 Some(v) if v >= version => {}
                 _ => return Ok(false),

@@ -26,6 +26,7 @@ use schemas::{Bag, EntityId};
 use std::collections::{HashSet, VecDeque};
 use storage::entities::{self, EntityRecord};
 use storage::index_scan::{self, IndexScan, Local, ScannedRow};
+use storage::shards::Routing;
 use storage::{topology, StoreError};
 
 use crate::{ReadError, Reader};
@@ -100,8 +101,8 @@ impl Reader {
 
     pub async fn get(&self, id: &EntityId) -> Result<Option<Entity>, ReadError> {
         self.fresh(|| async {
-            let shard = self.shards().of_id(id);
-            Ok(self.fetch_on(shard, &[(*id, None)]).await?.pop())
+            let map = self.shards().routing();
+            Ok(self.fetch_on(&map, map.of_id(id), &[(*id, None)]).await?.pop())
         })
         .await
     }
@@ -130,11 +131,14 @@ impl Reader {
         }
     }
 
-    /// Whether `shard`'s epoch, as a read saw it, is the one the map gives
-    /// it; a mismatch is [`StoreError::StaleMap`].
-    fn check_epoch(&self, shard: usize, seen: Option<u64>) -> Result<(), ReadError> {
+    /// Whether `shard`'s epoch, as a read saw it, is the one `map` (the
+    /// map the read was routed with) gives it; a mismatch is
+    /// [`StoreError::StaleMap`]. Never the current map: one reloaded since
+    /// the read was routed would vouch for a shard the read should not
+    /// have asked (a moved-away copy, or nothing once it was removed).
+    fn check_epoch(map: &Routing, shard: usize, seen: Option<u64>) -> Result<(), ReadError> {
         match seen {
-            Some(e) if e != self.shards().epoch_of(shard) => Err(StoreError::StaleMap { shard }.into()),
+            Some(e) if e != map.epoch_of(shard) => Err(StoreError::StaleMap { shard }.into()),
             _ => Ok(()),
         }
     }
@@ -142,7 +146,12 @@ impl Reader {
     /// Live entities among `ids`, in the order asked, absent ones and
     /// repeats left out. Shards in parallel, each id fetched once.
     pub async fn get_many(&self, ids: &[EntityId]) -> Result<Vec<Entity>, ReadError> {
-        let found = self.fresh(|| self.fetch_located(ids.iter().map(|id| (*id, None)))).await?;
+        let found = self
+            .fresh(|| async {
+                let map = self.shards().routing();
+                self.fetch_located(&map, ids.iter().map(|id| (*id, None))).await
+            })
+            .await?;
         let mut found: std::collections::HashMap<EntityId, Entity> =
             found.into_iter().map(|e| (e.id, e)).collect();
         Ok(ids.iter().filter_map(|id| found.remove(id)).collect())
@@ -152,16 +161,18 @@ impl Reader {
     /// no particular order; shards in parallel, each id fetched once.
     async fn fetch_located(
         &self,
+        map: &Routing,
         ids: impl Iterator<Item = (EntityId, Option<u64>)>,
     ) -> Result<Vec<Entity>, ReadError> {
-        let mut per_shard: Vec<Vec<(EntityId, Option<u64>)>> = vec![Vec::new(); self.shards().slots_len()];
+        let mut per_shard: Vec<Vec<(EntityId, Option<u64>)>> = vec![Vec::new(); map.slots_len()];
         let mut asked = HashSet::new();
         for (id, at) in ids.filter(|(id, _)| asked.insert(*id)) {
-            per_shard[self.shards().of_id(&id)].push((id, at));
+            per_shard[map.of_id(&id)].push((id, at));
         }
         let mut out = Vec::new();
         let per_shard = &per_shard;
-        for (_, found) in self.shards().each_with(per_shard, |shard, _, ids| self.fetch_on(shard, ids)).await
+        for (_, found) in
+            self.shards().each_with(per_shard, |shard, _, ids| self.fetch_on(map, shard, ids)).await
         {
             out.extend(found?);
         }
@@ -174,6 +185,7 @@ impl Reader {
     /// turned out not to hold them (see [`crate::locations`]).
     async fn fetch_on(
         &self,
+        map: &Routing,
         shard: usize,
         ids: &[(EntityId, Option<u64>)],
     ) -> Result<Vec<Entity>, ReadError> {
@@ -195,7 +207,7 @@ impl Reader {
             let added: Vec<u64> = at.iter().map(|(_, a)| *a).collect();
             let fetched =
                 read_on!(self.shards().conns(shard), c => entities::get_entities_at(shard, c, &added));
-            self.check_epoch(shard, fetched.shard_epoch)?;
+            Self::check_epoch(map, shard, fetched.shard_epoch)?;
             vouched |= fetched.shard_epoch.is_some();
             let rows = fetched.records;
             // Keyed by the id each row really holds: a row that is not the
@@ -219,7 +231,7 @@ impl Reader {
         }
         if !by_id.is_empty() {
             let fetched = read_on!(self.shards().conns(shard), c => entities::get_entities(shard, c, &by_id));
-            self.check_epoch(shard, fetched.shard_epoch)?;
+            Self::check_epoch(map, shard, fetched.shard_epoch)?;
             vouched |= fetched.shard_epoch.is_some();
             locations.learn(fetched.records.iter().map(|s| (s.id, s.added_id)));
             for s in fetched.records {
@@ -228,7 +240,7 @@ impl Reader {
         }
         if !vouched && !ids.is_empty() {
             let epoch = read_on!(self.shards().conns(shard), c => topology::shard_epoch(shard, c));
-            self.check_epoch(shard, Some(epoch))?;
+            Self::check_epoch(map, shard, Some(epoch))?;
         }
         Ok(out)
     }
@@ -253,7 +265,11 @@ impl Reader {
         start: Option<(IndexKey, EntityId)>,
     ) -> Result<Outcome, ReadError> {
         let table = plan.spec.table.as_str();
-        let l = self.shards().logical_shards();
+        // One map for the whole attempt: where to read, which rows each
+        // shard answers for and the epochs that vouch for it must agree.
+        let map = self.shards().routing();
+        let map = &*map;
+        let l = map.logical_shards();
         let k = plan.prefix_len;
         let mut out = Outcome::default();
         let mut seen: HashSet<EntityId> = HashSet::new();
@@ -278,9 +294,9 @@ impl Reader {
             };
             let shards: Vec<usize> = if plan.shard_fixed {
                 let pos = plan.spec.shard_on_position();
-                vec![self.shards().of_logical(schemas::logical_of(&prefix[pos].canonical_bytes(), l))]
+                vec![map.of_logical(schemas::logical_of(&prefix[pos].canonical_bytes(), l))]
             } else {
-                self.shards().ids()
+                map.live.clone()
             };
             touched.extend(shards.iter().copied());
             let mut streams: Vec<Stream> = shards
@@ -315,7 +331,7 @@ impl Reader {
                                 read_on!(self.shards().conns(s.shard), c => topology::shard_epoch(s.shard, c))
                             }
                         };
-                        if epoch != self.shards().epoch_of(s.shard) {
+                        if epoch != map.epoch_of(s.shard) {
                             return Err(StoreError::StaleMap { shard: s.shard });
                         }
                         s.done = rows.len() < want;
@@ -325,9 +341,7 @@ impl Reader {
                         // Rows of logical shards this shard does not own are
                         // a moved-away copy not yet removed: never answers.
                         let shard = s.shard;
-                        s.buf.extend(
-                            rows.into_iter().filter(|r| self.shards().of_logical(r.logical) == shard),
-                        );
+                        s.buf.extend(rows.into_iter().filter(|r| map.of_logical(r.logical) == shard));
                         Ok::<_, StoreError>(())
                     });
                 for r in futures::future::join_all(refills).await {
@@ -377,7 +391,7 @@ impl Reader {
                     let mut fetch = Vec::new();
                     let mut rows = Vec::with_capacity(chunk.len());
                     for (row, from) in chunk {
-                        let here = self.shards().of_id(&row.entity) == from;
+                        let here = map.of_id(&row.entity) == from;
                         match row.local {
                             Local::Live(stored) if here => {
                                 self.inner.locations.learn([(row.entity, stored.added_id)]);
@@ -390,7 +404,9 @@ impl Reader {
                         }
                         rows.push((row.key, row.entity));
                     }
-                    found.extend(self.fetch_located(fetch.into_iter()).await?.into_iter().map(|e| (e.id, e)));
+                    found.extend(
+                        self.fetch_located(map, fetch.into_iter()).await?.into_iter().map(|e| (e.id, e)),
+                    );
                     for (key, id) in rows {
                         let keep = found.get(&id).is_some_and(|e| {
                             !seen.contains(&id)

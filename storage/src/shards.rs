@@ -57,6 +57,50 @@ struct Inner {
     reloads: AtomicU64,
 }
 
+impl Routing {
+    /// Logical shards of the cluster.
+    pub fn logical_shards(&self) -> u16 {
+        self.topology.as_ref().map_or(schemas::shard::DEFAULT_LOGICAL_SHARDS, |t| t.logical_shards)
+    }
+
+    /// The physical shard owning logical shard `k` in this map (by `k mod
+    /// N` before a cluster exists).
+    pub fn of_logical(&self, k: u16) -> usize {
+        match &self.topology {
+            Some(t) => t.owner(k) as usize,
+            None => self.live[k as usize % self.live.len()],
+        }
+    }
+
+    /// The physical shard an entity lives on in this map.
+    pub fn of_id(&self, id: &EntityId) -> usize {
+        self.of_logical(logical_of(id.as_bytes(), self.logical_shards()))
+    }
+
+    /// The epoch this map gives physical shard `shard`: a read that routed
+    /// with this map and found another epoch on the shard read a shard the
+    /// map is stale about ([`StoreError::StaleMap`]).
+    pub fn epoch_of(&self, shard: usize) -> u64 {
+        self.topology.as_ref().and_then(|t| t.shard(shard as PhysicalId)).map_or(0, |p| p.epoch)
+    }
+
+    /// `ids` grouped by the physical shard each lives on in this map (one
+    /// list per physical id up to the highest live one, possibly empty),
+    /// keeping their order: what a fan-out by entity needs.
+    pub fn by_shard(&self, ids: &[EntityId]) -> Vec<Vec<EntityId>> {
+        let mut out = vec![Vec::new(); self.slots_len()];
+        for id in ids {
+            out[self.of_id(id)].push(*id);
+        }
+        out
+    }
+
+    /// One past the highest live physical id.
+    pub fn slots_len(&self) -> usize {
+        self.live.iter().max().map_or(0, |m| m + 1)
+    }
+}
+
 /// How to reach one physical shard.
 #[derive(Debug)]
 struct Slot {
@@ -263,7 +307,7 @@ impl Shards {
 
     /// Logical shards of the cluster.
     pub fn logical_shards(&self) -> u16 {
-        self.routing().topology.as_ref().map_or(schemas::shard::DEFAULT_LOGICAL_SHARDS, |t| t.logical_shards)
+        self.routing().logical_shards()
     }
 
     /// Physical ids of the live shards, in order.
@@ -309,42 +353,32 @@ impl Shards {
         logical_of(id.as_bytes(), self.logical_shards())
     }
 
-    /// The physical shard owning logical shard `k`, by the current map (by
-    /// `k mod N` before a cluster exists).
+    /// The physical shard owning logical shard `k`, by the current map.
+    /// Several lookups that must agree take one [`Shards::routing`] and ask
+    /// it instead: the map can be reloaded between two calls.
     pub fn of_logical(&self, k: u16) -> usize {
-        let r = self.routing();
-        match &r.topology {
-            Some(t) => t.owner(k) as usize,
-            None => r.live[k as usize % r.live.len()],
-        }
+        self.routing().of_logical(k)
     }
 
     /// The physical shard an entity lives on, by the current map.
     pub fn of_id(&self, id: &EntityId) -> usize {
-        self.of_logical(self.logical_of_id(id))
+        self.routing().of_id(id)
     }
 
     /// The epoch the current map gives physical shard `shard`.
     pub fn epoch_of(&self, shard: usize) -> u64 {
-        let r = self.routing();
-        r.topology.as_ref().and_then(|t| t.shard(shard as PhysicalId)).map_or(0, |p| p.epoch)
+        self.routing().epoch_of(shard)
     }
 
-    /// `ids` grouped by the physical shard each lives on (one list per
-    /// physical id up to the highest live one, possibly empty), keeping
-    /// their order: what a fan-out by entity needs.
+    /// [`Routing::by_shard`] with the current map.
     pub fn by_shard(&self, ids: &[EntityId]) -> Vec<Vec<EntityId>> {
-        let mut out = vec![Vec::new(); self.slots_len()];
-        for id in ids {
-            out[self.of_id(id)].push(*id);
-        }
-        out
+        self.routing().by_shard(ids)
     }
 
     /// One past the highest live physical id: the length of a per-shard
     /// list indexed by physical id.
     pub fn slots_len(&self) -> usize {
-        self.routing().live.iter().max().map_or(0, |m| m + 1)
+        self.routing().slots_len()
     }
 
     /// Runs `f` on every live shard at once and returns the results in

@@ -17,6 +17,8 @@ pub(super) struct Stack {
 pub(super) struct BackgroundMove {
     what: String,
     child: tokio::process::Child,
+    /// Where its stderr goes.
+    log: std::path::PathBuf,
 }
 
 /// What the move faults did, for the report.
@@ -56,18 +58,24 @@ impl MoveLog {
 }
 
 /// Starts `bagstore shards <args…>` (with the env's config) in the background.
-fn spawn_shards_command(env: &TestEnv, args: &[&str], vars: &[(&str, &str)]) -> tokio::process::Child {
+/// Its log (stderr, at info) goes to `shards-<n>.log` in the test's
+/// directory, kept with the others when the run fails.
+fn spawn_shards_command(env: &TestEnv, args: &[&str], vars: &[(&str, &str)]) -> BackgroundMove {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let log = env.dir.path().join(format!("shards-{}.log", N.fetch_add(1, Ordering::Relaxed)));
+    let file = std::fs::File::create(&log).expect("shards command log");
     let mut all = vec!["shards"];
     all.extend_from_slice(args);
-    crate::command(crate::bagstore_bin())
+    let child = crate::command(crate::bagstore_bin())
         .args(env.args(&all))
         .envs(vars.iter().copied())
-        .env("RUST_LOG", "warn")
+        .env("RUST_LOG", "info")
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
+        .stderr(file)
         .kill_on_drop(true)
         .spawn()
-        .expect("spawn bagstore shards")
+        .expect("spawn bagstore shards");
+    BackgroundMove { what: args.join(" "), child, log }
 }
 
 /// Waits for the background move command, keeps its `done` lines; a
@@ -79,8 +87,8 @@ pub(super) async fn wait_background_move(stack: &mut Stack, shared: &Shared) {
             let text = String::from_utf8_lossy(&out.stdout).to_string();
             stack.moves.done.extend(text.lines().filter(|l| l.contains(" done: ")).map(str::to_string));
             if !out.status.success() {
-                // Its error (and progress) is on stderr; the end says why.
-                let err = String::from_utf8_lossy(&out.stderr);
+                // Its error (and progress) is in its log; the end says why.
+                let err = std::fs::read_to_string(&m.log).unwrap_or_default();
                 let tail: String =
                     err.chars().rev().take(2000).collect::<Vec<_>>().into_iter().rev().collect();
                 shared.fail(format!("`bagstore shards {}` failed: {text}\n{tail}", m.what));
@@ -98,8 +106,7 @@ pub(super) async fn finish_moves(env: &TestEnv, stack: &mut Stack, shared: &Shar
         return;
     }
     wait_background_move(stack, shared).await;
-    stack.mover =
-        Some(BackgroundMove { what: "resume".into(), child: spawn_shards_command(env, &["resume"], &[]) });
+    stack.mover = Some(spawn_shards_command(env, &["resume"], &[]));
     wait_background_move(stack, shared).await;
     let meta = env.pool(0).await;
     let (left,): (i64,) =
@@ -311,18 +318,18 @@ async fn inject_move(
     let (what, detail) = match n % 4 {
         0 => (vec!["rebalance"], "a rebalance over s0, s1, s2 started".to_string()),
         1 => {
-            let mut child = spawn_shards_command(
+            let mut m = spawn_shards_command(
                 env,
                 &["move", "--logical", &range, "--to", to],
                 &[("BAGSTORE_MOVER__RATE", "300"), ("BAGSTORE_MOVER__BATCH", "50")],
             );
             let copying = until_move(&meta, newest).await;
-            child.kill().await.ok();
+            m.child.kill().await.ok();
             stack.moves.killed_mid_copy += usize::from(copying);
             (vec!["resume"], format!("a move of {range} to {to} killed -9 mid-copy ({copying}); resuming"))
         }
         2 => {
-            let mut child = spawn_shards_command(
+            let mut m = spawn_shards_command(
                 env,
                 &["move", "--logical", &range, "--to", to],
                 &[("BAGSTORE_MOVER__DRILL_HOLD_MS", "1500")],
@@ -330,14 +337,13 @@ async fn inject_move(
             let cutting = until_move(&meta, in_cutover).await;
             // Somewhere in the fence or between the release and the flip.
             tokio::time::sleep(Duration::from_millis(rng.random_range(0..3000))).await;
-            child.kill().await.ok();
+            m.child.kill().await.ok();
             stack.moves.killed_mid_cutover += usize::from(cutting);
             (vec!["resume"], format!("a move of {range} to {to} killed -9 mid-cutover ({cutting}); resuming"))
         }
         _ => (vec!["move", "--logical", &range, "--to", to], format!("a move of {range} to {to} started")),
     };
-    let child = spawn_shards_command(env, &what, &[]);
-    stack.mover = Some(BackgroundMove { what: what.join(" "), child });
+    stack.mover = Some(spawn_shards_command(env, &what, &[]));
     detail
 }
 

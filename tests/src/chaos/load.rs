@@ -212,44 +212,37 @@ pub(super) async fn checker(shared: Arc<Shared>, env_dsns: Vec<String>, seed: u6
                     // overwritten by a re-create), explains the 404; so does
                     // no row at all if the tombstone was purged: then its
                     // logical shard's version floor (raised in the purge's
-                    // transaction, so read after the row) covers it.
-                    // Logical shards move: the newest copy on any shard is the truth.
-                    let mut row: Result<Option<(u64, bool)>, sqlx::Error> = Ok(None);
-                    for pool in &pools {
-                        let found: Result<Option<(u64, bool)>, _> = sqlx::query_as(
-                            "SELECT CAST(version AS UNSIGNED), body IS NULL FROM entities WHERE id = UNHEX(?)",
-                        )
-                        .bind(&id)
-                        .fetch_optional(pool)
-                        .await;
-                        row = match (row, found) {
-                            (Err(e), _) | (_, Err(e)) => Err(e),
-                            (Ok(a), Ok(b)) => Ok(a.max(b)),
-                        };
-                    }
-                    match row {
-                        Ok(Some((v, tombstone))) if v > floor || (tombstone && v == floor) => {
-                            c.gets_checked.fetch_add(1, Ordering::Relaxed);
+                    // transaction) covers it. Logical shards move: only a
+                    // shard that owns the entity's logical shard speaks for
+                    // it (a moved-away copy waits for its removal, and its
+                    // old row must not stand in for a purged tombstone).
+                    match owners_of(&pools, &id).await {
+                        Ok(owners) if owners.is_empty() => {
+                            // Read mid-handover, between shards: no verdict.
+                            c.gets_unavailable.fetch_add(1, Ordering::Relaxed);
                         }
-                        Ok(None) if floor == 0 => {
-                            c.gets_checked.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Ok(None) => match logical_floor(&pools, &id).await {
-                            Ok(f) if f >= floor => {
+                        Ok(owners) => {
+                            let explains = |o: &Owner| match o.row {
+                                Some((v, tombstone)) => v > floor || (tombstone && v == floor),
+                                None => o.floor >= floor,
+                            };
+                            if owners.iter().any(explains) {
                                 c.gets_checked.fetch_add(1, Ordering::Relaxed);
-                                c.gets_purged.fetch_add(1, Ordering::Relaxed);
+                                if owners.iter().any(|o| o.row.is_none() && floor > 0) {
+                                    c.gets_purged.fetch_add(1, Ordering::Relaxed);
+                                }
+                            } else {
+                                let at = where_is(&pools, &id).await;
+                                let owners: Vec<String> = owners
+                                    .iter()
+                                    .map(|o| format!("s{}: row {:?}, floor {}", o.shard, o.row, o.floor))
+                                    .collect();
+                                shared.fail(format!(
+                                    "get {id}: 404 but its owner has {owners:?} (row: version, tombstone) \
+                                     and {floor} was acknowledged; {at}"
+                                ))
                             }
-                            Ok(f) => shared.fail(format!(
-                                "get {id}: 404 and the store has no row, but {floor} was acknowledged \
-                                 and its logical shard's version floor is {f}"
-                            )),
-                            Err(_) => {
-                                c.gets_unavailable.fetch_add(1, Ordering::Relaxed);
-                            }
-                        },
-                        Ok(found) => shared.fail(format!(
-                            "get {id}: 404 but the store has {found:?} (version, tombstone) and {floor} was acknowledged"
-                        )),
+                        }
                         Err(_) => {
                             c.gets_unavailable.fetch_add(1, Ordering::Relaxed);
                         }
@@ -270,18 +263,86 @@ pub(super) async fn checker(shared: Arc<Shared>, env_dsns: Vec<String>, seed: u6
     }
 }
 
-/// The version floor of `id`'s logical shard (the highest any shard holds).
-async fn logical_floor(pools: &[sqlx::MySqlPool], id: &str) -> Result<u64, sqlx::Error> {
-    let mut floor = 0;
-    for pool in pools {
-        let found: Option<(u64,)> =
+/// Where `id` and its logical shard are, for a failure's message: per
+/// physical shard its row, whether the shard owns the logical shard and its
+/// epoch; then the map's owner and the moves of that logical shard.
+async fn where_is(pools: &[sqlx::MySqlPool], id: &str) -> String {
+    let logical = logical_of_hex(id);
+    let mut out = format!("logical shard {logical}:");
+    for (i, pool) in pools.iter().enumerate() {
+        let row: Result<Option<(u64, bool, u64, i64)>, _> = sqlx::query_as(
+            "SELECT CAST(version AS UNSIGNED), body IS NULL, CAST(added_id AS UNSIGNED), \
+             CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01', updated) AS SIGNED) FROM entities WHERE id = UNHEX(?)",
+        )
+        .bind(id)
+        .fetch_optional(pool)
+        .await;
+        let owned: Result<Option<(u64,)>, _> =
             sqlx::query_as("SELECT CAST(version_floor AS UNSIGNED) FROM bagstore_owned WHERE logical = ?")
-                .bind(logical_of_hex(id))
+                .bind(logical)
                 .fetch_optional(pool)
-                .await?;
-        floor = floor.max(found.map_or(0, |f| f.0));
+                .await;
+        let epoch: Result<Option<(u64,)>, _> =
+            sqlx::query_as("SELECT CAST(epoch AS UNSIGNED) FROM bagstore_shard WHERE id = 1")
+                .fetch_optional(pool)
+                .await;
+        out += &format!(
+            " s{i}: row (version, tombstone, added_id, updated_us) {row:?}, owned (floor) {owned:?}, epoch {epoch:?};"
+        );
     }
-    Ok(floor)
+    let map: Result<Option<(u64,)>, _> =
+        sqlx::query_as("SELECT CAST(physical AS UNSIGNED) FROM bagstore_map WHERE logical = ?")
+            .bind(logical)
+            .fetch_optional(&pools[0])
+            .await;
+    type MoveRow = (u64, String, u64, u64, String);
+    let moves: Result<Vec<MoveRow>, _> = sqlx::query_as(
+        "SELECT CAST(id AS UNSIGNED), logicals, CAST(source AS UNSIGNED), CAST(target AS UNSIGNED), phase \
+         FROM bagstore_moves ORDER BY id",
+    )
+    .fetch_all(&pools[0])
+    .await;
+    let moves: Vec<String> = match moves {
+        Ok(m) => m
+            .into_iter()
+            .filter(|(_, ls, ..)| {
+                schemas::topology::parse_logicals(ls, schemas::shard::DEFAULT_LOGICAL_SHARDS)
+                    .is_ok_and(|v| v.contains(&logical))
+            })
+            .map(|(mid, ls, s, t, phase)| format!("move {mid} ({ls}) s{s}->s{t} {phase}"))
+            .collect(),
+        Err(e) => vec![format!("moves unreadable: {e}")],
+    };
+    out + &format!(" the map says {map:?}; its moves: {moves:?}")
+}
+
+/// What one shard that owns an entity's logical shard holds of it.
+struct Owner {
+    shard: usize,
+    /// Its row: (version, tombstone).
+    row: Option<(u64, bool)>,
+    /// Its logical shard's version floor there.
+    floor: u64,
+}
+
+/// The shards that own `id`'s logical shard, each with its row and floor
+/// read in one statement (so ownership and row are of one moment).
+async fn owners_of(pools: &[sqlx::MySqlPool], id: &str) -> Result<Vec<Owner>, sqlx::Error> {
+    let mut out = Vec::new();
+    for (shard, pool) in pools.iter().enumerate() {
+        let found: Option<(u64, Option<u64>, Option<bool>)> = sqlx::query_as(
+            "SELECT CAST(o.version_floor AS UNSIGNED), CAST(e.version AS UNSIGNED), e.body IS NULL \
+             FROM bagstore_owned o LEFT JOIN entities e ON e.id = UNHEX(?) WHERE o.logical = ?",
+        )
+        .bind(id)
+        .bind(logical_of_hex(id))
+        .fetch_optional(pool)
+        .await?;
+        if let Some((floor, version, tombstone)) = found {
+            out.push(Owner { shard, row: version.map(|v| (v, tombstone.unwrap_or(false))), floor });
+        }
+    }
+    Ok(out)
 }
 
 /// Samples the index lag (events, from the broker; seconds, from the
