@@ -204,14 +204,15 @@ impl Cleaner {
                     )
                     .await?;
                     // A moved-away copy's rows are not this shard's to index,
-                    // by a map the shard's epoch still vouches for (else a
-                    // move released logical shards the map gives it: reload
-                    // and scan the batch again).
-                    if topology::shard_epoch(shard, shards.pool(shard)).await? != map.epoch_of(shard) {
+                    // by a map the shard's epoch (read with the rows) still
+                    // vouches for (else a move released logical shards the
+                    // map gives it: reload and scan the batch again).
+                    if scanned.shard_epoch.is_some_and(|e| e != map.epoch_of(shard)) {
                         shards.reload().await?;
                         tokio::time::sleep(Duration::from_millis(20)).await;
                         continue;
                     }
+                    let scanned = scanned.records;
                     let batch: Vec<EntityRecord> =
                         scanned.iter().filter(|e| map.of_logical(e.logical) == shard).cloned().collect();
                     // Live indexer writes can deadlock with ours; InnoDB rolled

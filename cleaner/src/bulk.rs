@@ -17,6 +17,7 @@
 //! - **Pace.** `backfill_rate` / `backfill_follow_health` pace the scan; a
 //!   load is one statement per shard and cannot be paced.
 
+use futures::TryFutureExt;
 use schemas::index::{IndexSpec, IndexState};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -121,6 +122,7 @@ impl Cleaner {
                     Some(below),
                     pace.batch(batch),
                 )
+                .map_ok(|f| f.records)
             };
             async move {
                 let mut found = scan(cursor.below[source]).await?;

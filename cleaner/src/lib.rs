@@ -42,7 +42,7 @@ use service::health::Health;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use storage::entities::{self, EntityRecord, UpdatedCursor};
+use storage::entities::{self, EntityRecord, Fetched, UpdatedCursor};
 use storage::index_rows;
 use storage::shards::Routing;
 use storage::{catalog, topology, IndexMeta, Shards, StoreError};
@@ -265,15 +265,15 @@ impl Cleaner {
         let now_us = schemas::clock::now_micros();
         let window_us = self.settings().cleaner.recent_window_secs as i64 * 1_000_000;
         // A moved-away copy's rows are not this shard's to judge. Nor are
-        // rows of a shard whose epoch moved since `map` was loaded: a move
-        // released logical shards the map still gives it, and their rows
-        // there may be that stale copy (StaleMap: reloaded, swept again).
-        let owned = |shard: usize, rows: Vec<EntityRecord>| async move {
-            let epoch = topology::shard_epoch(shard, self.shards().pool(shard)).await?;
-            if epoch != map.epoch_of(shard) {
+        // rows of a shard whose epoch (read with them) moved since `map` was
+        // loaded: a move released logical shards the map still gives it,
+        // and their rows there may be that stale copy (StaleMap: reloaded,
+        // swept again).
+        let owned = |shard: usize, scanned: Fetched| {
+            if scanned.shard_epoch.is_some_and(|e| e != map.epoch_of(shard)) {
                 return Err(CleanerError::Store(StoreError::StaleMap { shard }));
             }
-            Ok::<_, CleanerError>(rows.into_iter().filter(|e| map.of_logical(e.logical) == shard).collect())
+            Ok(scanned.records.into_iter().filter(|e| map.of_logical(e.logical) == shard).collect::<Vec<_>>())
         };
         for &shard in &live {
             // Fresh drift first: everything updated within the window.
@@ -285,7 +285,7 @@ impl Cleaner {
                 batch,
             )
             .await?;
-            self.reconcile_scanned(map, &specs, &settled, owned(shard, recent).await?).await?;
+            self.reconcile_scanned(map, &specs, &settled, owned(shard, recent)?).await?;
             // One step of the deep pass.
             if !st.deep_done[shard] {
                 let rows = entities::scan_entities_by_updated(
@@ -296,9 +296,9 @@ impl Cleaner {
                     batch,
                 )
                 .await?;
-                st.deep[shard] = rows.last().map(UpdatedCursor::after);
-                st.deep_done[shard] = rows.len() < batch;
-                self.reconcile_scanned(map, &specs, &settled, owned(shard, rows).await?).await?;
+                st.deep[shard] = rows.records.last().map(UpdatedCursor::after);
+                st.deep_done[shard] = rows.records.len() < batch;
+                self.reconcile_scanned(map, &specs, &settled, owned(shard, rows)?).await?;
             }
             // One step of each index table's pass.
             for spec in &specs {

@@ -259,8 +259,7 @@ async fn select(
         }
     }
     let rows = q.fetch_all(conn).await.on(shard)?;
-    let shard_epoch = rows.first().map(|r| r.try_get("shard_epoch").on(shard)).transpose()?;
-    Ok(Fetched { records: rows.iter().map(|r| record(shard, r)).collect::<Result<_>>()?, shard_epoch })
+    fetched(shard, &rows)
 }
 
 /// Live entities among `ids` (all on this shard), in no particular order.
@@ -307,7 +306,9 @@ impl UpdatedCursor {
 }
 
 /// Entities (tombstones included) in `(updated, added_id)` descending order,
-/// strictly before `before`, updated at or after `since_us`.
+/// strictly before `before`, updated at or after `since_us`; with the
+/// shard's epoch read in the same statement (a sweep judges rows only if
+/// the shard still has the epoch its map gives it).
 #[tracing::instrument(level = "debug", skip_all, fields(shard))]
 pub async fn scan_entities_by_updated(
     shard: usize,
@@ -315,14 +316,15 @@ pub async fn scan_entities_by_updated(
     since_us: i64,
     before: Option<UpdatedCursor>,
     limit: usize,
-) -> Result<Vec<EntityRecord>> {
+) -> Result<Fetched> {
     let (b_us, b_added) = before.map_or((i64::MAX / 2, u64::MAX), |c| (c.updated_us, c.added_id));
     let sql = format!(
-        "SELECT {COLUMNS} FROM entities \
+        "SELECT {COLUMNS}, {} AS shard_epoch FROM entities \
          WHERE updated >= TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00') \
            AND (updated < TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00') \
                 OR (updated = TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00') AND added_id < ?)) \
-         ORDER BY updated DESC, added_id DESC LIMIT ?"
+         ORDER BY updated DESC, added_id DESC LIMIT ?",
+        crate::topology::SHARD_EPOCH
     );
     let b_us = b_us.min(253_402_300_799_000_000); // TIMESTAMPADD's ceiling: year 9999
     let rows = sqlx::query(&sql)
@@ -334,27 +336,37 @@ pub async fn scan_entities_by_updated(
         .fetch_all(pool)
         .await
         .on(shard)?;
-    rows.iter().map(|r| record(shard, r)).collect()
+    fetched(shard, &rows)
+}
+
+/// Rows a scan returned with the epoch they carry (`None` for no row).
+fn fetched(shard: usize, rows: &[MySqlRow]) -> Result<Fetched> {
+    let shard_epoch = rows.first().map(|r| r.try_get("shard_epoch").on(shard)).transpose()?;
+    Ok(Fetched { records: rows.iter().map(|r| record(shard, r)).collect::<Result<_>>()?, shard_epoch })
 }
 
 /// Entities (tombstones included) in `added_id` descending order (newest
-/// insert first), strictly below `below`. Order is stable under updates, so
-/// a backfill visits every entity that existed when it started exactly once.
+/// insert first), strictly below `below`, with the shard's epoch (as
+/// [`scan_entities_by_updated`]). Order is stable under updates, so a
+/// backfill visits every entity that existed when it started exactly once.
 #[tracing::instrument(level = "debug", skip_all, fields(shard))]
 pub async fn scan_entities_by_added_id(
     shard: usize,
     pool: &MySqlPool,
     below: Option<u64>,
     limit: usize,
-) -> Result<Vec<EntityRecord>> {
-    let sql = format!("SELECT {COLUMNS} FROM entities WHERE added_id < ? ORDER BY added_id DESC LIMIT ?");
+) -> Result<Fetched> {
+    let sql = format!(
+        "SELECT {COLUMNS}, {} AS shard_epoch FROM entities WHERE added_id < ? ORDER BY added_id DESC LIMIT ?",
+        crate::topology::SHARD_EPOCH
+    );
     let rows = sqlx::query(&sql)
         .bind(below.unwrap_or(u64::MAX))
         .bind(limit as u64)
         .fetch_all(pool)
         .await
         .on(shard)?;
-    rows.iter().map(|r| record(shard, r)).collect()
+    fetched(shard, &rows)
 }
 
 /// See [`EntityBounds`].
