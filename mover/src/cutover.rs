@@ -134,17 +134,41 @@ impl Mover {
     /// gave them up, the target was granted them first, with the floors in
     /// the same transaction, and the records were copied under the fence:
     /// flip the map.
+    ///
+    /// "The source still owns them" is judged under the fence, not by a
+    /// plain read: a run that lost the mover lock without knowing may be
+    /// in its cutover, its fence holding those rows and about to release
+    /// them. Closing the fence waits for that run's fence to end. If the
+    /// source still owns everything then, this run claims the copy (the
+    /// other run's `take_over` now fails) and revokes the target's grant
+    /// before it lets writes go on.
     pub(crate) async fn recover_cutover(&self, run: &mut Running<'_>) -> Result<()> {
         let shards = self.shards().clone();
         let (source, target) = (run.rec.source as usize, run.rec.target as usize);
+        let (src, dst) = (shards.pool(source), shards.pool(target));
         let logicals = run.rec.logicals.clone();
-        let source_owns = moves::owns(source, shards.pool(source), &logicals).await?.len();
-        if source_owns == logicals.len() {
-            moves::revoke(target, shards.pool(target), &logicals).await?;
-            tracing::info!(id = run.rec.id, "resuming a cutover that did not release: copying again");
-            return self.set_phase(run, Phase::Copy).await;
+        let conn = storage::shards::dedicated_connection(shards.dsn(source))
+            .await
+            .map_err(|e| StoreError::Shard { shard: source, source: e })?;
+        let wait_secs = self.settings().fence_wait_ms.div_ceil(1000) as u32;
+        match Fence::close(source, conn, &logicals, wait_secs).await {
+            Ok(fence) => {
+                let undone = async {
+                    moves::claim_incoming(target, dst, &logicals, run.token).await?;
+                    moves::revoke(target, dst, &logicals).await
+                }
+                .await;
+                fence.open().await;
+                undone?;
+                tracing::info!(id = run.rec.id, "resuming a cutover that did not release: copying again");
+                return self.set_phase(run, Phase::Copy).await;
+            }
+            // The source gave some up: the release committed (below).
+            Err(StoreError::BadTopology(_)) => {}
+            Err(e) => return Err(e.into()),
         }
-        let target_owns = moves::owns(target, shards.pool(target), &logicals).await?.len();
+        let source_owns = moves::owns(source, src, &logicals).await?.len();
+        let target_owns = moves::owns(target, dst, &logicals).await?.len();
         if source_owns != 0 || target_owns != logicals.len() {
             return Err(MoveError::Invalid(format!(
                 "move {}: ownership is split (source owns {source_owns}, target {target_owns} of {}); \
