@@ -884,6 +884,89 @@ async fn a_move_command_that_loses_its_lock_mid_copy_waits_and_finishes_its_plan
     }
 }
 
+/// A cleaner's mover that takes the lock from a command in the middle of
+/// its cutover (the command's fence holding the source's rows, the target
+/// already granted, its lock's connection killed) waits for that fence
+/// instead of revoking the grant and copying again under it: the move ends
+/// with the target owning what it took over, and writes to those logical
+/// shards go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cleaner_taking_a_move_over_mid_cutover_waits_for_the_commands_fence() {
+    let mut env = TestEnv::new("midcut", STANDARD_INDEXES).await;
+    env.migrate().await;
+    let writer = env.spawn(&["writer"]).await;
+    let api = writer.api();
+    let ids: Vec<String> = (0..200).map(|_| id_in(0..=255)).collect();
+    let items: Vec<Value> = ids.iter().map(|id| json!({"id": id, "user_id": id})).collect();
+    assert_eq!(api.batch(&items).await.0, 200);
+    let dsn2 = env.extra_dsn(2);
+    let (ok, out, err) = env.run(&env.args(&["shards", "add", "s2", &dsn2]), &[]).await;
+    assert!(ok && out.contains("shard s2 added"), "{out}{err}");
+    env.dsns.push(dsn2);
+    let cleaner = env.spawn(&["cleaner"]).await;
+
+    // The command holds its cutover twice (after the grant, with the
+    // fence closed; after the release) for 2.5 s each.
+    let args = env.args(&["shards", "move", "--logical", "0-255", "--to", "s2"]);
+    let command = tokio::spawn(
+        bagstore_tests::command(bagstore_tests::bagstore_bin())
+            .args(args)
+            .envs([("BAGSTORE_MOVER__DRILL_HOLD_MS", "2500"), ("RUST_LOG", "warn")])
+            .kill_on_drop(true)
+            .output(),
+    );
+    let meta = env.pool(0).await;
+    let s2 = MySqlPool::connect(&env.dsns[2]).await.unwrap();
+    eventually(
+        "the command to hold its cutover with the target granted",
+        Duration::from_secs(60),
+        || async {
+            let granted: Option<(i64,)> = sqlx::query_as("SELECT COUNT(*) FROM bagstore_owned")
+                .fetch_optional(&s2)
+                .await
+                .ok()
+                .flatten();
+            granted.is_some_and(|(n,)| n > 0).then_some(())
+        },
+    )
+    .await;
+    let (holder,): (Option<i64>,) =
+        sqlx::query_as("SELECT IS_USED_LOCK(CONCAT('bagstore.mover.', DATABASE()))")
+            .fetch_one(&meta)
+            .await
+            .unwrap();
+    let holder = holder.expect("the command holds the mover lock");
+    sqlx::query(&format!("KILL {holder}")).execute(&meta).await.unwrap();
+
+    let out = tokio::time::timeout(Duration::from_secs(120), command).await.unwrap().unwrap().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}{stderr}");
+    let reader = env.spawn(&["reader"]).await;
+    eventually("no move in flight", Duration::from_secs(60), || async {
+        let (_, doc) = reader.api().shards().await;
+        (doc["moves"] == json!([])).then_some(())
+    })
+    .await;
+    let (_, doc) = reader.api().shards().await;
+    let owned = logicals_by_shard(&doc);
+    assert_eq!(owned.get("s2"), Some(&256), "{doc}");
+    let granted: (i64,) = sqlx::query_as("SELECT COUNT(*) FROM bagstore_owned").fetch_one(&s2).await.unwrap();
+    assert_eq!(granted.0, 256, "s2 must own what the map gives it");
+    let all: Vec<&String> = ids.iter().collect();
+    assert_eq!(entity_count(&s2, &all).await, 200);
+    // Writes to the moved logical shards are taken, and stay.
+    let again: Vec<Value> = ids.iter().map(|id| json!({"id": id, "user_id": id, "n": 2})).collect();
+    assert_eq!(api.batch(&again).await.0, 200);
+    for id in ids.iter().take(20) {
+        let (status, body) = reader.api().get(id).await;
+        assert_eq!(status, 200, "{id}: {body}");
+        assert_eq!(body["properties"]["n"], json!(2), "{id}: {body}");
+    }
+    for p in [cleaner, writer, reader] {
+        p.terminate().await;
+    }
+}
+
 /// What a move carries besides rows, statement by statement: records of
 /// some logical shards stamped since a time, page by page in order; a copy
 /// that never replaces a newer record; deletes by logical shard; floors
