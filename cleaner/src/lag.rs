@@ -6,9 +6,13 @@
 //! any shard against the newest commit the index applied).
 //!
 //! The same measurement tells the sweep where lag ends and drift begins
-//! ([`Settled`]). Each probe notes the shards' clock and the oldest
-//! unpublished outbox row, then the topic's high watermarks: every event
-//! committed before both was on the topic below those watermarks. Once an
+//! ([`Settled`]). Each probe notes the shards' clock, the start of the
+//! oldest transaction open on each shard and the oldest unpublished outbox
+//! row (`storage::outbox::OutboxProbe`), then the topic's high watermarks:
+//! every event stamped before all of them was on the topic below those
+//! watermarks. (Without the open transactions, a write stamped before the
+//! probe and committed after it, seconds late on a busy machine, was
+//! counted as settled before its event was even published.) Once an
 //! index's group has committed offsets at or past a probe's watermarks,
 //! every such event is applied, and a row missing (or left over) for an
 //! entity last written before that time is drift, not an event in flight.
@@ -28,8 +32,9 @@ use crate::{Cleaner, CleanerError};
 /// How often lag is measured (and the settled time can move).
 pub const LAG_INTERVAL: Duration = Duration::from_secs(1);
 
-/// Margin for a write whose commit became visible a little after its
-/// timestamp was taken (the timestamp is set inside the transaction).
+/// Margin for clocks: a write's timestamp comes from its writer's clock,
+/// the probe's from the shard's (a transaction still open when probed is
+/// covered by its start, see `storage::outbox::OutboxProbe`).
 const VISIBILITY_MARGIN_US: i64 = 500_000;
 
 /// Probes kept per index while its group catches up (one per interval).
@@ -91,7 +96,7 @@ impl Cleaner {
         let probes = shards.try_each(|shard, pool| relay_log::probe(shard, pool, outbox)).await?;
         let before_us = probes
             .iter()
-            .map(|p| p.now_us.min(p.oldest_commit_us.unwrap_or(i64::MAX)))
+            .map(|p| p.settled_before_us())
             .min()
             .unwrap_or(i64::MAX)
             .saturating_sub(VISIBILITY_MARGIN_US);
@@ -108,6 +113,7 @@ impl Cleaner {
                 let _ = m.applied_through.remove_label_values(&[table]);
                 let _ = m.consumers.remove_label_values(&[table]);
                 let _ = m.lag_probe.remove_label_values(&[table]);
+                let _ = m.settled.remove_label_values(&[table]);
                 continue;
             }
             let applied = catalog::index_progress(shards, table).await?;
@@ -125,6 +131,9 @@ impl Cleaner {
                         let committed: HashMap<i32, i64> =
                             parts.iter().map(|p| (p.partition, p.committed.unwrap_or(0))).collect();
                         self.settled_mut(table, |s| s.advance(probe, &committed));
+                        if let Some(at) = self.settled_us(table) {
+                            m.settled.with_label_values(&[table]).set(at as f64 / 1e6);
+                        }
                         let mut sum = 0;
                         let group = k.group_for(table);
                         for p in parts {

@@ -42,6 +42,10 @@ pub struct CleanerMetrics {
     /// When the group's offsets were last read from Kafka: the lag gauges
     /// keep their last values while the probe fails, this one shows it.
     pub lag_probe: GaugeVec,
+    /// The index's settled time (see `crate::lag`): every change event
+    /// committed before it is applied; the sweep judges drift only for
+    /// entities last written before it.
+    pub settled: GaugeVec,
     /// Entities deleted because they expired, per shard.
     pub expired: IntCounterVec,
     /// How long after its expiry instant each expired entity was deleted.
@@ -147,6 +151,13 @@ impl CleanerMetrics {
                 ),
                 &["index"],
             )?,
+            settled: GaugeVec::new(
+                Opts::new(
+                    "bagstore_index_settled_timestamp_seconds",
+                    "Every change event committed before this time is applied to the index (the cleaner judges drift before it)",
+                ),
+                &["index"],
+            )?,
             expired: IntCounterVec::new(
                 Opts::new(
                     "bagstore_cleaner_expired_total",
@@ -186,6 +197,7 @@ impl CleanerMetrics {
         r.register(Box::new(m.applied_through.clone()))?;
         r.register(Box::new(m.consumers.clone()))?;
         r.register(Box::new(m.lag_probe.clone()))?;
+        r.register(Box::new(m.settled.clone()))?;
         r.register(Box::new(m.expired.clone()))?;
         r.register(Box::new(m.expiry_delay.clone()))?;
         r.register(Box::new(m.tombstones_purged.clone()))?;

@@ -38,13 +38,33 @@ pub struct Backlog {
     pub oldest_commit_us: Option<i64>,
 }
 
-/// The server's clock and the commit time of the oldest unpublished event,
-/// read together: every event committed before the oldest one still in the
-/// outbox (and before now) has been published. µs since the epoch.
+/// The server's clock, the start of the oldest transaction open on the
+/// shard's database, and the commit time of the oldest unpublished event,
+/// read in that order: every write stamped before all three is committed
+/// and published. µs since the epoch.
+///
+/// The open transactions count because a write's timestamp (`updated`,
+/// its event's `committed_at_us`) is taken inside its transaction, before
+/// its commit: a write stamped at t and still open is in no outbox yet,
+/// and on a busy machine its commit can come seconds after t. A transaction
+/// open now began before any stamp it will commit, so a time before its
+/// start is one no such write can fall behind. Seeing other sessions'
+/// transactions needs the `PROCESS` privilege; without it `open_since_us`
+/// is `None` and only the lag probe's margin covers a late commit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OutboxProbe {
     pub now_us: i64,
+    /// Start of the oldest transaction open on the database, whole seconds
+    /// (rounded down, as InnoDB reports it); another session's, not ours.
+    pub open_since_us: Option<i64>,
     pub oldest_commit_us: Option<i64>,
+}
+
+impl OutboxProbe {
+    /// Every write stamped before this is committed and published.
+    pub fn settled_before_us(&self) -> i64 {
+        self.now_us.min(self.open_since_us.unwrap_or(i64::MAX)).min(self.oldest_commit_us.unwrap_or(i64::MAX))
+    }
 }
 
 /// Change events into the configured outbox (the table, or `outbox_log`
@@ -135,17 +155,54 @@ pub async fn outbox_backlog(shard: usize, pool: &MySqlPool) -> Result<Backlog> {
     })
 }
 
-/// See [`OutboxProbe`].
+/// See [`OutboxProbe`]. Two statements, in this order: a transaction
+/// that commits between them is either still open at the first or in the
+/// outbox (or published) at the second.
 pub async fn outbox_probe(shard: usize, pool: &MySqlPool) -> Result<OutboxProbe> {
-    let row = sqlx::query(
-        "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', NOW(6)) AS now_us, \
-         TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MIN(committed)) AS oldest FROM outbox",
+    let mut conn = pool.acquire().await.on(shard)?;
+    let (now_us, open_since_us) = open_transactions(shard, &mut conn).await?;
+    let oldest_commit_us: Option<i64> = sqlx::query_scalar(
+        "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MIN(committed)) FROM outbox",
     )
-    .fetch_one(pool)
+    .fetch_one(&mut *conn)
     .await
     .on(shard)?;
-    Ok(OutboxProbe {
-        now_us: row.try_get("now_us").on(shard)?,
-        oldest_commit_us: row.try_get("oldest").on(shard)?,
-    })
+    Ok(OutboxProbe { now_us, open_since_us, oldest_commit_us })
+}
+
+/// The server's clock and the start of the oldest transaction another
+/// session has open on this connection's database (`None`: none, or no
+/// `PROCESS` privilege to see them, said once per process).
+async fn open_transactions(shard: usize, conn: &mut MySqlConnection) -> Result<(i64, Option<i64>)> {
+    let with_open = sqlx::query_as::<_, (i64, Option<i64>)>(
+        "SELECT CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', NOW(6)) AS SIGNED), \
+         (SELECT CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MIN(t.trx_started)) AS SIGNED) \
+            FROM information_schema.INNODB_TRX t \
+            JOIN information_schema.PROCESSLIST p ON p.ID = t.trx_mysql_thread_id \
+           WHERE p.DB = DATABASE() AND p.ID <> CONNECTION_ID())",
+    )
+    .fetch_one(&mut *conn)
+    .await;
+    match with_open {
+        Ok(found) => Ok(found),
+        // ER_SPECIFIC_ACCESS_DENIED_ERROR: INNODB_TRX needs PROCESS.
+        Err(sqlx::Error::Database(e))
+            if e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+                .is_some_and(|m| m.number() == 1227) =>
+        {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                tracing::warn!(shard, error = %e, "cannot see other sessions' open transactions (grant PROCESS): \
+                    the lag probe's settled time then relies on its margin alone for writes that commit late");
+            });
+            let now: i64 = sqlx::query_scalar(
+                "SELECT CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', NOW(6)) AS SIGNED)",
+            )
+            .fetch_one(&mut *conn)
+            .await
+            .on(shard)?;
+            Ok((now, None))
+        }
+        Err(e) => Err(e).on(shard),
+    }
 }

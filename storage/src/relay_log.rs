@@ -222,8 +222,8 @@ pub async fn probe(shard: usize, pool: &MySqlPool, outbox: Outbox) -> Result<Out
     let (_, through) = clock_and_through(shard, pool).await?;
     let through = through.unwrap_or(0);
     Ok(OutboxProbe {
-        now_us: table.now_us,
         oldest_commit_us: Some(table.oldest_commit_us.map_or(through, |t| t.min(through))),
+        ..table
     })
 }
 
