@@ -229,3 +229,47 @@ where
         overlap_seen.as_secs_f64(),
     )
 }
+
+/// How long after an indexer freezes the survivor must be working on every
+/// partition: the frozen member's session (or member lease) ends, 6 s
+/// here, then a rebalance (or the survivor's next read of the leases).
+pub const TAKEOVER_WITHIN: Duration = Duration::from_secs(30);
+
+/// Indexers A and B share an index's partitions; B freezes (SIGSTOP) and
+/// stays frozen. Within [`TAKEOVER_WITHIN`] A must apply events of every
+/// partition. Returns how long that took.
+pub async fn a_frozen_indexers_partitions_go_to_the_survivor(env: &TestEnv) -> Duration {
+    env.migrate().await;
+    let writer = env.spawn(&["writer"]).await;
+    let writing = steady_writes(writer.url.clone());
+    let a = env.spawn(&["indexer", "--index", INDEX]).await;
+    let b = env.spawn(&["indexer", "--index", INDEX]).await;
+    eventually("indexers A and B to share the partitions", Duration::from_secs(60), || async {
+        let (ca, cb) = (counts(&a).await, counts(&b).await);
+        (applied(&ca) > 0.0 && applied(&cb) > 0.0).then_some(())
+    })
+    .await;
+    b.signal("STOP");
+    let frozen = Instant::now();
+    let mut prev = counts(&a).await;
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = counts(&a).await;
+        let who = workers(std::slice::from_ref(&prev), std::slice::from_ref(&now));
+        prev = now;
+        if who.values().all(|w| w == &[0]) {
+            break;
+        }
+        assert!(
+            frozen.elapsed() < TAKEOVER_WITHIN,
+            "{:?} after indexer B froze, A still does not work on every partition (partition -> \
+             processes working on it, 0 = A): {who:?}; logs: {}",
+            frozen.elapsed(),
+            env.dir.path().display()
+        );
+    }
+    let took = frozen.elapsed();
+    writing.store(false, Ordering::Relaxed);
+    b.signal("CONT");
+    took
+}
