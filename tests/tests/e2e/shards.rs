@@ -814,6 +814,31 @@ async fn a_mover_run_that_lost_the_move_cannot_write_the_copy() {
     assert!(storage::moves::begin_incoming(1, &target, &logicals, 222).await.is_err());
 }
 
+/// Kills the metadata shard's session that holds the mover lock (a
+/// `shards` command's, which goes on without knowing it lost the lock).
+async fn kill_the_mover_locks_session(meta: &sqlx::MySqlPool) {
+    let (holder,): (Option<i64>,) =
+        sqlx::query_as("SELECT IS_USED_LOCK(CONCAT('bagstore.mover.', DATABASE()))")
+            .fetch_one(meta)
+            .await
+            .unwrap();
+    let holder = holder.expect("the command holds the mover lock");
+    sqlx::query(&format!("KILL {holder}")).execute(meta).await.unwrap();
+}
+
+/// The stdout and stderr of a `shards` command that must end well within 120 s.
+async fn finished_ok(
+    command: tokio::task::JoinHandle<std::io::Result<std::process::Output>>,
+) -> (String, String) {
+    let out = tokio::time::timeout(Duration::from_secs(120), command).await.unwrap().unwrap().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(out.status.success(), "{stdout}{stderr}");
+    (stdout, stderr)
+}
+
 /// A `shards move` whose mover lock's connection is killed mid-copy loses
 /// its move to the cleaner's mover, which takes the lock within a second
 /// and runs the move under a new token. The command then finds its token
@@ -859,17 +884,8 @@ async fn a_move_command_that_loses_its_lock_mid_copy_waits_and_finishes_its_plan
         copied.is_some_and(|(n,)| n > 0).then_some(())
     })
     .await;
-    let (holder,): (Option<i64>,) =
-        sqlx::query_as("SELECT IS_USED_LOCK(CONCAT('bagstore.mover.', DATABASE()))")
-            .fetch_one(&meta)
-            .await
-            .unwrap();
-    let holder = holder.expect("the command holds the mover lock");
-    sqlx::query(&format!("KILL {holder}")).execute(&meta).await.unwrap();
-
-    let out = tokio::time::timeout(Duration::from_secs(120), command).await.unwrap().unwrap().unwrap();
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{stdout}{stderr}");
+    kill_the_mover_locks_session(&meta).await;
+    let (_, stderr) = finished_ok(command).await;
     assert!(stderr.contains("lost the mover lock"), "the kill came too late to test anything:\n{stderr}");
     let reader = env.spawn(&["reader"]).await;
     let (status, doc) = reader.api().shards().await;
@@ -930,17 +946,8 @@ async fn a_cleaner_taking_a_move_over_mid_cutover_waits_for_the_commands_fence()
         },
     )
     .await;
-    let (holder,): (Option<i64>,) =
-        sqlx::query_as("SELECT IS_USED_LOCK(CONCAT('bagstore.mover.', DATABASE()))")
-            .fetch_one(&meta)
-            .await
-            .unwrap();
-    let holder = holder.expect("the command holds the mover lock");
-    sqlx::query(&format!("KILL {holder}")).execute(&meta).await.unwrap();
-
-    let out = tokio::time::timeout(Duration::from_secs(120), command).await.unwrap().unwrap().unwrap();
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{stdout}{stderr}");
+    kill_the_mover_locks_session(&meta).await;
+    finished_ok(command).await;
     let reader = env.spawn(&["reader"]).await;
     eventually("no move in flight", Duration::from_secs(60), || async {
         let (_, doc) = reader.api().shards().await;
