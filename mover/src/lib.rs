@@ -69,9 +69,9 @@ pub enum MoveError {
 
 impl MoveError {
     /// This run lost its move to another run of the mover (see
-    /// `StoreError::MoveTakenOver`).
+    /// `StoreError::MoveTakenOver` and `StoreError::MovePhaseMoved`).
     pub fn is_taken_over(&self) -> bool {
-        matches!(self, MoveError::Store(StoreError::MoveTakenOver { .. }))
+        matches!(self, MoveError::Store(StoreError::MoveTakenOver { .. } | StoreError::MovePhaseMoved { .. }))
     }
 }
 
@@ -544,7 +544,7 @@ impl Mover {
                 return Err(MoveError::TooLateToAbort { id });
             }
         }
-        moves::set_phase(self.shards().meta(), id, Phase::RollingBack).await?;
+        moves::set_phase(self.shards().meta(), id, rec.phase, Phase::RollingBack).await?;
         let rec = MoveRecord { phase: Phase::RollingBack, ..rec };
         self.run(&lock, rec, report, stop).await
     }
@@ -560,7 +560,7 @@ impl Mover {
     }
 
     pub(crate) async fn set_phase(&self, run: &mut Running<'_>, phase: Phase) -> Result<()> {
-        moves::set_phase(self.shards().meta(), run.rec.id, phase).await?;
+        moves::set_phase(self.shards().meta(), run.rec.id, run.rec.phase, phase).await?;
         run.rec.phase = phase;
         self.metrics().phase.set(phase_code(phase));
         self.metrics().progressed();

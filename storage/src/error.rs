@@ -39,6 +39,11 @@ pub enum StoreError {
     /// mover lock, and another run took the move over (`crate::moves`).
     #[error("another run of the mover took this move over (physical shard {shard} no longer accepts this run's copy)")]
     MoveTakenOver { shard: usize },
+    /// The move's phase is no longer the one this run last saw: a run that
+    /// lost the mover lock without knowing, while another took the move
+    /// over and moved it on (`crate::moves::set_phase`).
+    #[error("another run of the mover took move {id} over (its phase is no longer {expected})")]
+    MovePhaseMoved { id: u64, expected: &'static str },
     /// A backfill's `LOAD DATA LOCAL INFILE` (see `crate::bulk`) failed.
     #[error("shard {shard}: the bulk load of {table:?} failed: {what}")]
     BulkLoad { shard: usize, table: String, what: String },

@@ -171,14 +171,25 @@ pub async fn moves_in_flight(meta: &MySqlPool) -> Result<Vec<MoveRecord>> {
     rows.iter().map(move_record).collect()
 }
 
-/// Records a move's phase.
-pub async fn set_phase(meta: &MySqlPool, id: u64, phase: Phase) -> Result<()> {
-    sqlx::query("UPDATE bagstore_moves SET phase = ?, changed = NOW(6) WHERE id = ?")
-        .bind(phase.as_str())
-        .bind(id)
-        .execute(meta)
-        .await
-        .on(META_SHARD)?;
+/// Moves a move from phase `from` (the one the caller last saw) to `to`.
+/// A run that lost the mover lock without knowing can still be driving the
+/// move while another run has taken it over; changing the phase only from
+/// the one it saw keeps such a run from writing over what the other wrote
+/// (its flip's `cleanup`, or `done`, which a late `cutover` would turn back
+/// into a move in flight): [`StoreError::MovePhaseMoved`] then.
+pub async fn set_phase(meta: &MySqlPool, id: u64, from: Phase, to: Phase) -> Result<()> {
+    // `changed` always changes, so a matched row always counts as affected.
+    let done =
+        sqlx::query("UPDATE bagstore_moves SET phase = ?, changed = NOW(6) WHERE id = ? AND phase = ?")
+            .bind(to.as_str())
+            .bind(id)
+            .bind(from.as_str())
+            .execute(meta)
+            .await
+            .on(META_SHARD)?;
+    if done.rows_affected() == 0 {
+        return Err(StoreError::MovePhaseMoved { id, expected: from.as_str() });
+    }
     Ok(())
 }
 

@@ -814,6 +814,30 @@ async fn a_mover_run_that_lost_the_move_cannot_write_the_copy() {
     assert!(storage::moves::begin_incoming(1, &target, &logicals, 222).await.is_err());
 }
 
+/// A mover run changes its move's phase only from the phase it last saw:
+/// a run that lost the lock without knowing, while another run took the
+/// move over and flipped it (phase `cleanup`), is refused when it tries to
+/// record its own cutover, which would have made the flipped move a move
+/// in flight again, and the other run's phase stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mover_run_that_lost_the_move_cannot_set_its_phase_back() {
+    use storage::moves::{create_move, get_move, set_phase, Phase};
+    let env = TestEnv::new("stalephase", "").await;
+    env.migrate().await;
+    let meta = env.pool(0).await;
+    let rec = create_move(&meta, &[20, 21], 0, 1).await.unwrap();
+    assert_eq!(rec.phase, Phase::Copy);
+    // The run that took the move over: its cutover, then its flip.
+    set_phase(&meta, rec.id, Phase::Copy, Phase::Cutover).await.unwrap();
+    set_phase(&meta, rec.id, Phase::Cutover, Phase::Cleanup).await.unwrap();
+    // The run that lost it still thinks the move is in its copy.
+    let err = set_phase(&meta, rec.id, Phase::Copy, Phase::Cutover).await.unwrap_err();
+    assert!(err.to_string().contains("took move"), "{err}");
+    assert_eq!(get_move(&meta, rec.id).await.unwrap().unwrap().phase, Phase::Cleanup);
+    set_phase(&meta, rec.id, Phase::Cleanup, Phase::Done).await.unwrap();
+    assert!(storage::moves::moves_in_flight(&meta).await.unwrap().is_empty());
+}
+
 /// Kills the metadata shard's session that holds the mover lock (a
 /// `shards` command's, which goes on without knowing it lost the lock).
 async fn kill_the_mover_locks_session(meta: &sqlx::MySqlPool) {
