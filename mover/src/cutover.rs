@@ -37,7 +37,7 @@ impl Mover {
             .map_err(|e| StoreError::Shard { shard: source, source: e })?;
         let wait_secs = self.settings().fence_wait_ms.div_ceil(1000) as u32;
         let closing = Instant::now();
-        let fence = match Fence::close(source, conn, &logicals, wait_secs).await {
+        let mut fence = match Fence::close(source, conn, &logicals, wait_secs).await {
             Ok(f) => f,
             Err(e) if e.is_retryable_conflict() => {
                 self.metrics().cutover_attempts.with_label_values(&["busy"]).inc();
@@ -70,9 +70,15 @@ impl Mover {
             // can commit a later version of the same entity.
             let deadline = Instant::now() + Duration::from_millis(self.settings().outbox_wait_ms);
             let l = shards.logical_shards();
-            let binlog = self.outbox() == Outbox::Binlog;
+            let log_end = match self.outbox() {
+                Outbox::Binlog => Some(fence.log_end().await?),
+                Outbox::Table => None,
+            };
             while moves::outbox_pending_in(source, src, fence.outbox_upto, &logicals, l).await? > 0
-                || (binlog && !relay_log::published_before(source, src, fence.closed_us).await?)
+                || match &log_end {
+                    Some(end) => !relay_log::published_through(source, src, end).await?,
+                    None => false,
+                }
             {
                 if Instant::now() >= deadline {
                     self.metrics().cutover_attempts.with_label_values(&["outbox"]).inc();

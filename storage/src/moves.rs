@@ -217,10 +217,6 @@ pub struct Fence {
     /// The newest outbox event at the moment the fence closed: every event
     /// up to it must reach Kafka before the target takes writes.
     pub outbox_upto: u64,
-    /// The source's clock when the fence closed (µs): in binlog mode every
-    /// write committed before it must reach Kafka first (see
-    /// `relay_log::published_before`).
-    pub closed_us: i64,
 }
 
 impl Fence {
@@ -260,14 +256,19 @@ impl Fence {
                 logicals.len()
             )));
         }
-        let (upto, closed_us): (u64, i64) = sqlx::query_as(
-            "SELECT CAST(COALESCE(MAX(seq), 0) AS UNSIGNED), \
-             CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', NOW(6)) AS SIGNED) FROM outbox",
-        )
-        .fetch_one(&mut conn)
-        .await
-        .on(shard)?;
-        Ok(Fence { shard, conn, logicals: logicals.to_vec(), outbox_upto: upto, closed_us })
+        let (upto,): (u64,) = sqlx::query_as("SELECT CAST(COALESCE(MAX(seq), 0) AS UNSIGNED) FROM outbox")
+            .fetch_one(&mut conn)
+            .await
+            .on(shard)?;
+        Ok(Fence { shard, conn, logicals: logicals.to_vec(), outbox_upto: upto })
+    }
+
+    /// The end of the source's binary log, read under the fence: every
+    /// write to the moving logical shards is committed and logged before
+    /// it, so in binlog mode the relay's saved place must reach it before
+    /// the target takes writes (`relay_log::published_through`).
+    pub async fn log_end(&mut self) -> Result<crate::relay_log::LogPosition> {
+        crate::relay_log::log_position(self.shard, &mut self.conn).await
     }
 
     /// Gives the logical shards up: deletes their ownership rows and sets

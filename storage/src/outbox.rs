@@ -173,7 +173,10 @@ pub async fn outbox_probe(shard: usize, pool: &MySqlPool) -> Result<OutboxProbe>
 /// The server's clock and the start of the oldest transaction another
 /// session has open on this connection's database (`None`: none, or no
 /// `PROCESS` privilege to see them, said once per process).
-async fn open_transactions(shard: usize, conn: &mut MySqlConnection) -> Result<(i64, Option<i64>)> {
+pub(crate) async fn open_transactions(
+    shard: usize,
+    conn: &mut MySqlConnection,
+) -> Result<(i64, Option<i64>)> {
     let with_open = sqlx::query_as::<_, (i64, Option<i64>)>(
         "SELECT CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', NOW(6)) AS SIGNED), \
          (SELECT CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MIN(t.trx_started)) AS SIGNED) \

@@ -14,8 +14,8 @@
 //! write's events are published. The relay writes it with its session's
 //! `sql_log_bin` off, so its own bookkeeping never moves the log it reads.
 //! `through_us` answers what the outbox table's rows answer in table mode:
-//! the cleaner's lag probe, `bagstore dev`'s drain, a move's fence, the
-//! tests' "caught up".
+//! the cleaner's lag probe, `bagstore dev`'s drain, the tests' "caught
+//! up". A move's fence waits by place instead ([`published_through`]).
 
 use schemas::settings::{Dsn, Outbox};
 use sqlx::mysql::MySqlPool;
@@ -42,15 +42,21 @@ pub struct Saved {
     pub through_us: i64,
 }
 
-/// The end of the server's binary log now, and the server's clock read
-/// just before it: every transaction committed before `now_us` is logged
-/// before `end`.
+/// The end of the server's binary log now, and a time before which every
+/// write is logged before `end`: the server's clock read just before it,
+/// or the start of the oldest transaction then open on the database if
+/// that is earlier. A write's timestamp is read inside its transaction,
+/// before its commit (see `crate::outbox::OutboxProbe`): one stamped before
+/// the clock reading can commit after `end` was read, and a `through_us`
+/// set from the clock alone then claimed it published while it was not.
 pub async fn log_end(shard: usize, conn: &mut MySqlConnection) -> Result<(i64, LogPosition)> {
-    let (now_us,): (i64,) =
-        sqlx::query_as("SELECT CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', NOW(6)) AS SIGNED)")
-            .fetch_one(&mut *conn)
-            .await
-            .on(shard)?;
+    let (now_us, open_since_us) = crate::outbox::open_transactions(shard, conn).await?;
+    let now_us = now_us.min(open_since_us.unwrap_or(i64::MAX));
+    Ok((now_us, log_position(shard, conn).await?))
+}
+
+/// The end of the server's binary log now.
+pub async fn log_position(shard: usize, conn: &mut MySqlConnection) -> Result<LogPosition> {
     let row = sqlx::query("SHOW MASTER STATUS").fetch_optional(&mut *conn).await.on(shard)?;
     let Some(row) = row else {
         return Err(StoreError::BadTopology(format!(
@@ -59,7 +65,7 @@ pub async fn log_end(shard: usize, conn: &mut MySqlConnection) -> Result<(i64, L
     };
     let file: String = row.try_get("File").on(shard)?;
     let pos: u64 = row.try_get("Position").on(shard)?;
-    Ok((now_us, LogPosition { file, pos }))
+    Ok(LogPosition { file, pos })
 }
 
 /// Checks the server logs what the relay needs: ROW format with full row
@@ -227,11 +233,14 @@ pub async fn probe(shard: usize, pool: &MySqlPool, outbox: Outbox) -> Result<Out
     })
 }
 
-/// Whether every write committed on the shard before `at_us` (its clock)
-/// is published: a move's fence waits for it.
-pub async fn published_before(shard: usize, pool: &MySqlPool, at_us: i64) -> Result<bool> {
-    let (_, through) = clock_and_through(shard, pool).await?;
-    Ok(through.is_some_and(|t| t >= at_us))
+/// Whether the relay has published everything logged before `end`: a
+/// move's fence waits for the log's end read under it
+/// (`moves::Fence::log_end`). By place in the log, not by `through_us`:
+/// writes waiting on the fence's locks are open transactions, which hold
+/// `through_us` back until the fence opens.
+pub async fn published_through(shard: usize, pool: &MySqlPool, end: &LogPosition) -> Result<bool> {
+    let mut conn = pool.acquire().await.on(shard)?;
+    Ok(saved(shard, &mut conn).await?.is_some_and(|s| s.at >= *end))
 }
 
 /// One change event read from the binary log: an `outbox_log` insert of

@@ -576,7 +576,25 @@ async fn a_dropped_index_stops_being_maintained_and_can_be_added_again() {
 /// "missing" with no move or broker fault to explain it.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_write_transaction_holds_the_settled_time_at_its_start() {
-    let env = TestEnv::new("settledopen", STANDARD_INDEXES).await;
+    open_transaction_holds_the_settled_time(TestEnv::new("settledopen", STANDARD_INDEXES).await, false).await;
+}
+
+/// The same with the outbox in the binary log, where shard 0's relay's
+/// `through_us` (every write stamped before it is published) must also
+/// stay before the open transaction, round after round. (Before, it was
+/// the clock when the relay read the log's end: a write stamped before
+/// that read and committed after it counted as published while it was
+/// not, and a chaos run with the binary-log outbox counted a row "missing".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_binlog_outbox_an_open_write_transaction_holds_the_settled_time_at_its_start() {
+    open_transaction_holds_the_settled_time(
+        TestEnv::with_binlog_outbox("settledlog", STANDARD_INDEXES).await,
+        true,
+    )
+    .await;
+}
+
+async fn open_transaction_holds_the_settled_time(env: TestEnv, binlog: bool) {
     let dev =
         env.spawn_env(&["dev", "--http", "127.0.0.1:0"], &[("BAGSTORE_CLEANER__INTERVAL_MS", "200")]).await;
     let api = dev.api();
@@ -612,6 +630,13 @@ async fn an_open_write_transaction_holds_the_settled_time_at_its_start() {
         .fetch_one(&mut *tx)
         .await
         .unwrap();
+    let through = || async {
+        let us: i64 = sqlx::query_scalar("SELECT through_us FROM bagstore_relay_log WHERE id = 1")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        us as f64 / 1e6
+    };
     let hold_until = Instant::now() + Duration::from_secs(5);
     let mut highest = first;
     while Instant::now() < hold_until {
@@ -619,10 +644,16 @@ async fn an_open_write_transaction_holds_the_settled_time_at_its_start() {
         let s = settled(&api.metrics().await);
         highest = highest.max(s);
         assert!(s <= opened, "the settled time {s} passed the start {opened} of a transaction still open");
+        if binlog {
+            let t = through().await;
+            assert!(
+                t <= opened,
+                "the relay's through_us {t} passed the start {opened} of a transaction still open"
+            );
+        }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     tx.rollback().await.unwrap();
-    pool.close().await;
     let mut after = 0.0;
     let until = Instant::now() + Duration::from_secs(20);
     while after <= opened {
@@ -634,6 +665,10 @@ async fn an_open_write_transaction_holds_the_settled_time_at_its_start() {
         after = settled(&api.metrics().await);
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    if binlog {
+        assert!(through().await > opened, "the relay's through_us moves on once the transaction ended");
+    }
+    pool.close().await;
     eprintln!(
         "settled time: {first:.3} before, at most {highest:.3} while a transaction from {opened:.3} was open, \
          {after:.3} after it ended"
