@@ -236,10 +236,7 @@ async fn logical_shards_move_online_to_a_shard_added_while_serving() {
     let acked: Acked = Default::default();
 
     // A third server's database, added while `dev` serves with two.
-    let dsn2 = env.extra_dsn(2);
-    let (ok, out, err) = env.run(&env.args(&["shards", "add", "s2", &dsn2]), &[]).await;
-    assert!(ok && out.contains("shard s2 added"), "{out}{err}");
-    env.dsns.push(dsn2);
+    add_shard_s2(&mut env).await;
 
     let stop = Arc::new(AtomicBool::new(false));
     let writer = write_loop(api.clone(), keys.clone(), users.clone(), acked.clone(), stop.clone());
@@ -838,6 +835,30 @@ async fn a_mover_run_that_lost_the_move_cannot_set_its_phase_back() {
     assert!(storage::moves::moves_in_flight(&meta).await.unwrap().is_empty());
 }
 
+/// Registers a third server's database as physical shard `s2` (`shards
+/// add`) and adds it to `env`'s shards.
+async fn add_shard_s2(env: &mut TestEnv) {
+    let dsn2 = env.extra_dsn(2);
+    let (ok, out, err) = env.run(&env.args(&["shards", "add", "s2", &dsn2]), &[]).await;
+    assert!(ok && out.contains("shard s2 added"), "{out}{err}");
+    env.dsns.push(dsn2);
+}
+
+/// Runs a `bagstore` command (`args`, with `vars` set and warnings only in
+/// its log) in the background; [`finished_ok`] waits for it.
+fn spawn_command(
+    args: Vec<String>,
+    vars: &[(&str, &str)],
+) -> tokio::task::JoinHandle<std::io::Result<std::process::Output>> {
+    tokio::spawn(
+        bagstore_tests::command(bagstore_tests::bagstore_bin())
+            .args(args)
+            .envs(vars.iter().copied().chain([("RUST_LOG", "warn")]))
+            .kill_on_drop(true)
+            .output(),
+    )
+}
+
 /// Kills the metadata shard's session that holds the mover lock (a
 /// `shards` command's, which goes on without knowing it lost the lock).
 async fn kill_the_mover_locks_session(meta: &sqlx::MySqlPool) {
@@ -880,25 +901,18 @@ async fn a_move_command_that_loses_its_lock_mid_copy_waits_and_finishes_its_plan
         let items: Vec<Value> = chunk.iter().map(|id| json!({"id": id, "user_id": id})).collect();
         assert_eq!(api.batch(&items).await.0, 200);
     }
-    let dsn2 = env.extra_dsn(2);
-    let (ok, out, err) = env.run(&env.args(&["shards", "add", "s2", &dsn2]), &[]).await;
-    assert!(ok && out.contains("shard s2 added"), "{out}{err}");
-    env.dsns.push(dsn2);
+    add_shard_s2(&mut env).await;
     let cleaner = env.spawn(&["cleaner"]).await;
 
     // Two moves, each copying slowly enough to be caught mid-copy.
     let args = env.args(&["shards", "move", "--logical", "0-1365", "--to", "s2"]);
-    let command = tokio::spawn(
-        bagstore_tests::command(bagstore_tests::bagstore_bin())
-            .args(args)
-            .envs([
-                ("BAGSTORE_MOVER__RATE", "200"),
-                ("BAGSTORE_MOVER__BATCH", "10"),
-                ("BAGSTORE_MOVER__LOGICALS_PER_MOVE", "683"),
-                ("RUST_LOG", "warn"),
-            ])
-            .kill_on_drop(true)
-            .output(),
+    let command = spawn_command(
+        args,
+        &[
+            ("BAGSTORE_MOVER__RATE", "200"),
+            ("BAGSTORE_MOVER__BATCH", "10"),
+            ("BAGSTORE_MOVER__LOGICALS_PER_MOVE", "683"),
+        ],
     );
     let meta = env.pool(0).await;
     let s2 = MySqlPool::connect(&env.dsns[2]).await.unwrap();
@@ -939,22 +953,13 @@ async fn a_cleaner_taking_a_move_over_mid_cutover_waits_for_the_commands_fence()
     let ids: Vec<String> = (0..200).map(|_| id_in(0..=255)).collect();
     let items: Vec<Value> = ids.iter().map(|id| json!({"id": id, "user_id": id})).collect();
     assert_eq!(api.batch(&items).await.0, 200);
-    let dsn2 = env.extra_dsn(2);
-    let (ok, out, err) = env.run(&env.args(&["shards", "add", "s2", &dsn2]), &[]).await;
-    assert!(ok && out.contains("shard s2 added"), "{out}{err}");
-    env.dsns.push(dsn2);
+    add_shard_s2(&mut env).await;
     let cleaner = env.spawn(&["cleaner"]).await;
 
     // The command holds its cutover twice (after the grant, with the
     // fence closed; after the release) for 2.5 s each.
     let args = env.args(&["shards", "move", "--logical", "0-255", "--to", "s2"]);
-    let command = tokio::spawn(
-        bagstore_tests::command(bagstore_tests::bagstore_bin())
-            .args(args)
-            .envs([("BAGSTORE_MOVER__DRILL_HOLD_MS", "2500"), ("RUST_LOG", "warn")])
-            .kill_on_drop(true)
-            .output(),
-    );
+    let command = spawn_command(args, &[("BAGSTORE_MOVER__DRILL_HOLD_MS", "2500")]);
     let meta = env.pool(0).await;
     let s2 = MySqlPool::connect(&env.dsns[2]).await.unwrap();
     eventually(
