@@ -97,7 +97,7 @@ pub async fn check_server(shard: usize, conn: &mut MySqlConnection) -> Result<()
 /// `migrate` and at a writer's and a relay's start), so the earliest call
 /// is before any event in the log: none is skipped.
 pub async fn ensure_start(shard: usize, conn: &mut MySqlConnection) -> Result<()> {
-    let (_, end) = log_end(shard, conn).await?;
+    let end = log_position(shard, conn).await?;
     sqlx::query("INSERT IGNORE INTO bagstore_relay_log (id, file, pos, through_us) VALUES (1, ?, ?, 0)")
         .bind(&end.file)
         .bind(end.pos)
@@ -191,7 +191,7 @@ pub async fn backlog(shard: usize, pool: &MySqlPool, outbox: Outbox) -> Result<B
         return Ok(table);
     }
     let mut conn = pool.acquire().await.on(shard)?;
-    let (_, end) = log_end(shard, &mut conn).await?;
+    let end = log_position(shard, &mut conn).await?;
     let Some(saved) = saved(shard, &mut conn).await? else {
         return Err(StoreError::BadTopology(format!("shard {shard}: no binlog relay place (run migrate)")));
     };
