@@ -54,8 +54,9 @@ pub struct Backlog {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OutboxProbe {
     pub now_us: i64,
-    /// Start of the oldest transaction open on the database, whole seconds
-    /// (rounded down, as InnoDB reports it); another session's, not ours.
+    /// Start of the oldest transaction open on the database (whole seconds,
+    /// rounded down, as InnoDB reports it; another session's, not ours), or
+    /// the clock less the age InnoDB's list of them can have, if earlier.
     pub open_since_us: Option<i64>,
     pub oldest_commit_us: Option<i64>,
 }
@@ -170,9 +171,14 @@ pub async fn outbox_probe(shard: usize, pool: &MySqlPool) -> Result<OutboxProbe>
     Ok(OutboxProbe { now_us, open_since_us, oldest_commit_us })
 }
 
-/// The server's clock and the start of the oldest transaction another
-/// session has open on this connection's database (`None`: none, or no
-/// `PROCESS` privilege to see them, said once per process).
+/// The server's clock and a time before which no other session's
+/// transaction on this connection's database is open but the oldest one
+/// reported (`None`: no `PROCESS` privilege to see them, said once per
+/// process).
+/// How stale `information_schema.INNODB_TRX` can be (InnoDB refreshes its
+/// cache at most every 100 ms), with room to spare.
+const TRX_CACHE_AGE_US: i64 = 200_000;
+
 pub(crate) async fn open_transactions(
     shard: usize,
     conn: &mut MySqlConnection,
@@ -187,7 +193,15 @@ pub(crate) async fn open_transactions(
     .fetch_one(&mut *conn)
     .await;
     match with_open {
-        Ok(found) => Ok(found),
+        // InnoDB fills INNODB_TRX from a cache it refreshes at most every
+        // 100 ms: a transaction younger than that may be missing, so the
+        // answer vouches only for transactions begun before `now` less the
+        // cache's age (seen failing: a relay round 6 ms after a
+        // transaction began did not see it).
+        Ok((now, open)) => {
+            let seen_before = now - TRX_CACHE_AGE_US;
+            Ok((now, Some(open.map_or(seen_before, |o| o.min(seen_before)))))
+        }
         // ER_SPECIFIC_ACCESS_DENIED_ERROR: INNODB_TRX needs PROCESS.
         Err(sqlx::Error::Database(e))
             if e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
