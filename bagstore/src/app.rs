@@ -2,7 +2,6 @@
 //! cleaner` each start one role; `bagstore dev` starts them all behind one
 //! listener.
 
-use anyhow::Context;
 use axum::Router;
 use prometheus::Registry;
 use schemas::{IndexSpec, Settings};
@@ -82,15 +81,6 @@ pub fn routes(
 
 pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running> {
     let shards = Shards::connect(&settings.mysql).await?;
-    if roles.writer || roles.cleaner {
-        // Binlog mode: the table the writes insert into, and the relay's
-        // starting place before the first write (see `storage::relay_log`).
-        let outbox = settings.writer.outbox;
-        shards
-            .try_each(|shard, pool| storage::migrate::prepare_outbox(shard, pool, outbox))
-            .await
-            .context("preparing the binlog outbox")?;
-    }
     let registry = Registry::new();
     let pipeline = Pipeline::new();
     let http_metrics = HttpMetrics::register(&registry, "http")?;

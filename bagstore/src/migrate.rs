@@ -50,8 +50,14 @@ pub async fn migrate(settings: &Settings, kafka: bool) -> anyhow::Result<(Report
     let shards =
         Shards::connect(&settings.mysql).await.context("checking the configuration against the cluster")?;
     shards.try_each(migrate::create_base_tables).await.context("creating base tables")?;
-    let outbox = settings.writer.outbox;
-    shards.try_each(|shard, pool| migrate::prepare_outbox(shard, pool, outbox)).await?;
+    // What removed features left (the binary-log outbox, bulk backfills),
+    // dropped only where that loses nothing; refused otherwise.
+    let mut tables: Vec<String> =
+        catalog::list_index_meta(&shards).await?.into_iter().map(|m| m.spec.table).collect();
+    tables.extend(settings.indexes.iter().map(|s| s.table.clone()));
+    let (tables, names) = (&tables, &shards);
+    shards.try_each(|shard, pool| migrate::upgrade::check(shard, names.name(shard), pool, tables)).await?;
+    shards.try_each(|shard, pool| migrate::upgrade::drop_leftovers(shard, pool, tables)).await?;
     let l = shards.logical_shards();
     shards.try_each(|shard, pool| migrate::fill_logical(shard, pool, None, l)).await?;
     let any_entities = shards.try_each(entities::has_entities).await?.into_iter().any(|has| has);

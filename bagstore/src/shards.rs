@@ -147,7 +147,6 @@ pub async fn add_shard(
         None => {}
     }
     migrate::create_base_tables(label, pool).await?;
-    migrate::prepare_outbox(label, pool, settings.writer.outbox).await?;
     for m in catalog::list_index_meta(shards).await? {
         migrate::create_index_table(label, pool, &m.spec).await?;
     }

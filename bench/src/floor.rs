@@ -15,13 +15,6 @@
 //! - [`Floor::Outbox`]: the same, and the change event inserted into an
 //!   outbox in the entity's transaction, deleted afterwards in ranges of
 //!   [`BATCH`] (the cheapest delete: no read of the events).
-//! - [`Floor::LoggedOutbox`]: the entity row and its index row, and the
-//!   change event inserted in the entity's transaction into a `BLACKHOLE`
-//!   table (`outbox_log`): MariaDB writes the insert to the binary log
-//!   with the transaction and stores nothing, so there is nothing to
-//!   delete. A relay would read the events back from the binary log, as
-//!   [`Floor::Capture`]'s readers stream it here; unlike capturing the
-//!   entity rows, the events stay exactly the ones the writer makes.
 //!
 //! The index rows are bagstore's (`storage::ddl::index_table` of the main
 //! index's spec), on the shard of their `user_id`, as bagstore places them.
@@ -44,14 +37,13 @@ const TABLE: &str = "floor_index";
 pub enum Floor {
     Capture,
     Outbox,
-    LoggedOutbox,
 }
 
 impl Floor {
     /// Whether the floor reads its events back from the binary log (and
     /// so runs [`BinlogReaders`] while it writes).
     pub fn streams_binlog(self) -> bool {
-        matches!(self, Floor::Capture | Floor::LoggedOutbox)
+        matches!(self, Floor::Capture)
     }
 }
 
@@ -83,8 +75,6 @@ pub async fn create_tables(native: &Native) -> anyhow::Result<()> {
     for pool in &native.pools {
         sqlx::query(&storage::ddl::index_table(&spec)).execute(pool).await?;
         sqlx::query(&storage::ddl::outbox()).execute(pool).await?;
-        // The `BLACKHOLE` outbox of [`Floor::LoggedOutbox`], as bagstore's.
-        sqlx::query(&storage::ddl::outbox_log()).execute(pool).await?;
     }
     Ok(())
 }
@@ -220,11 +210,10 @@ pub async fn write(
                 Floor::Capture => {
                     q.execute(&mut taken.conn).await?;
                 }
-                Floor::Outbox | Floor::LoggedOutbox => {
+                Floor::Outbox => {
                     let events: Vec<Vec<u8>> = rows.iter().map(|i| event(*i, shard)).collect();
-                    let table = if floor == Floor::Outbox { "outbox" } else { "outbox_log" };
                     let outbox = format!(
-                        "INSERT INTO {table} (entity_id, version, committed, event) VALUES {}",
+                        "INSERT INTO outbox (entity_id, version, committed, event) VALUES {}",
                         vec!["(?, 1, NOW(6), ?)"; rows.len()].join(", ")
                     );
                     let mut o = sqlx::query(&outbox);
@@ -235,9 +224,7 @@ pub async fn write(
                     q.execute(&mut taken.conn).await?;
                     o.execute(&mut taken.conn).await?;
                     sqlx::query("COMMIT").execute(&mut taken.conn).await?;
-                    if floor == Floor::Outbox {
-                        pending.fetch_add(rows.len() as i64, Ordering::SeqCst);
-                    }
+                    pending.fetch_add(rows.len() as i64, Ordering::SeqCst);
                 }
             }
             native.conns[shard].give_back(taken);
@@ -330,28 +317,6 @@ async fn delete_outbox(
     Ok(())
 }
 
-/// How the index rows of [`load_index_rows`] are written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Load {
-    /// As bagstore's backfill writes them: multi-row `INSERT … ON DUPLICATE
-    /// KEY UPDATE` of [`LOAD_BATCH`] rows, autocommitted, from many clients,
-    /// into a table that already has rows.
-    Live,
-    /// Into an empty table, sorted by primary key, in one transaction per
-    /// shard with `unique_checks` and `foreign_key_checks` off: InnoDB then
-    /// builds the table's indexes in bulk (MariaDB's bulk insert into an
-    /// empty table), the method of the "load a shadow table and swap it
-    /// in" lever.
-    Bulk,
-    /// A tab-separated file per shard, sorted, in the servers' reach,
-    /// loaded with `LOAD DATA INFILE` into an empty table (the same
-    /// session settings as [`Load::Bulk`]): no statement per row at all.
-    /// Not a way bagstore could load (its index rows are computed where
-    /// it runs, not on the database hosts); the fastest SQL-side load
-    /// there is, measured as the ceiling of the shadow-table lever.
-    File,
-}
-
 /// One `link` index row: (link, entity id, logical shard).
 type LinkRow = (String, [u8; 16], u16);
 
@@ -368,21 +333,12 @@ const LOAD_BATCH: usize = 1000;
 
 /// Writes the `link` index rows of entities `0..n` (the rows bagstore's
 /// backfill of `index_link` writes, placed on the shard of their link) into
-/// a new table with bagstore's index DDL, as `how` says. Returns the
-/// seconds the writing took (the rows are computed before the clock starts).
-/// `dir`: where [`Load::File`] writes its files (the servers must read it).
-pub async fn load_index_rows(
-    native: Arc<Native>,
-    n: u64,
-    how: Load,
-    clients: usize,
-    dir: &std::path::Path,
-) -> anyhow::Result<f64> {
-    let table = match how {
-        Load::Live => "floor_link_live",
-        Load::Bulk => "floor_link_bulk",
-        Load::File => "floor_link_file",
-    };
+/// a new table with bagstore's index DDL, as bagstore's backfill writes
+/// them: multi-row `INSERT … ON DUPLICATE KEY UPDATE` of [`LOAD_BATCH`]
+/// rows, autocommitted, from `clients` clients. Returns the seconds the
+/// writing took (the rows are computed before the clock starts).
+pub async fn load_index_rows(native: Arc<Native>, n: u64, clients: usize) -> anyhow::Result<f64> {
+    let table = "floor_link_live";
     let spec = IndexSpec {
         table: table.into(),
         properties: vec![IndexProperty { name: "link".into(), ty: PropType::String, max_len: Some(200) }],
@@ -399,104 +355,33 @@ pub async fn load_index_rows(
         let logical = schemas::logical_of(link.as_bytes(), schemas::shard::DEFAULT_LOGICAL_SHARDS);
         per[logical as usize % SHARDS].push((link, hex16(&entity_id(i)), logical));
     }
-    let sql = |rows: usize, upsert: bool| {
+    let sql = |rows: usize| {
         format!(
-            "INSERT INTO {table} (link, entity_id, version, logical) VALUES {}{}",
+            "INSERT INTO {table} (link, entity_id, version, logical) VALUES {} \
+             ON DUPLICATE KEY UPDATE version = IF(VALUES(version) > version, VALUES(version), version)",
             vec!["(?, ?, 1, ?)"; rows].join(", "),
-            if upsert {
-                " ON DUPLICATE KEY UPDATE version = IF(VALUES(version) > version, VALUES(version), version)"
-            } else {
-                ""
-            }
         )
     };
-    let mut files = Vec::new();
-    if how == Load::File {
-        for (shard, rows) in per.iter_mut().enumerate() {
-            rows.sort();
-            let mut text = String::with_capacity(rows.len() * 80);
-            for (link, id, logical) in rows.iter() {
-                let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
-                text.push_str(&format!("{link}\t{hex}\t{logical}\n"));
-            }
-            let file = dir.join(format!("floor-link-{shard}.tsv"));
-            std::fs::write(&file, text)?;
-            files.push(file);
-        }
-    }
     let started = Instant::now();
-    match how {
-        Load::File => {
-            let jobs = files.iter().enumerate().map(|(shard, file)| {
-                let native = native.clone();
-                let load = format!(
-                    "LOAD DATA INFILE '{}' INTO TABLE {table} FIELDS TERMINATED BY '\\t' (link, @id, logical) \
-                     SET entity_id = UNHEX(@id), version = 1",
-                    file.display()
-                );
-                async move {
-                    let mut taken = native.conns[shard].take().await?;
-                    sqlx::raw_sql("SET SESSION unique_checks = 0, foreign_key_checks = 0").execute(&mut taken.conn).await?;
-                    sqlx::raw_sql(&load).execute(&mut taken.conn).await?;
-                    sqlx::raw_sql("SET SESSION unique_checks = 1, foreign_key_checks = 1").execute(&mut taken.conn).await?;
-                    native.conns[shard].give_back(taken);
-                    anyhow::Ok(())
-                }
-            });
-            for r in futures::future::join_all(jobs).await {
-                r?;
+    let chunks: Vec<(usize, Vec<LinkRow>)> = per
+        .into_iter()
+        .enumerate()
+        .flat_map(|(shard, rows)| rows.chunks(LOAD_BATCH).map(|c| (shard, c.to_vec())).collect::<Vec<_>>())
+        .collect();
+    let queue = Arc::new(std::sync::Mutex::new(chunks.into_iter()));
+    let jobs = (0..clients).map(|_| {
+        let (native, queue) = (native.clone(), queue.clone());
+        async move {
+            loop {
+                let next = queue.lock().unwrap().next();
+                let Some((shard, chunk)) = next else { return anyhow::Ok(()) };
+                let text = sql(chunk.len());
+                native.execute(shard, bind_links(sqlx::query(&text), &chunk)).await?;
             }
         }
-        Load::Bulk => {
-            let jobs = per.into_iter().enumerate().map(|(shard, mut rows)| {
-                let native = native.clone();
-                async move {
-                    rows.sort();
-                    let mut taken = native.conns[shard].take().await?;
-                    sqlx::query("SET SESSION unique_checks = 0, foreign_key_checks = 0")
-                        .execute(&mut taken.conn)
-                        .await?;
-                    sqlx::query("BEGIN").execute(&mut taken.conn).await?;
-                    for chunk in rows.chunks(LOAD_BATCH) {
-                        let text = sql(chunk.len(), false);
-                        bind_links(sqlx::query(&text), chunk).execute(&mut taken.conn).await?;
-                    }
-                    sqlx::query("COMMIT").execute(&mut taken.conn).await?;
-                    sqlx::query("SET SESSION unique_checks = 1, foreign_key_checks = 1")
-                        .execute(&mut taken.conn)
-                        .await?;
-                    native.conns[shard].give_back(taken);
-                    anyhow::Ok(())
-                }
-            });
-            for r in futures::future::join_all(jobs).await {
-                r?;
-            }
-        }
-        Load::Live => {
-            let chunks: Vec<(usize, Vec<LinkRow>)> = per
-                .into_iter()
-                .enumerate()
-                .flat_map(|(shard, rows)| {
-                    rows.chunks(LOAD_BATCH).map(|c| (shard, c.to_vec())).collect::<Vec<_>>()
-                })
-                .collect();
-            let queue = Arc::new(std::sync::Mutex::new(chunks.into_iter()));
-            let jobs = (0..clients).map(|_| {
-                let (native, queue) = (native.clone(), queue.clone());
-                async move {
-                    loop {
-                        let next = queue.lock().unwrap().next();
-                        let Some((shard, chunk)) = next else { return anyhow::Ok(()) };
-                        let text = sql(chunk.len(), true);
-                        native.execute(shard, bind_links(sqlx::query(&text), &chunk)).await?;
-                    }
-                }
-            });
-            for r in futures::future::join_all(jobs).await {
-                r?;
-            }
-        }
+    });
+    for r in futures::future::join_all(jobs).await {
+        r?;
     }
     let secs = started.elapsed().as_secs_f64();
     let mut loaded = 0;
@@ -505,9 +390,6 @@ pub async fn load_index_rows(
             sqlx::query_as(&format!("SELECT COUNT(*) FROM {table}")).fetch_one(pool).await?;
         loaded += rows as u64;
         sqlx::query(&format!("DROP TABLE {table}")).execute(pool).await?;
-    }
-    for f in files {
-        let _ = std::fs::remove_file(f);
     }
     anyhow::ensure!(loaded == n, "{table} holds {loaded} rows, not {n}");
     Ok(secs)

@@ -31,7 +31,7 @@
 use anyhow::{bail, ensure, Context};
 use bagstore_tests::{metric_sum, MariaDb, Proc};
 use rdkafka::mocking::MockCluster;
-use schemas::settings::{Outbox, EMBEDDED_FETCH_WAIT_MS, FETCH_WAIT_MS};
+use schemas::settings::{EMBEDDED_FETCH_WAIT_MS, FETCH_WAIT_MS};
 use serde_json::{json, Value};
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::Row;
@@ -48,11 +48,10 @@ mod floor;
 mod moves;
 
 const USAGE: &str =
-    "usage: bench [--quick] [--only-move] [--only-writes] [--binlog-outbox] [--entities N] [--phase-secs S] [--clients C] [--steady-rate R]\n\
+    "usage: bench [--quick] [--only-move] [--only-writes] [--entities N] [--phase-secs S] [--clients C] [--steady-rate R]\n\
   --quick          CI smoke run: 3000 entities, 2 s phases, 4 clients\n\
   --only-move      load bagstore's N entities, then run the move phase alone (for working on the mover)\n\
   --only-writes    load N entities, then run the write phases and MariaDB's cost per entity alone\n\
-  --binlog-outbox  bagstore's writers put change events in the binary log (writer.outbox = \"binlog\")\n\
   --entities N     entities loaded before queries and the index build (default 1000000)\n\
   --phase-secs S   length of each measured phase (default 20)\n\
   --clients C      concurrent clients (connections, requests in flight) for every contender (default 16)\n\
@@ -79,8 +78,6 @@ const INDEX_MAIN: &str = "index_user_published";
 const INDEX_NEW: &str = "index_link";
 /// Built after `index_link`, by a backfill whose pace follows the shards' health.
 const INDEX_PACED: &str = "index_paced";
-/// Built after those, by the bulk backfill (`cleaner.backfill_method = "bulk"`).
-const INDEX_BULK: &str = "index_bulk";
 
 #[derive(Debug, Clone)]
 struct Options {
@@ -89,9 +86,6 @@ struct Options {
     only_move: bool,
     /// After the load, only the write phases (for working on the write path).
     only_writes: bool,
-    /// bagstore's writers put change events in the binary log
-    /// (`writer.outbox = "binlog"`) instead of the outbox table.
-    binlog_outbox: bool,
     entities: usize,
     phase: Duration,
     clients: usize,
@@ -108,7 +102,6 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
     let mut quick = false;
     let mut only_move = false;
     let mut only_writes = false;
-    let mut binlog_outbox = false;
     let mut backfill_rate = 0;
     let (mut entities, mut phase, mut clients, mut rate) = (None, None, None, None);
     let mut it = args.iter();
@@ -117,7 +110,6 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
             "--quick" => quick = true,
             "--only-move" => only_move = true,
             "--only-writes" => only_writes = true,
-            "--binlog-outbox" => binlog_outbox = true,
             "--entities" => entities = Some(value::<usize>(a, it.next())?),
             "--phase-secs" => phase = Some(value::<f64>(a, it.next())?),
             "--clients" => clients = Some(value::<usize>(a, it.next())?),
@@ -131,7 +123,6 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
         quick,
         only_move,
         only_writes,
-        binlog_outbox,
         entities: entities.unwrap_or(if quick { 3000 } else { 1_000_000 }),
         phase: Duration::from_secs_f64(phase.unwrap_or(if quick { 2.0 } else { 20.0 })),
         clients: clients.unwrap_or(if quick { 4 } else { 16 }),
@@ -587,8 +578,6 @@ struct World {
     topic: String,
     http: reqwest::Client,
     procs: Arc<ProcSampler>,
-    /// bagstore's `writer.outbox` (`--binlog-outbox`: "binlog").
-    outbox: &'static str,
 }
 
 /// What the machine spent: CPU ticks per process group, and the statements
@@ -847,16 +836,14 @@ impl World {
         let mut toml = format!(
             "[mysql]\nshards = [{}]\nmax_connections = 32\n\n[kafka]\nbrokers = {:?}\ntopic = {:?}\npartitions = {PARTITIONS}\nreplication_factor = 1\n\n\
              [http]\naddr = \"127.0.0.1:0\"\n\n\
-             [writer]\noutbox = {:?}\n\n\
              [indexer]\nfetch_wait_ms = {EMBEDDED_FETCH_WAIT_MS}\n\n\
              [[indexes]]\ntable = \"{INDEX_MAIN}\"\nproperties = [{{ name = \"user_id\", type = \"uuid\" }}, {{ name = \"published\", type = \"int\" }}]\nshard_on = \"user_id\"\n",
             shards.join(", "),
             self.kafka.bootstrap_servers(),
             self.topic,
-            self.outbox,
         );
         if with_new_index {
-            for table in [INDEX_NEW, INDEX_PACED, INDEX_BULK] {
+            for table in [INDEX_NEW, INDEX_PACED] {
                 toml.push_str(&format!(
                     "\n[[indexes]]\ntable = \"{table}\"\nproperties = [{{ name = \"link\", type = \"string\", max_len = 200 }}]\n"
                 ));
@@ -908,17 +895,15 @@ impl World {
         }
     }
 
-    /// Waits until the outbox is empty (binlog mode: every write published)
-    /// and `index`'s group has applied everything.
+    /// Waits until the outbox is empty and `index`'s group has applied everything.
     async fn caught_up(&self, index: &str, deadline: Duration) -> anyhow::Result<Duration> {
         let k = self.kafka_settings();
         let start = Instant::now();
         loop {
             let mut outbox = 0;
-            let mode = if self.outbox == "binlog" { Outbox::Binlog } else { Outbox::Table };
             for (shard, d) in self.bag_dsns.iter().enumerate() {
                 let pool = MySqlPool::connect(d).await?;
-                outbox += storage::relay_log::backlog(shard, &pool, mode).await?.rows;
+                outbox += storage::outbox::outbox_backlog(shard, &pool).await?.rows;
                 pool.close().await;
             }
             if outbox == 0 {
@@ -946,9 +931,6 @@ fn server_options(quick: bool, server_id: usize) -> devstack::mariadb::MariaDbOp
             "--log-bin=binlog".into(),
             "--binlog-format=ROW".into(),
             "--sync-binlog=1".into(),
-            // The logged outbox floor's `BLACKHOLE` table (a plugin on
-            // Debian's MariaDB).
-            "--plugin-load-add=ha_blackhole".into(),
             format!("--server-id={}", server_id + 1),
         ],
         ..Default::default()
@@ -1059,8 +1041,7 @@ async fn setup(opts: &Options) -> anyhow::Result<World> {
         kafka.create_topic(t, PARTITIONS, 1)?;
     }
     let http = reqwest::Client::builder().pool_max_idle_per_host(opts.clients * 2).build()?;
-    let outbox = if opts.binlog_outbox { "binlog" } else { "table" };
-    Ok(World { dir, servers, bag_dsns, native, kafka, topic, http, procs, outbox })
+    Ok(World { dir, servers, bag_dsns, native, kafka, topic, http, procs })
 }
 
 // ---------------------------------------------------------------- contenders
@@ -1597,17 +1578,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         bag_steady.clone(),
     )
     .await?;
-    let bulk = backfill_beside_writer(
-        world,
-        INDEX_BULK,
-        Backfill { args: &["--rate", "0"], env: &[("BAGSTORE_CLEANER__BACKFILL_METHOD", "bulk")] },
-        (&base_use, base_secs),
-        rate,
-        d,
-        bag_steady.clone(),
-    )
-    .await?;
-    for index in [INDEX_PACED, INDEX_BULK] {
+    for index in [INDEX_PACED] {
         let dropped = bagstore_tests::command(bagstore_tests::bagstore_bin())
             .args(["index", "drop", index, "--config"])
             .arg(world.config(true))
@@ -1668,44 +1639,14 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         ),
     );
     // What MariaDB itself does with the backfill's rows on this machine,
-    // unpinned and with no steady writer (target 2's 250,000 rows/s): the
-    // backfill's statements from a plain client, a bulk load into an
-    // empty table, and the same from a file on the servers' host.
-    for (key, what, how) in [
-        (
-            "floor_backfill_live",
-            "floor: the backfill's index rows as INSERTs of 1000, into a live table",
-            floor::Load::Live,
-        ),
-        (
-            "floor_backfill_bulk",
-            "floor: the same rows loaded sorted into an empty table (bulk insert)",
-            floor::Load::Bulk,
-        ),
-        (
-            "floor_backfill_file",
-            "floor: the same rows from a file on the servers' host (LOAD DATA INFILE, empty table)",
-            floor::Load::File,
-        ),
-    ] {
-        let secs = floor::load_index_rows(native.clone(), n, how, c, world.dir.path()).await?;
-        report.line(
-            key,
-            what,
-            format!("{:.0} rows/s", n as f64 / secs),
-            format!("{secs:.1} s; bagstore's backfill is {} as fast", ratio(secs, unlimited.secs)),
-        );
-    }
+    // unpinned and with no steady writer: the backfill's statements from a
+    // plain client.
+    let secs = floor::load_index_rows(native.clone(), n, c).await?;
     report.line(
-        "backfill_bulk",
-        "bagstore: bulk backfill (cleaner --index, backfill_method = \"bulk\")",
-        format!("{:.0} rows/s", n as f64 / bulk.secs),
-        format!(
-            "{:.1} s; {} of 250,000 rows/s; {} as fast as the upsert backfill",
-            bulk.secs,
-            ratio(n as f64 / bulk.secs, 250_000.0),
-            ratio(unlimited.secs, bulk.secs)
-        ),
+        "floor_backfill_live",
+        "floor: the backfill's index rows as INSERTs of 1000, into a live table",
+        format!("{:.0} rows/s", n as f64 / secs),
+        format!("{secs:.1} s; bagstore's backfill is {} as fast", ratio(secs, unlimited.secs)),
     );
     report.line(
         "backfill_paced",
@@ -1714,11 +1655,9 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         format!("{:.0} rows/s", n as f64 / paced.secs),
     );
     report.run("steady_bagstore_base", "bagstore steady writer, before", &bag_base, "writes/s");
-    for (key, what, b) in [
-        ("", "the backfill", &unlimited),
-        ("_paced", "the backfill following health", &paced),
-        ("_bulk", "the bulk backfill", &bulk),
-    ] {
+    for (key, what, b) in
+        [("", "the backfill", &unlimited), ("_paced", "the backfill following health", &paced)]
+    {
         report.run(
             &format!("steady_bagstore_during{key}"),
             &format!("bagstore steady writer, during {what}"),
@@ -1769,7 +1708,6 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         ("beside the CPU burner", &unlimited.burned_use),
         ("during the backfill following health", &paced.during_use),
         ("beside its CPU burner", &paced.burned_use),
-        ("during the bulk backfill", &bulk.during_use),
         ("json steady writer, before", &json_use[0]),
         ("during the ALTER", &json_use[1]),
     ];
@@ -1946,8 +1884,6 @@ async fn write_phases(
         ("floor capture batch", floor::Floor::Capture, BATCH),
         ("floor outbox single", floor::Floor::Outbox, 1),
         ("floor outbox batch", floor::Floor::Outbox, BATCH),
-        ("floor logged single", floor::Floor::LoggedOutbox, 1),
-        ("floor logged batch", floor::Floor::LoggedOutbox, BATCH),
     ] {
         let readers = if kind.streams_binlog() {
             let ports: Vec<u16> = world.servers.iter().map(|s| s.port()).collect();
@@ -2129,12 +2065,6 @@ async fn write_phases(
             "mysql_floor_outbox_ratio",
             "mariadbd CPU per entity: floor with an outbox / raw",
             "floor outbox",
-            "raw",
-        ),
-        (
-            "mysql_floor_logged_ratio",
-            "mariadbd CPU per entity: floor with a logged outbox (BLACKHOLE, read from the binary log) / raw",
-            "floor logged",
             "raw",
         ),
         (

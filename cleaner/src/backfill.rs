@@ -15,7 +15,6 @@
 
 use schemas::codec;
 use schemas::index::IndexState;
-use schemas::settings::BackfillMethod;
 use schemas::IndexSpec;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -38,10 +37,6 @@ pub(crate) struct Cursor {
     /// saved by an older cluster is shorter: shards past its end are done).
     pub(crate) below: Vec<u64>,
     pub(crate) done: Vec<bool>,
-    /// By physical id, for the bulk method: the shards whose loaded table
-    /// is swapped in (see `crate::bulk`).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub(crate) bulk_done: Vec<bool>,
 }
 
 /// Progress as shown to the operator.
@@ -76,6 +71,19 @@ struct Shared {
 }
 
 impl Cleaner {
+    /// Saves the cursor and the row counts in one statement.
+    async fn save_cursor(
+        &self,
+        table: &str,
+        cursor: &Cursor,
+        rows_done: u64,
+        rows_total: u64,
+    ) -> Result<(), CleanerError> {
+        let text = serde_json::to_string(cursor).expect("cursor serializes");
+        catalog::set_backfill_progress(self.shards(), table, Some(&text), rows_done, rows_total).await?;
+        Ok(())
+    }
+
     /// Backfills `spec` to ACTIVE. `report` is called after every batch.
     pub async fn backfill(
         &self,
@@ -127,7 +135,7 @@ impl Cleaner {
                         Ok((shard, entities::entity_bounds(shard, pool).await?))
                     })
                     .await?;
-                let mut c = Cursor { below: vec![0; n], done: vec![true; n], bulk_done: Vec::new() };
+                let mut c = Cursor { below: vec![0; n], done: vec![true; n] };
                 for (shard, b) in &bounds {
                     c.below[*shard] = b.max_added_id + 1;
                     c.done[*shard] = false;
@@ -150,17 +158,6 @@ impl Cleaner {
             self.metrics().backfill_pace.with_label_values(&[&table]).set(c.backfill_rate as f64);
             Arc::new(Pace::fixed(c.backfill_rate))
         };
-        if c.backfill_method == BackfillMethod::Upsert {
-            // A bulk backfill stopped mid-swap left rows only its merge
-            // brings into the index table; and a loaded copy is no use now.
-            for shard in shards.ids().into_iter().filter(|s| *s < n) {
-                storage::bulk::finish_swap(shard, shards.pool(shard), &meta.spec).await?;
-                storage::bulk::drop_bulk(shard, shards.pool(shard), &table).await?;
-            }
-        } else {
-            let run = crate::bulk::BulkRun { spec: &meta.spec, rows_total, start, report, shutdown };
-            return self.backfill_bulk(run, cursor, &pace).await;
-        }
         tracing::info!(index = %table, rows_done, rows_total, "backfill running");
         let shared =
             Arc::new(Mutex::new(Shared { cursor, rows_done, scanned_this_run: 0, saved_at: Instant::now() }));

@@ -24,7 +24,7 @@ use service::freshness::Freshness;
 use service::kafka;
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
-use storage::{catalog, entities, relay_log};
+use storage::{catalog, entities, outbox};
 use tokio_util::sync::CancellationToken;
 
 use crate::{Cleaner, CleanerError};
@@ -92,8 +92,7 @@ impl Cleaner {
         let shards = self.shards();
         // First the clocks and the outbox, then (below) the watermarks: the
         // order a probe needs (see the module docs).
-        let outbox = self.settings().writer.outbox;
-        let probes = shards.try_each(|shard, pool| relay_log::probe(shard, pool, outbox)).await?;
+        let probes = shards.try_each(outbox::outbox_probe).await?;
         let before_us = probes
             .iter()
             .map(|p| p.settled_before_us())

@@ -29,7 +29,6 @@
 //! - [`metrics`]: the series this crate exports.
 
 pub mod backfill;
-mod bulk;
 pub mod expiry;
 pub mod lag;
 pub mod metrics;
@@ -65,8 +64,6 @@ pub enum CleanerError {
     Busy(String),
     #[error("stopped before the backfill of {0:?} finished; it resumes from its saved cursor")]
     Interrupted(String),
-    #[error("a bulk backfill of {table:?} cannot run: {why}")]
-    BulkRefused { table: String, why: String },
     #[error("the backfill cursor of {table:?} is unreadable")]
     BadCursor {
         table: String,

@@ -5,15 +5,14 @@
 use schemas::Settings;
 use service::kafka;
 use std::time::{Duration, Instant};
-use storage::{relay_log, Shards};
+use storage::{outbox, Shards};
 
 /// Waits until the pipeline has drained; false at the deadline.
 pub async fn drain(settings: &Settings, shards: &Shards, deadline: Duration) -> bool {
     let until = Instant::now() + deadline;
     loop {
         let mut pending = 0u64;
-        let outbox = settings.writer.outbox;
-        for backlog in shards.each(|shard, pool| relay_log::backlog(shard, pool, outbox)).await {
+        for backlog in shards.each(outbox::outbox_backlog).await {
             // A shard that cannot answer counts as not drained.
             pending += backlog.map_or(1, |b| b.rows);
         }

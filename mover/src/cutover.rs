@@ -1,10 +1,9 @@
 //! The cutover: a short fence on the source, then ownership changes hands
 //! and the map flips. Also the recovery of a cutover that was killed.
 
-use schemas::settings::Outbox;
 use std::time::{Duration, Instant};
 use storage::moves::{self, Fence, Phase};
-use storage::{carry, relay_log, topology, StoreError};
+use storage::{carry, topology, StoreError};
 
 use crate::copy::Differs;
 use crate::{MoveError, Mover, Result, Running};
@@ -37,7 +36,7 @@ impl Mover {
             .map_err(|e| StoreError::Shard { shard: source, source: e })?;
         let wait_secs = self.settings().fence_wait_ms.div_ceil(1000) as u32;
         let closing = Instant::now();
-        let mut fence = match Fence::close(source, conn, &logicals, wait_secs).await {
+        let fence = match Fence::close(source, conn, &logicals, wait_secs).await {
             Ok(f) => f,
             Err(e) if e.is_retryable_conflict() => {
                 self.metrics().cutover_attempts.with_label_values(&["busy"]).inc();
@@ -70,16 +69,7 @@ impl Mover {
             // can commit a later version of the same entity.
             let deadline = Instant::now() + Duration::from_millis(self.settings().outbox_wait_ms);
             let l = shards.logical_shards();
-            let log_end = match self.outbox() {
-                Outbox::Binlog => Some(fence.log_end().await?),
-                Outbox::Table => None,
-            };
-            while moves::outbox_pending_in(source, src, fence.outbox_upto, &logicals, l).await? > 0
-                || match &log_end {
-                    Some(end) => !relay_log::published_through(source, src, end).await?,
-                    None => false,
-                }
-            {
+            while moves::outbox_pending_in(source, src, fence.outbox_upto, &logicals, l).await? > 0 {
                 if Instant::now() >= deadline {
                     self.metrics().cutover_attempts.with_label_values(&["outbox"]).inc();
                     return Ok(Err("the source's outbox did not reach Kafka within mover.outbox_wait_ms"));

@@ -179,12 +179,6 @@ impl Mover {
         &self.inner.settings.mover
     }
 
-    /// Where the writers put change events (a cutover waits for the
-    /// source's to reach Kafka).
-    pub(crate) fn outbox(&self) -> schemas::settings::Outbox {
-        self.inner.settings.writer.outbox
-    }
-
     pub(crate) fn metrics(&self) -> &MoverMetrics {
         &self.inner.metrics
     }

@@ -10,11 +10,6 @@ pub mod tables {
     pub const ENTITIES: &str = "entities";
     /// Change events waiting for Kafka, on every shard.
     pub const OUTBOX: &str = "outbox";
-    /// Change events in the binary log only (`writer.outbox = "binlog"`): a
-    /// `BLACKHOLE` table, on every shard in binlog mode.
-    pub const OUTBOX_LOG: &str = "outbox_log";
-    /// The binlog relay's place in the binary log, on every shard.
-    pub const RELAY_LOG: &str = "bagstore_relay_log";
     /// Index definitions and states, on the metadata shard.
     pub const INDEX_CATALOG: &str = "bagstore_indexes";
     /// Per index, the newest commit applied, on the metadata shard.
@@ -61,8 +56,6 @@ pub mod tables {
 pub const RESERVED_TABLES: &[&str] = &[
     tables::ENTITIES,
     tables::OUTBOX,
-    tables::OUTBOX_LOG,
-    tables::RELAY_LOG,
     tables::SHARD,
     tables::OWNED,
     tables::MOVING,

@@ -39,14 +39,6 @@ pub fn outbox() -> String {
     outbox_columns(tables::OUTBOX, "InnoDB")
 }
 
-/// The outbox of binlog mode (see `relay_log`): the outbox's columns in a
-/// `BLACKHOLE` table, so an insert is written to the binary log with its
-/// transaction and stored nowhere. `seq` means nothing there (the log's
-/// order is the events' order).
-pub fn outbox_log() -> String {
-    outbox_columns(tables::OUTBOX_LOG, "BLACKHOLE")
-}
-
 fn outbox_columns(table: &str, engine: &str) -> String {
     format!(
         "CREATE TABLE IF NOT EXISTS `{table}` (
@@ -57,20 +49,6 @@ fn outbox_columns(table: &str, engine: &str) -> String {
     event MEDIUMBLOB NOT NULL,
     PRIMARY KEY (seq)
 ) ENGINE={engine}"
-    )
-}
-
-/// The binlog relay's place in the binary log, one row (see `relay_log`).
-pub fn relay_log() -> String {
-    format!(
-        "CREATE TABLE IF NOT EXISTS `{}` (
-    id TINYINT UNSIGNED NOT NULL,
-    file VARCHAR(255) NOT NULL,
-    pos BIGINT UNSIGNED NOT NULL,
-    through_us BIGINT NOT NULL,
-    PRIMARY KEY (id)
-) ENGINE=InnoDB",
-        tables::RELAY_LOG
     )
 }
 
@@ -324,11 +302,10 @@ pub fn processes() -> String {
 }
 
 /// What every physical shard has.
-pub fn shard_tables() -> [String; 10] {
+pub fn shard_tables() -> [String; 9] {
     [
         entities(),
         outbox(),
-        relay_log(),
         shard_identity(),
         owned(),
         moving(),
@@ -452,13 +429,10 @@ pub fn partition_fences() -> String {
     )
 }
 
-/// Every table storage may create besides index tables: the shards' (with
-/// binlog mode's `outbox_log`, created only in that mode, after the
-/// outbox), then the metadata shard's.
+/// Every table storage may create besides index tables: the shards', then
+/// the metadata shard's.
 pub fn base_tables() -> Vec<String> {
-    let mut all: Vec<String> = shard_tables().into_iter().collect();
-    all.insert(2, outbox_log());
-    all.into_iter().chain(meta_tables()).collect()
+    shard_tables().into_iter().chain(meta_tables()).collect()
 }
 
 #[cfg(test)]

@@ -44,9 +44,6 @@ pub enum StoreError {
     /// over and moved it on (`crate::moves::set_phase`).
     #[error("another run of the mover took move {id} over (its phase is no longer {expected})")]
     MovePhaseMoved { id: u64, expected: &'static str },
-    /// A backfill's `LOAD DATA LOCAL INFILE` (see `crate::bulk`) failed.
-    #[error("shard {shard}: the bulk load of {table:?} failed: {what}")]
-    BulkLoad { shard: usize, table: String, what: String },
     #[error(transparent)]
     Topology(#[from] schemas::topology::TopologyError),
     #[error("stored index metadata for {table:?} is unreadable")]

@@ -12,14 +12,12 @@
 //! - [`entities`]: the entity rows ([`EntityRecord`]): the writer's locking
 //!   read and writes, reads by id and by location, the cleaner's sweeps.
 //! - [`outbox`]: change events waiting for Kafka.
-//! - [`relay_log`]: the outbox in the binary log (`writer.outbox = "binlog"`).
 //! - [`purge`]: expired entities to delete; old tombstones purged under a
 //!   version floor per logical shard.
 //! - [`idempotency`]: `Idempotency-Key` records, written with the write they guard.
 //! - [`index_rows`]: index rows: upserts, version-guarded deletes, repairs.
 //! - [`index_scan`]: ordered, keyset-paged index scans for queries.
 //! - [`catalog`]: index definitions, states and progress (metadata shard).
-//! - [`bulk`]: a backfill's bulk load of a new index, swapped in and merged.
 //! - [`fences`]: partition claims proven inside each index write.
 //! - [`leases`]: indexers' member leases, when they assign partitions themselves.
 //! - [`locks`]: named locks: one relay per shard, one backfiller per index.
@@ -38,7 +36,6 @@
 //! against the epoch are exact. Table and column names in SQL text come
 //! only from validated specs (`schemas::names`); every value is bound.
 
-pub mod bulk;
 pub mod carry;
 pub mod catalog;
 pub mod checksums;
@@ -57,7 +54,6 @@ pub mod migrate;
 pub mod moves;
 pub mod outbox;
 pub mod purge;
-pub mod relay_log;
 pub mod server;
 pub mod shards;
 pub mod snapshots;

@@ -263,14 +263,6 @@ impl Fence {
         Ok(Fence { shard, conn, logicals: logicals.to_vec(), outbox_upto: upto })
     }
 
-    /// The end of the source's binary log, read under the fence: every
-    /// write to the moving logical shards is committed and logged before
-    /// it, so in binlog mode the relay's saved place must reach it before
-    /// the target takes writes (`relay_log::published_through`).
-    pub async fn log_end(&mut self) -> Result<crate::relay_log::LogPosition> {
-        crate::relay_log::log_position(self.shard, &mut self.conn).await
-    }
-
     /// Gives the logical shards up: deletes their ownership rows and sets
     /// the shard's epoch, so waiting writes find they no longer own them
     /// and reads see the epoch move. Ends the fence.

@@ -3,7 +3,6 @@
 //! shard's relay reads them in `seq` order and deletes what Kafka
 //! acknowledged.
 
-use schemas::settings::Outbox;
 use schemas::EntityId;
 use sqlx::mysql::MySqlPool;
 use sqlx::{MySqlConnection, Row};
@@ -68,20 +67,15 @@ impl OutboxProbe {
     }
 }
 
-/// Change events into the configured outbox (the table, or `outbox_log`
-/// in binlog mode: see `relay_log`) in multi-row statements, in the given
-/// order (so `seq`, or the log, follows it).
+/// Change events into the outbox in multi-row statements, in the given
+/// order (so `seq` follows it).
 #[tracing::instrument(level = "debug", skip_all, fields(shard))]
 pub async fn insert_outbox_rows(
     shard: usize,
     conn: &mut MySqlConnection,
     rows: &[OutboxInsert],
-    outbox: Outbox,
 ) -> Result<()> {
-    let table = match outbox {
-        Outbox::Table => schemas::names::tables::OUTBOX,
-        Outbox::Binlog => schemas::names::tables::OUTBOX_LOG,
-    };
+    let table = schemas::names::tables::OUTBOX;
     for chunk in rows.chunks(500) {
         let sql = format!(
             "INSERT INTO {table} (entity_id, version, committed, event) VALUES {}",
@@ -179,10 +173,7 @@ pub async fn outbox_probe(shard: usize, pool: &MySqlPool) -> Result<OutboxProbe>
 /// cache at most every 100 ms), with room to spare.
 const TRX_CACHE_AGE_US: i64 = 200_000;
 
-pub(crate) async fn open_transactions(
-    shard: usize,
-    conn: &mut MySqlConnection,
-) -> Result<(i64, Option<i64>)> {
+async fn open_transactions(shard: usize, conn: &mut MySqlConnection) -> Result<(i64, Option<i64>)> {
     let with_open = sqlx::query_as::<_, (i64, Option<i64>)>(
         "SELECT CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', NOW(6)) AS SIGNED), \
          (SELECT CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', MIN(t.trx_started)) AS SIGNED) \

@@ -7,7 +7,7 @@ use sqlx::mysql::MySqlPool;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::servers::{binlog_servers, servers, unique};
+use crate::servers::{logged_servers, servers, unique};
 use crate::{bagstore_bin, eventually, tansu, Proc};
 
 /// One test's world: fresh databases on both servers, its own Kafka, a
@@ -21,8 +21,8 @@ pub struct TestEnv {
     pub topic: String,
     /// Extra TOML appended to the config (indexes, tuning).
     pub indexes_toml: String,
-    /// Where the writers put change events (`writer.outbox`).
-    pub outbox: schemas::settings::Outbox,
+    /// The MariaDB servers' ports.
+    ports: &'static [u16],
 }
 
 impl Drop for TestEnv {
@@ -115,16 +115,16 @@ properties = [{ name = "tags", type = "string", max_len = 64 }]
 
 impl TestEnv {
     pub async fn new(name: &str, indexes_toml: &str) -> TestEnv {
-        TestEnv::on(servers(), schemas::settings::Outbox::Table, name, indexes_toml)
+        TestEnv::on(servers(), name, indexes_toml)
     }
 
-    /// Like [`TestEnv::new`], on servers with the binary log on, and the
-    /// writers' outbox in it (`writer.outbox = "binlog"`).
-    pub async fn with_binlog_outbox(name: &str, indexes_toml: &str) -> TestEnv {
-        TestEnv::on(binlog_servers(), schemas::settings::Outbox::Binlog, name, indexes_toml)
+    /// Like [`TestEnv::new`], on servers with the binary log on, as
+    /// production runs MySQL (see `servers::logged_servers`).
+    pub async fn with_binary_log(name: &str, indexes_toml: &str) -> TestEnv {
+        TestEnv::on(logged_servers(), name, indexes_toml)
     }
 
-    fn on(ports: &[u16], outbox: schemas::settings::Outbox, name: &str, indexes_toml: &str) -> TestEnv {
+    fn on(ports: &'static [u16], name: &str, indexes_toml: &str) -> TestEnv {
         let name = unique(name);
         let dsns: Vec<String> = ports
             .iter()
@@ -150,7 +150,7 @@ impl TestEnv {
             dsns,
             topic,
             indexes_toml: indexes_toml.to_string(),
-            outbox,
+            ports,
         }
     }
 
@@ -176,13 +176,9 @@ impl TestEnv {
     /// The config with other shard DSNs and extra `[mysql]` lines.
     pub fn config_toml_with(&self, dsns: &[String], mysql_extra: &str) -> String {
         let shards: Vec<String> = dsns.iter().map(|d| format!("{d:?}")).collect();
-        let outbox = match self.outbox {
-            schemas::settings::Outbox::Table => "table",
-            schemas::settings::Outbox::Binlog => "binlog",
-        };
         format!(
             "[mysql]\nshards = [{}]\nmax_connections = 8\n{mysql_extra}\n\n[kafka]\nbrokers = {:?}\ntopic = {:?}\npartitions = 4\n\
-             replication_factor = 1\nsession_timeout_ms = 6000\nmessage_timeout_ms = 3000\n\n[writer]\nrelay_poll_ms = 100\noutbox = {outbox:?}\n\n[http]\n\
+             replication_factor = 1\nsession_timeout_ms = 6000\nmessage_timeout_ms = 3000\n\n[writer]\nrelay_poll_ms = 100\n\n[http]\n\
              addr = \"127.0.0.1:0\"\nshutdown_grace_ms = 3000\n{}",
             shards.join(", "),
             self.brokers(),
@@ -207,11 +203,7 @@ impl TestEnv {
     /// The DSN of a further database of this test (a shard to add), on one
     /// of the two servers.
     pub fn extra_dsn(&self, i: usize) -> String {
-        let ports = match self.outbox {
-            schemas::settings::Outbox::Table => servers(),
-            schemas::settings::Outbox::Binlog => binlog_servers(),
-        };
-        format!("mysql://root@127.0.0.1:{}/{}_s{i}", ports[i % ports.len()], self.name)
+        format!("mysql://root@127.0.0.1:{}/{}_s{i}", self.ports[i % self.ports.len()], self.name)
     }
 
     /// Runs `bagstore <args…>` to completion: (success, stdout, stderr).
@@ -279,13 +271,12 @@ impl TestEnv {
         .await
     }
 
-    /// Whether every outbox is empty (in binlog mode: every entity write
-    /// published) and every index group in `indexes` has applied every
+    /// Whether every outbox is empty and every index group in `indexes` has applied every
     /// event (false also when the lag cannot be read).
     pub async fn caught_up(&self, indexes: &[&str]) -> bool {
         for shard in 0..self.dsns.len() {
             let pool = self.pool(shard).await;
-            match storage::relay_log::backlog(shard, &pool, self.outbox).await {
+            match storage::outbox::outbox_backlog(shard, &pool).await {
                 Ok(b) if b.rows == 0 => {}
                 _ => return false,
             }

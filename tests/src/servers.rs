@@ -14,11 +14,12 @@ pub(crate) fn servers() -> &'static [u16] {
 }
 
 /// The ports of two more, started on first use, as production runs MySQL:
-/// the binary log on in ROW format, and the `BLACKHOLE` engine loaded, for
-/// the writers' binlog outbox (`writer.outbox = "binlog"`).
-pub(crate) fn binlog_servers() -> &'static [u16] {
+/// the binary log on in ROW format. The `BLACKHOLE` engine is loaded for
+/// the upgrade test, which makes the tables of an earlier release's
+/// binary-log outbox (see `storage::migrate::upgrade`).
+pub(crate) fn logged_servers() -> &'static [u16] {
     static PORTS: OnceLock<Vec<u16>> = OnceLock::new();
-    PORTS.get_or_init(|| start_pair("binlog-", binlog_opts))
+    PORTS.get_or_init(|| start_pair("logged-", logged_opts))
 }
 
 /// Starts two servers on a thread of their own (so they outlive each
@@ -62,7 +63,7 @@ fn opts(_: usize) -> MariaDbOptions {
     MariaDbOptions { ephemeral: true, ..Default::default() }
 }
 
-fn binlog_opts(i: usize) -> MariaDbOptions {
+fn logged_opts(i: usize) -> MariaDbOptions {
     MariaDbOptions {
         ephemeral: true,
         extra_args: vec![

@@ -16,12 +16,11 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer, PurgeConfig};
 use schemas::changes;
 use schemas::event::ChangeEvent;
-use schemas::settings::Outbox;
 use service::kafka;
 use sqlx::MySqlConnection;
 use std::time::{Duration, Instant};
 use storage::outbox::{self, OutboxRow};
-use storage::{locks, relay_log, StoreError};
+use storage::{locks, StoreError};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -103,24 +102,16 @@ impl Writer {
                     continue;
                 }
             }
-            tracing::info!(shard, outbox = ?self.settings().writer.outbox, "relay leader");
+            tracing::info!(shard, "relay leader");
             leader_gauge.set(1);
-            let led = match self.settings().writer.outbox {
-                Outbox::Table => {
-                    if let Err(e) = outbox::log_deletes_by_key(shard, &mut conn).await {
-                        tracing::warn!(
-                            shard,
-                            error = %e,
-                            "the relay's deletes log whole rows to the binary log (grant BINLOG ADMIN to log their keys only)"
-                        );
-                    }
-                    match self.publish_log_leftovers(shard, &mut conn, &mut producer, &shutdown).await {
-                        Ok(()) => self.lead(shard, &mut conn, &mut producer, &shutdown).await,
-                        Err(e) => Err(e),
-                    }
-                }
-                Outbox::Binlog => self.lead_log(shard, &mut conn, &mut producer, &shutdown, false).await,
-            };
+            if let Err(e) = outbox::log_deletes_by_key(shard, &mut conn).await {
+                tracing::warn!(
+                    shard,
+                    error = %e,
+                    "the relay's deletes log whole rows to the binary log (grant BINLOG ADMIN to log their keys only)"
+                );
+            }
+            let led = self.lead(shard, &mut conn, &mut producer, &shutdown).await;
             if let Err(e) = led {
                 self.inner.health.report(&part, Err(format!("leadership ended: {e}")));
                 tracing::warn!(shard, error = %e, "relay leadership ended");
@@ -242,134 +233,6 @@ impl Writer {
         }
     }
 
-    /// Publishes from the binary log while the lock is ours (binlog mode,
-    /// see `storage::relay_log`). What a table-mode writer left in the
-    /// outbox table goes first. A round reads the log's end (and the
-    /// shard's clock just before), streams whole transactions up to it,
-    /// publishes their `outbox_log` events in log order in slices of
-    /// `writer.relay_batch`, and saves the place after each acknowledged
-    /// slice; a round that reached the end also saves that every write
-    /// committed before the clock reading is published. A slice Kafka did
-    /// not fully acknowledge ends the stream and the producer: the next
-    /// round reads again from the saved place, so an event is never
-    /// skipped and a resend always runs to the latest version.
-    /// With `leftovers`, it returns once a round finds nothing more to
-    /// publish (see [`Writer::publish_log_leftovers`]).
-    async fn lead_log(
-        &self,
-        shard: usize,
-        lock_conn: &mut MySqlConnection,
-        producer: &mut FutureProducer,
-        shutdown: &CancellationToken,
-        leftovers: bool,
-    ) -> Result<(), StoreError> {
-        let poll = Duration::from_millis(self.settings().writer.relay_poll_ms);
-        let batch = self.settings().writer.relay_batch;
-        let part = format!("relay {}", self.shards().name(shard));
-        let mut backoff = poll;
-        self.publish_table_leftovers(shard, lock_conn, producer).await?;
-        relay_log::log_session(shard, lock_conn, false).await?;
-        relay_log::ensure_start(shard, lock_conn).await?;
-        let mut saved = relay_log::saved(shard, lock_conn)
-            .await?
-            .ok_or_else(|| StoreError::BadTopology(format!("shard {shard}: the relay's place is missing")))?;
-        let stream_id = relay_log::stream_id(shard, lock_conn).await?;
-        let mut reader: Option<relay_log::LogReader> = None;
-        let mut drain_until: Option<tokio::time::Instant> = None;
-        let mut backlog_at: Option<Instant> = None;
-        loop {
-            if shutdown.is_cancelled() && drain_until.is_none() {
-                let budget = Duration::from_millis(self.settings().http.shutdown_grace_ms) / 2;
-                drain_until = Some(tokio::time::Instant::now() + budget);
-                tracing::info!(
-                    shard,
-                    ?budget,
-                    "relay publishing the binary log's last events before stopping"
-                );
-            }
-            if drain_until.is_some_and(|t| tokio::time::Instant::now() >= t) {
-                tracing::warn!(shard, "relay stopping before the log's end; the next leader sends the rest");
-                return Ok(());
-            }
-            if !locks::holds_relay_lock(shard, lock_conn).await? {
-                return Err(StoreError::Shard {
-                    shard,
-                    source: sqlx::Error::Protocol("relay lock lost".into()),
-                });
-            }
-            let (now_us, end) = relay_log::log_end(shard, lock_conn).await?;
-            let r = match reader.as_mut() {
-                Some(r) => r,
-                None => reader.insert(
-                    relay_log::LogReader::open(shard, self.shards().dsn(shard), &saved.at, stream_id).await?,
-                ),
-            };
-            let mut sent = 0;
-            let mut refused = false;
-            loop {
-                let mut events = Vec::new();
-                r.read_to(&end, batch, &mut events).await?;
-                let at = r.position().clone();
-                let reached = at >= end;
-                tracing::debug!(shard, events = events.len(), ?at, ?end, reached, "read the binary log");
-                if !events.is_empty() {
-                    let rows: Vec<OutboxRow> = events
-                        .into_iter()
-                        .map(|e| OutboxRow { seq: 0, entity_id: e.entity_id, event: e.event })
-                        .collect();
-                    let acked = self.publish(shard, producer, &rows).await;
-                    self.inner
-                        .metrics
-                        .published
-                        .with_label_values(&[&shard.to_string()])
-                        .inc_by(acked as u64);
-                    if acked < rows.len() {
-                        refused = true;
-                        break;
-                    }
-                    sent += rows.len();
-                }
-                saved = relay_log::Saved { at, through_us: if reached { now_us } else { saved.through_us } };
-                relay_log::save(shard, lock_conn, &saved).await?;
-                if reached {
-                    break;
-                }
-            }
-            if refused {
-                if drain_until.is_some() {
-                    return Ok(());
-                }
-                // As in `lead`: a new producer, after purging the old one;
-                // and a new stream from the saved place.
-                reader = None;
-                self.inner
-                    .health
-                    .report(&part, Err("Kafka did not acknowledge change events from the binary log".into()));
-                self.replace_producer(shard, producer);
-                sleep_or_stop(shutdown, backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(5));
-                continue;
-            }
-            backoff = poll;
-            self.inner.health.report(&part, Ok(()));
-            if backlog_at.is_none_or(|t| t.elapsed() >= BACKLOG_EVERY) {
-                backlog_at = Some(Instant::now());
-                self.report_backlog(shard).await;
-            }
-            if sent == 0 {
-                if drain_until.is_some() || leftovers {
-                    tracing::info!(shard, "relay published the binary log up to its end");
-                    return Ok(());
-                }
-                tokio::select! {
-                    _ = self.inner.wake[shard].notified() => {}
-                    _ = tokio::time::sleep(poll) => {}
-                    _ = shutdown.cancelled() => {}
-                }
-            }
-        }
-    }
-
     /// Purges `producer` and puts a new one in its place (see `lead` for
     /// why a round Kafka refused ends its producer).
     fn replace_producer(&self, shard: usize, producer: &mut FutureProducer) {
@@ -384,60 +247,6 @@ impl Writer {
                 tokio::task::spawn_blocking(move || drop(old));
             }
             Err(e) => tracing::error!(shard, error = %e, "cannot create a producer"),
-        }
-    }
-
-    /// In table mode: what binlog mode left in the binary log (a place saved
-    /// in `bagstore_relay_log`) is published first, from that place to the
-    /// log's end, and the place is then forgotten, so a later switch back
-    /// starts afresh.
-    async fn publish_log_leftovers(
-        &self,
-        shard: usize,
-        conn: &mut MySqlConnection,
-        producer: &mut FutureProducer,
-        shutdown: &CancellationToken,
-    ) -> Result<(), StoreError> {
-        let Some(saved) = relay_log::saved(shard, conn).await? else { return Ok(()) };
-        if relay_log::check_server(shard, conn).await.is_err() {
-            // The binary log is off (or not in ROW format) now: what binlog
-            // mode left unpublished, if anything, cannot be read back.
-            tracing::error!(
-                shard,
-                place = ?saved.at,
-                "binlog mode left a place in the binary log, which this server no longer logs in full; \
-                 forgetting it (events not published before the switch are lost: run the cleaner's sweep)"
-            );
-            return relay_log::forget(shard, conn).await;
-        }
-        tracing::info!(shard, "relay publishing what binlog mode left in the binary log");
-        self.lead_log(shard, conn, producer, shutdown, true).await?;
-        relay_log::forget(shard, conn).await?;
-        // The table's deletes are logged again (replicas apply them).
-        relay_log::log_session(shard, conn, true).await
-    }
-
-    /// Publishes what the outbox table holds (left by table mode) until it
-    /// is empty; an error if Kafka refuses (the leadership ends and the next
-    /// tries again).
-    async fn publish_table_leftovers(
-        &self,
-        shard: usize,
-        conn: &mut MySqlConnection,
-        producer: &mut FutureProducer,
-    ) -> Result<(), StoreError> {
-        loop {
-            let (read, acked) = self.table_round(shard, conn, producer).await?;
-            if read == 0 {
-                return Ok(());
-            }
-            if acked < read {
-                self.replace_producer(shard, producer);
-                return Err(StoreError::Shard {
-                    shard,
-                    source: sqlx::Error::Protocol("Kafka refused the outbox table's leftovers".into()),
-                });
-            }
         }
     }
 
@@ -555,7 +364,7 @@ impl Writer {
 
     async fn report_backlog(&self, shard: usize) {
         let label = shard.to_string();
-        match relay_log::backlog(shard, self.shards().pool(shard), self.settings().writer.outbox).await {
+        match outbox::outbox_backlog(shard, self.shards().pool(shard)).await {
             Ok(backlog) => {
                 self.inner.metrics.outbox_backlog.with_label_values(&[&label]).set(backlog.rows as i64);
                 let oldest = backlog.oldest_commit_us.map_or(0.0, |us| us as f64 / 1e6);

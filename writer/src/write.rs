@@ -494,7 +494,7 @@ impl Writer {
                     OutboxInsert { entity_id: e.id, version: e.version, committed_us: now, event: e.encode() }
                 })
                 .collect();
-            outbox::insert_outbox_rows(shard, &mut tx, &events, self.settings().writer.outbox).await?;
+            outbox::insert_outbox_rows(shard, &mut tx, &events).await?;
         }
         // Also when nothing was written: a guarded refusal is recorded.
         if !new_records.is_empty() {

@@ -13,8 +13,8 @@ mod sections;
 
 pub use secrets::{is_secret_kafka_option, Dsn, Secret};
 pub use sections::{
-    Assignment, AuthSettings, BackfillMethod, ChangesSettings, CleanerSettings, ExpirySettings, HttpSettings,
-    IndexerSettings, IngestSettings, KafkaSettings, MoverSettings, MysqlSettings, Outbox, ReaderSettings,
+    Assignment, AuthSettings, ChangesSettings, CleanerSettings, ExpirySettings, HttpSettings,
+    IndexerSettings, IngestSettings, KafkaSettings, MoverSettings, MysqlSettings, ReaderSettings,
     WriterSettings, EMBEDDED_FETCH_WAIT_MS, FETCH_WAIT_MS,
 };
 
@@ -32,7 +32,24 @@ pub enum SettingsError {
     Env { var: String, reason: String },
     #[error("invalid config: {0}")]
     Invalid(String),
+    /// A key of an earlier release that no longer exists. Refused rather
+    /// than ignored: it asked for a behaviour this release does not have.
+    #[error("{key} (set in {place}) was removed: {why}; delete it")]
+    Removed { key: String, place: String, why: &'static str },
 }
+
+/// Keys that earlier releases read, and why each went (see
+/// [`SettingsError::Removed`]).
+const REMOVED: &[(&str, &str, &str)] = &[
+    (
+        "writer",
+        "outbox",
+        "the outbox is always the InnoDB table (the binary-log outbox is gone; \
+         docs/operations.md says how to upgrade a store that ran it)",
+    ),
+    ("cleaner", "backfill_method", "a backfill always upserts in small resumable transactions"),
+    ("cleaner", "backfill_bulk_rows", "it sized the bulk backfill, which is gone"),
+];
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -92,8 +109,23 @@ impl Settings {
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Settings, SettingsError> {
         let mut doc: toml::Table = toml::from_str(text).map_err(|e| SettingsError::Parse(e.to_string()))?;
+        for &(section, key, why) in REMOVED {
+            if doc.get(section).and_then(|t| t.get(key)).is_some() {
+                let place = "the config file".into();
+                return Err(SettingsError::Removed { key: format!("{section}.{key}"), place, why });
+            }
+        }
         let mut vars: Vec<(String, String)> = env.into_iter().collect();
         vars.sort();
+        for (var, _) in &vars {
+            let removed = REMOVED.iter().find(|(section, key, _)| {
+                *var == format!("BAGSTORE_{}__{}", section.to_ascii_uppercase(), key.to_ascii_uppercase())
+            });
+            if let Some(&(section, key, why)) = removed {
+                let place = format!("the environment, {var}");
+                return Err(SettingsError::Removed { key: format!("{section}.{key}"), place, why });
+            }
+        }
         for (var, raw) in vars {
             let Some(path) = var.strip_prefix("BAGSTORE_") else { continue };
             if !path.contains("__") {
@@ -198,7 +230,6 @@ impl Settings {
             || self.cleaner.expiry_interval_ms == 0
             || self.cleaner.purge_interval_ms == 0
             || self.cleaner.backfill_batch == 0
-            || self.cleaner.backfill_bulk_rows == 0
             || self.cleaner.backfill_concurrency == 0
         {
             return Err(SettingsError::Invalid(
@@ -324,26 +355,19 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn the_outbox_is_the_table_unless_the_binary_log_is_asked_for() {
-        let s = Settings::from_toml_and_env("", env(&[])).unwrap();
-        assert_eq!(s.writer.outbox, Outbox::Table);
-        let s = Settings::from_toml_and_env("", env(&[("BAGSTORE_WRITER__OUTBOX", "binlog")])).unwrap();
-        assert_eq!(s.writer.outbox, Outbox::Binlog);
-        let e = Settings::from_toml_and_env("[writer]\noutbox = \"blackhole\"", env(&[])).unwrap_err();
-        assert!(e.to_string().contains("blackhole"), "{e}");
-    }
-
-    #[test]
-    fn backfills_upsert_unless_bulk_is_asked_for() {
-        let s = Settings::from_toml_and_env("", env(&[])).unwrap();
-        assert_eq!(s.cleaner.backfill_method, BackfillMethod::Upsert);
-        assert_eq!(s.cleaner.backfill_bulk_rows, 1_000_000);
-        let s =
-            Settings::from_toml_and_env("", env(&[("BAGSTORE_CLEANER__BACKFILL_METHOD", "bulk")])).unwrap();
-        assert_eq!(s.cleaner.backfill_method, BackfillMethod::Bulk);
-        let e = Settings::from_toml_and_env("[cleaner]\nbackfill_method = \"copy\"", env(&[])).unwrap_err();
-        assert!(e.to_string().contains("copy"), "{e}");
-        assert!(Settings::from_toml_and_env("[cleaner]\nbackfill_bulk_rows = 0", env(&[])).is_err());
+    fn a_removed_key_fails_naming_it_whether_in_the_file_or_the_environment() {
+        for (toml, var) in [
+            ("[writer]\noutbox = \"binlog\"", "BAGSTORE_WRITER__OUTBOX"),
+            ("[cleaner]\nbackfill_method = \"bulk\"", "BAGSTORE_CLEANER__BACKFILL_METHOD"),
+            ("[cleaner]\nbackfill_bulk_rows = 10", "BAGSTORE_CLEANER__BACKFILL_BULK_ROWS"),
+        ] {
+            let key = var.trim_start_matches("BAGSTORE_").replace("__", ".").to_ascii_lowercase();
+            let e = Settings::from_toml_and_env(toml, env(&[])).unwrap_err().to_string();
+            assert!(e.contains(&key) && e.contains("removed") && e.contains("config file"), "{e}");
+            // Even set to what is now the only behaviour: the key is gone.
+            let e = Settings::from_toml_and_env("", env(&[(var, "table")])).unwrap_err().to_string();
+            assert!(e.contains(&key) && e.contains("removed") && e.contains(var), "{e}");
+        }
     }
 
     #[test]

@@ -198,28 +198,6 @@ pub struct WriterSettings {
     /// carries an `Idempotency-Key`, before answering (a crash between
     /// commit and answer). Never set it in production.
     pub drill_exit_after_commit: bool,
-    /// Where a write's change events wait for the relay: see [`Outbox`].
-    pub outbox: Outbox,
-}
-
-/// Where the writer puts a write's change events, in the write's
-/// transaction, for the shard's relay to publish.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Outbox {
-    /// The InnoDB table `outbox`: the relay reads the rows and deletes
-    /// what Kafka acknowledged.
-    #[default]
-    Table,
-    /// The `BLACKHOLE` table `outbox_log`: MariaDB writes the insert to the
-    /// binary log with the transaction and stores nothing, and the relay
-    /// reads the events back from the binary log (`storage::relay_log`).
-    /// No outbox row is written or deleted. Needs the binary log on in ROW
-    /// format with full row images, the `BLACKHOLE` engine
-    /// (`plugin_load_add = ha_blackhole`), and for the shards' user
-    /// `REPLICATION SLAVE`, `BINLOG MONITOR` and `BINLOG ADMIN`. Switch
-    /// every writer together, with all of them stopped.
-    Binlog,
 }
 
 impl Default for WriterSettings {
@@ -233,7 +211,6 @@ impl Default for WriterSettings {
             max_pending_writes: 10_000,
             idempotency_window_secs: 86_400,
             drill_exit_after_commit: false,
-            outbox: Outbox::Table,
         }
     }
 }
@@ -372,12 +349,6 @@ pub struct CleanerSettings {
     pub backfill_concurrency: usize,
     /// Entities per backfill batch.
     pub backfill_batch: usize,
-    /// How a backfill writes the new index's rows (see [`BackfillMethod`]).
-    pub backfill_method: BackfillMethod,
-    /// With `backfill_method = "bulk"`: index rows held in memory per
-    /// target shard before they are loaded (each load sorts what it holds;
-    /// about 150 bytes a row).
-    pub backfill_bulk_rows: usize,
     /// How often each shard is searched for expired entities (see
     /// [`ExpirySettings`]); an entity is deleted within about this long
     /// after it expires, plus the time to delete those before it.
@@ -406,33 +377,12 @@ impl Default for CleanerSettings {
             backfill_health_slack_ms: 1.0,
             backfill_concurrency: 2,
             backfill_batch: 1000,
-            backfill_method: BackfillMethod::Upsert,
-            backfill_bulk_rows: 1_000_000,
             expiry_interval_ms: 1000,
             tombstone_retention_secs: 7 * 86_400,
             purge_interval_ms: 60_000,
             index_tombstone_retention_secs: 600,
         }
     }
-}
-
-/// How a backfill writes a new index's rows.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum BackfillMethod {
-    /// Multi-row upserts into the index table as the entities are scanned,
-    /// with a saved cursor: a stopped backfill resumes where it was, and
-    /// the pace (`backfill_rate`, `backfill_follow_health`) holds throughout.
-    #[default]
-    Upsert,
-    /// Every row computed first, sorted, and loaded with `LOAD DATA LOCAL
-    /// INFILE` into an empty copy of the index table, which is then swapped
-    /// in; what the live indexer wrote meanwhile is merged into it by
-    /// version (`storage::bulk`). Faster; a stopped backfill starts its
-    /// unswapped shards again, the pace holds only for the scan, and no
-    /// move may run meanwhile (it holds the mover's lock). Needs
-    /// `local_infile` on the servers.
-    Bulk,
 }
 
 /// Expiry (TTL), off by default.

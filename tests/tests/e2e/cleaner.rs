@@ -184,116 +184,6 @@ async fn a_backfill_killed_half_way_resumes_from_its_cursor_and_ends_exact() {
     reader.terminate().await;
 }
 
-fn link2(i: usize) -> String {
-    format!("http://friendfeed.com/e2/{i:06}")
-}
-
-/// Tables named `name` on each shard.
-async fn tables_named(env: &TestEnv, name: &str) -> usize {
-    let found: Vec<(usize, (String,))> = env
-        .fetch_all_shards(&format!(
-            "SELECT table_name FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = '{name}'"
-        ))
-        .await;
-    found.len()
-}
-
-/// `cleaner.backfill_method = "bulk"`: a run killed mid-scan leaves its
-/// loaded copy, the next run drops it and loads again; live updates,
-/// deletes and creations before and during the backfill (the indexer
-/// writes them into the live table, which is merged into the loaded one
-/// by version at the swap) end in an index with exactly one row per
-/// entity, under its latest link.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_bulk_backfill_swaps_in_a_loaded_table_merges_live_writes_and_ends_exact() {
-    let mut env = TestEnv::new("bulk", STANDARD_INDEXES).await;
-    env.migrate().await;
-    let writer = env.spawn(&["writer"]).await;
-    let api = writer.api();
-    load(&api, 3000).await;
-    env.indexes_toml.push_str(INDEX_LINK);
-    env.migrate().await;
-    let indexer = env.spawn(&["indexer", "--index", "index_link"]).await;
-    // Before the backfill: the indexer writes these into the live table.
-    for i in 0..100 {
-        assert_eq!(api.put(&id(i), &json!({"link": link2(i)})).await.0, 200);
-    }
-    for i in 100..150 {
-        assert_eq!(api.delete(&id(i)).await.0, 200);
-    }
-    for i in 3000..3100 {
-        assert_eq!(api.put(&id(i), &json!({"link": link(i)})).await.0, 201);
-    }
-    let bulk = [("BAGSTORE_CLEANER__BACKFILL_METHOD", "bulk")];
-    let backfill = |rate: &str, log: &str| {
-        let mut cmd = bagstore_tests::command(bagstore_bin());
-        cmd.args(env.args(&["cleaner", "--index", "index_link", "--rate", rate]))
-            .envs(bulk)
-            .env("BAGSTORE_CLEANER__BACKFILL_BATCH", "50")
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::fs::File::create(env.dir.path().join(log)).unwrap())
-            .kill_on_drop(true);
-        cmd.spawn().unwrap()
-    };
-
-    // A first run, killed while it scans (3100 entities at 500 a second).
-    let mut first = backfill("500", "first-bulk.log");
-    eventually("the first run to create its loaded copy", Duration::from_secs(30), || async {
-        (tables_named(&env, "index_link__bulk").await == 2).then_some(())
-    })
-    .await;
-    first.kill().await.unwrap();
-    assert_eq!(meta_row(&env, "index_link").await.0, "BACKFILLING");
-    assert_eq!(tables_named(&env, "index_link__live").await, 0, "killed before any swap");
-
-    // The second run, with writes while it scans (at 1000 a second).
-    let second = backfill("1000", "second-bulk.log");
-    for i in 200..300 {
-        assert_eq!(api.put(&id(i), &json!({"link": link2(i)})).await.0, 200);
-    }
-    for i in 300..320 {
-        assert_eq!(api.delete(&id(i)).await.0, 200);
-    }
-    for i in 3100..3150 {
-        assert_eq!(api.put(&id(i), &json!({"link": link(i)})).await.0, 201);
-    }
-    let out =
-        tokio::time::timeout(Duration::from_secs(60), second.wait_with_output()).await.unwrap().unwrap();
-    let log = std::fs::read_to_string(env.dir.path().join("second-bulk.log")).unwrap();
-    assert!(out.status.success(), "{}{log}", String::from_utf8_lossy(&out.stdout));
-    assert!(log.contains("bulk backfill loaded; swapping in"), "{log}");
-    assert_eq!(meta_row(&env, "index_link").await.0, "ACTIVE");
-    assert_eq!(tables_named(&env, "index_link__bulk").await, 0);
-    assert_eq!(tables_named(&env, "index_link__live").await, 0);
-
-    eventually("the indexer to catch up", Duration::from_secs(30), || async {
-        env.caught_up(&["index_link"]).await.then_some(())
-    })
-    .await;
-    // Exact: one live row per live entity, under its latest link.
-    let live = 3150 - 50 - 20;
-    assert_eq!(env.count_rows("index_link").await, live);
-    let reader = env.spawn(&["reader"]).await;
-    let rapi = reader.api();
-    let current = |i: usize| if i < 100 || (200..300).contains(&i) { link2(i) } else { link(i) };
-    let gone = |i: usize| (100..150).contains(&i) || (300..320).contains(&i);
-    for chunk in (0..3150).step_by(525) {
-        let range = chunk..chunk + 525;
-        let links: Vec<String> = range.clone().map(current).collect();
-        let want: Vec<String> = range.clone().filter(|i| !gone(*i)).map(id).collect();
-        let want: Vec<&str> = want.iter().map(String::as_str).collect();
-        let q = json!({"index": "index_link", "where": {"link": {"in": links}}, "limit": 1000});
-        until_query_is(&rapi, &q, &want).await;
-    }
-    until_query_is(&rapi, &by_links(0..100), &[]).await;
-    for r in env.index_row_locations("index_link").await {
-        assert!(r.given.is_none() || r.given == r.actual, "{r:?}");
-    }
-    for p in [writer, reader, indexer] {
-        p.terminate().await;
-    }
-}
-
 /// The backfill's pace (`bagstore_cleaner_backfill_pace_rows_per_second`)
 /// as the cleaner reports it.
 async fn pace(cleaner: &bagstore_tests::Proc) -> f64 {
@@ -576,25 +466,7 @@ async fn a_dropped_index_stops_being_maintained_and_can_be_added_again() {
 /// "missing" with no move or broker fault to explain it.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_write_transaction_holds_the_settled_time_at_its_start() {
-    open_transaction_holds_the_settled_time(TestEnv::new("settledopen", STANDARD_INDEXES).await, false).await;
-}
-
-/// The same with the outbox in the binary log, where shard 0's relay's
-/// `through_us` (every write stamped before it is published) must also
-/// stay before the open transaction, round after round. (Before, it was
-/// the clock when the relay read the log's end: a write stamped before
-/// that read and committed after it counted as published while it was
-/// not, and a chaos run with the binary-log outbox counted a row "missing".)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_the_binlog_outbox_an_open_write_transaction_holds_the_settled_time_at_its_start() {
-    open_transaction_holds_the_settled_time(
-        TestEnv::with_binlog_outbox("settledlog", STANDARD_INDEXES).await,
-        true,
-    )
-    .await;
-}
-
-async fn open_transaction_holds_the_settled_time(env: TestEnv, binlog: bool) {
+    let env = TestEnv::new("settledopen", STANDARD_INDEXES).await;
     let dev =
         env.spawn_env(&["dev", "--http", "127.0.0.1:0"], &[("BAGSTORE_CLEANER__INTERVAL_MS", "200")]).await;
     let api = dev.api();
@@ -630,13 +502,6 @@ async fn open_transaction_holds_the_settled_time(env: TestEnv, binlog: bool) {
         .fetch_one(&mut *tx)
         .await
         .unwrap();
-    let through = || async {
-        let us: i64 = sqlx::query_scalar("SELECT through_us FROM bagstore_relay_log WHERE id = 1")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-        us as f64 / 1e6
-    };
     let hold_until = Instant::now() + Duration::from_secs(5);
     let mut highest = first;
     while Instant::now() < hold_until {
@@ -644,13 +509,6 @@ async fn open_transaction_holds_the_settled_time(env: TestEnv, binlog: bool) {
         let s = settled(&api.metrics().await);
         highest = highest.max(s);
         assert!(s <= opened, "the settled time {s} passed the start {opened} of a transaction still open");
-        if binlog {
-            let t = through().await;
-            assert!(
-                t <= opened,
-                "the relay's through_us {t} passed the start {opened} of a transaction still open"
-            );
-        }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     tx.rollback().await.unwrap();
@@ -664,9 +522,6 @@ async fn open_transaction_holds_the_settled_time(env: TestEnv, binlog: bool) {
         write().await;
         after = settled(&api.metrics().await);
         tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    if binlog {
-        assert!(through().await > opened, "the relay's through_us moves on once the transaction ended");
     }
     pool.close().await;
     eprintln!(

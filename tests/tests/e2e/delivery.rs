@@ -6,7 +6,6 @@ use bagstore_tests::{eventually, metric_sum, until_query_is, TestEnv, STANDARD_I
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use schemas::event::ChangeEvent;
-use schemas::settings::Outbox;
 use serde_json::json;
 use std::collections::HashMap;
 use std::time::Duration;
@@ -53,18 +52,7 @@ fn read_topic(env: &TestEnv) -> Vec<ChangeEvent> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_committed_while_kafka_is_down_survive_a_writer_crash_and_are_indexed_in_order() {
-    outage_and_writer_crash(TestEnv::new("outage", STANDARD_INDEXES).await).await;
-}
-
-/// The same with the outbox in the binary log (`writer.outbox = "binlog"`):
-/// nothing is stored in an outbox table, and the second writer's relay
-/// reads the events the first one never published back from the log.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_the_binlog_outbox_writes_committed_while_kafka_is_down_survive_a_writer_crash_in_order() {
-    outage_and_writer_crash(TestEnv::with_binlog_outbox("outagelog", STANDARD_INDEXES).await).await;
-}
-
-async fn outage_and_writer_crash(env: TestEnv) {
+    let env = TestEnv::new("outage", STANDARD_INDEXES).await;
     env.migrate().await;
     let indexer = env.spawn(&["indexer"]).await;
     let reader = env.spawn(&["reader"]).await;
@@ -87,17 +75,8 @@ async fn outage_and_writer_crash(env: TestEnv) {
         }
     }
     // Committed, acknowledged, and not published: the events wait in the
-    // outbox table, or (binlog mode) in the binary log only.
-    match env.outbox {
-        Outbox::Table => assert_eq!(env.count_rows("outbox").await, (3 * N) as i64),
-        Outbox::Binlog => {
-            assert_eq!(env.count_rows("outbox").await, 0);
-            assert_eq!(env.count_rows("outbox_log").await, 0, "a BLACKHOLE table stores nothing");
-            let places: Vec<(usize, (String, u64, i64))> =
-                env.fetch_all_shards("SELECT file, pos, through_us FROM bagstore_relay_log").await;
-            assert!(!env.caught_up(&[]).await, "unpublished writes counted as published: {places:?}");
-        }
-    }
+    // outbox table.
+    assert_eq!(env.count_rows("outbox").await, (3 * N) as i64);
 
     // The writer dies between commit and publish.
     writer.kill9().await;
@@ -131,104 +110,7 @@ async fn outage_and_writer_crash(env: TestEnv) {
     let m = writer2.api().metrics().await;
     assert!(metric_sum(&m, "bagstore_writer_events_published_total", &[]) >= (3 * N) as f64, "{m}");
     assert_eq!(metric_sum(&m, "bagstore_writer_relay_leader", &[]), 2.0, "this writer leads both shards");
-    if env.outbox == Outbox::Binlog {
-        // Each shard's relay saved its place, and a time before which every
-        // write is published.
-        let places: Vec<(usize, (String, u64, i64))> =
-            env.fetch_all_shards("SELECT file, pos, through_us FROM bagstore_relay_log").await;
-        assert_eq!(places.len(), 2, "{places:?}");
-        assert!(
-            places.iter().all(|(_, (file, pos, through))| !file.is_empty() && *pos > 4 && *through > 0),
-            "{places:?}"
-        );
-    }
     writer2.terminate().await;
-    indexer.terminate().await;
-    reader.terminate().await;
-}
-
-/// `writer.outbox` switched both ways on one cluster, each time with the
-/// previous mode's events unpublished (the broker down, the writer killed):
-/// a binlog-mode writer first publishes what the outbox table holds, and a
-/// table-mode writer first publishes the binary log from the saved place,
-/// then forgets the place. Every version reaches the topic in order.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn switching_the_outbox_mode_publishes_what_the_other_mode_left() {
-    let env = TestEnv::with_binlog_outbox("switch", STANDARD_INDEXES).await;
-    env.migrate().await;
-    let table_mode = [("BAGSTORE_WRITER__OUTBOX", "table")];
-    let indexer = env.spawn(&["indexer"]).await;
-    let reader = env.spawn(&["reader"]).await;
-    const N: usize = 6;
-    let write_all = |api: bagstore_tests::Api, v: usize| async move {
-        for i in 0..N {
-            let (s, b) = api.put(&entity_id(i), &json!({"user_id": user_id(i, v), "n": v})).await;
-            assert!(s == 200 || s == 201, "{b}");
-            assert_eq!(b["version"], v);
-        }
-    };
-
-    // Version 1 in table mode, left in the outbox table.
-    env.kafka.broker_down(1).unwrap();
-    let writer = env.spawn_env(&["writer"], &table_mode).await;
-    write_all(writer.api(), 1).await;
-    assert_eq!(env.count_rows("outbox").await, N as i64);
-    writer.kill9().await;
-
-    // A binlog-mode writer publishes them; version 2 is then left in the log only.
-    let writer = env.spawn(&["writer"]).await;
-    env.kafka.broker_up(1).unwrap();
-    eventually(
-        "the binlog-mode relay to publish the outbox table's rows",
-        Duration::from_secs(60),
-        || async { (env.count_rows("outbox").await == 0).then_some(()) },
-    )
-    .await;
-    env.kafka.broker_down(1).unwrap();
-    write_all(writer.api(), 2).await;
-    assert_eq!(env.count_rows("outbox").await, 0, "binlog mode stores no outbox rows");
-    writer.kill9().await;
-    let places: Vec<(usize, (String, u64))> =
-        env.fetch_all_shards("SELECT file, pos FROM bagstore_relay_log").await;
-    assert_eq!(places.len(), 2, "each shard has a saved place: {places:?}");
-
-    // A table-mode writer publishes version 2 from the log and forgets the
-    // place; version 3 goes through its outbox table.
-    let writer = env.spawn_env(&["writer"], &table_mode).await;
-    env.kafka.broker_up(1).unwrap();
-    eventually(
-        "the table-mode relay to publish the log and forget its place",
-        Duration::from_secs(60),
-        || async {
-            let places: Vec<(usize, (String,))> =
-                env.fetch_all_shards("SELECT file FROM bagstore_relay_log").await;
-            places.is_empty().then_some(())
-        },
-    )
-    .await;
-    write_all(writer.api(), 3).await;
-    eventually("the outbox table to drain", Duration::from_secs(60), || async {
-        (env.count_rows("outbox").await == 0).then_some(())
-    })
-    .await;
-
-    let rapi = reader.api();
-    for i in 0..N {
-        until_query_is(&rapi, &json!({"where": {"user_id": user_id(i, 3)}}), &[&entity_id(i)]).await;
-        until_query_is(&rapi, &json!({"where": {"user_id": user_id(i, 2)}}), &[]).await;
-    }
-    let events = read_topic(&env);
-    let mut per_entity: HashMap<String, Vec<u64>> = HashMap::new();
-    for e in &events {
-        per_entity.entry(e.id.to_hex()).or_default().push(e.version);
-    }
-    assert_eq!(per_entity.len(), N, "{per_entity:?}");
-    for (id, versions) in per_entity {
-        let mut dedup = versions.clone();
-        dedup.dedup();
-        assert_eq!(dedup, vec![1, 2, 3], "entity {id}: versions on the topic {versions:?}");
-    }
-    writer.terminate().await;
     indexer.terminate().await;
     reader.terminate().await;
 }

@@ -32,6 +32,8 @@
 //!   from it running the seed's scenario.
 //! - `console`: the operator console in headless chromium.
 //! - `bench_quick`: the benchmark's smoke run.
+//! - `upgrade`: what removed features left, dropped by `migrate` once it
+//!   loses nothing; removed settings refused.
 
 mod auth;
 mod backpressure;
@@ -59,3 +61,4 @@ mod queries;
 mod shards;
 mod shutdown;
 mod tls;
+mod upgrade;

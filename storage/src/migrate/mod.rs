@@ -1,14 +1,16 @@
 //! Creating what a cluster needs: databases, the base tables, index tables;
-//! every step "if missing", so migrating twice is harmless.
+//! every step "if missing", so migrating twice is harmless. [`upgrade`]
+//! removes what earlier releases left, once that loses nothing.
 
 use schemas::index::IndexSpec;
 use schemas::settings::Dsn;
 use sqlx::mysql::MySqlPool;
 
+use crate::ddl;
 use crate::error::{OnShard, Result};
 use crate::shards::{dedicated_connection, split_database, META_SHARD};
-use crate::{ddl, relay_log};
-use schemas::settings::Outbox;
+
+pub mod upgrade;
 
 /// Creates the shard's database if the DSN names one that is missing.
 pub async fn create_database(shard: usize, dsn: &Dsn) -> Result<()> {
@@ -48,25 +50,6 @@ pub async fn create_base_tables(shard: usize, pool: &MySqlPool) -> Result<()> {
         add_column(shard, pool, "bagstore_partition_claims", "gen", ddl::CLAIM_GEN_COLUMN).await?;
     }
     Ok(())
-}
-
-/// What the configured outbox needs on a shard: in binlog mode a server
-/// that logs rows in full, the `BLACKHOLE` table `outbox_log` (an error
-/// naming the engine if the server lacks it), and the relay's starting
-/// place (see `relay_log::ensure_start`). Nothing in table mode.
-pub async fn prepare_outbox(shard: usize, pool: &MySqlPool, outbox: Outbox) -> Result<()> {
-    if outbox == Outbox::Table {
-        return Ok(());
-    }
-    let mut conn = pool.acquire().await.on(shard)?;
-    relay_log::check_server(shard, &mut conn).await?;
-    sqlx::query(&ddl::outbox_log()).execute(&mut *conn).await.map_err(|e| {
-        crate::error::StoreError::BadTopology(format!(
-            "shard {shard}: writer.outbox = \"binlog\" needs the BLACKHOLE engine \
-             (plugin_load_add = ha_blackhole in the server's configuration): {e}"
-        ))
-    })?;
-    relay_log::ensure_start(shard, &mut conn).await
 }
 
 /// Creates the index table, or brings an older one up to date: a table
@@ -181,12 +164,9 @@ async fn fill_index_batch(shard: usize, pool: &MySqlPool, spec: &IndexSpec, l: u
     Ok(rows.len() as u64)
 }
 
-/// Drops an index table, and the copies a bulk backfill may have left
-/// (`crate::bulk`).
+/// Drops an index table.
 pub async fn drop_index_table(shard: usize, pool: &MySqlPool, table: &str) -> Result<()> {
     debug_assert!(schemas::names::is_valid_identifier(table));
-    for t in [table.to_string(), crate::bulk::bulk_table(table), crate::bulk::live_table(table)] {
-        sqlx::query(&format!("DROP TABLE IF EXISTS `{t}`")).execute(pool).await.on(shard)?;
-    }
+    sqlx::query(&format!("DROP TABLE IF EXISTS `{table}`")).execute(pool).await.on(shard)?;
     Ok(())
 }
