@@ -244,6 +244,7 @@ impl Shared {
 mod expiry;
 mod faults;
 mod load;
+pub mod matrix;
 mod report;
 
 use expiry::*;

@@ -1,0 +1,119 @@
+//! The combinations the chaos suite runs, one test each in
+//! `tests/tests/chaos.rs`: a broker (librdkafka's mock cluster, or a
+//! standalone tansu process that can be killed) times the way indexers get
+//! their partitions (the broker's group protocol, or member leases on the
+//! metadata shard; see `indexer.assignment`).
+//!
+//! tansu runs leases only. tansu 0.6.0's group coordinator keeps a dead
+//! member as the group's leader when another member's heartbeat ends its
+//! session, and the group then never forms again (docs/design-notes.md,
+//! "tansu's coordinator"): on tansu the group protocol is not a way bagstore
+//! can be run, so it is not a combination to prove.
+
+use schemas::settings::Assignment;
+
+use super::{ChaosConfig, Fault};
+use crate::{TestEnv, STANDARD_INDEXES};
+
+/// Where the suite's Kafka comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Broker {
+    /// librdkafka's mock cluster, in the test process (fault: the broker
+    /// down for a while).
+    Mock,
+    /// A tansu 0.6.0 process on PostgreSQL storage (fault: `kill -9` and a
+    /// restart on its data).
+    Tansu,
+}
+
+/// One cell of the matrix.
+#[derive(Debug, Clone, Copy)]
+pub struct Combination {
+    /// The test's name suffix and the databases' and topics' prefix.
+    pub name: &'static str,
+    pub broker: Broker,
+    pub assignment: Assignment,
+    pub faults: &'static [Fault],
+    /// Faults of each kind (`BAGSTORE_CHAOS_FAULTS` overrides it).
+    pub per_kind: usize,
+}
+
+/// Every fault the mock cluster can take. Moves run on the mock cluster
+/// only: they exercise MySQL, not the broker, and once is enough per run of
+/// the matrix's time budget.
+const MOCK_FAULTS: &[Fault] =
+    &[Fault::IndexerKill, Fault::WriterKill, Fault::BrokerOutage, Fault::MysqlKill, Fault::Move];
+const TANSU_FAULTS: &[Fault] = &[Fault::BrokerKill, Fault::IndexerKill, Fault::WriterKill, Fault::MysqlKill];
+
+/// The matrix. Each combination is a test of its own in
+/// `tests/tests/chaos.rs` (`scripts/test` times each).
+pub const MATRIX: [Combination; 3] = [
+    Combination {
+        name: "mock_group",
+        broker: Broker::Mock,
+        assignment: Assignment::Group,
+        faults: MOCK_FAULTS,
+        per_kind: 5,
+    },
+    Combination {
+        name: "mock_leases",
+        broker: Broker::Mock,
+        assignment: Assignment::Leases,
+        faults: MOCK_FAULTS,
+        per_kind: 5,
+    },
+    Combination {
+        name: "tansu_leases",
+        broker: Broker::Tansu,
+        assignment: Assignment::Leases,
+        faults: TANSU_FAULTS,
+        per_kind: 3,
+    },
+];
+
+/// One chaos run at a time in a test process: each wants the machine
+/// (its timings are real), and a test binary runs its tests in parallel.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Runs the suite for the combination called `name`.
+pub async fn run(name: &str) {
+    let c = MATRIX.iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no combination {name:?}"));
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let mut toml = STANDARD_INDEXES.to_string();
+    if c.broker == Broker::Mock {
+        // librdkafka's mock broker sometimes holds a group's OffsetCommit
+        // response while that group rebalances; the member's later
+        // requests queue behind it until the client's socket timeout (60 s
+        // by default) fails it. A 10 s timeout keeps a rebalance under
+        // ~20 s here; a real broker answers such a commit at once
+        // (REBALANCE_IN_PROGRESS).
+        toml.push_str("\n[kafka.options]\n\"socket.timeout.ms\" = \"10000\"\n");
+    }
+    if c.assignment == Assignment::Leases {
+        toml.push_str("\n[indexer]\nassignment = \"leases\"\n");
+    }
+    let test_name = format!("chaos{}", c.name.replace('_', ""));
+    let mut env = match c.broker {
+        Broker::Mock => TestEnv::new(&test_name, &toml).await,
+        Broker::Tansu => TestEnv::with_tansu(&test_name, &toml).await,
+    };
+    eprintln!("chaos combination {}: {:?} broker, {:?} assignment", c.name, c.broker, c.assignment);
+    super::run(&mut env, ChaosConfig::from_env(c.faults, c.per_kind)).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tansu_runs_leases_only_and_every_combination_is_named_once() {
+        assert!(MATRIX
+            .iter()
+            .filter(|c| c.broker == Broker::Tansu)
+            .all(|c| c.assignment == Assignment::Leases));
+        let mut names: Vec<&str> = MATRIX.iter().map(|c| c.name).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), MATRIX.len());
+    }
+}
