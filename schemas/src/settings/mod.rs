@@ -1,13 +1,20 @@
-//! Typed configuration: a TOML file, then `BAGSTORE_<SECTION>__<KEY>`
+//! Typed configuration: one TOML file, then `BAGSTORE_<SECTION>__<KEY>`
 //! environment variables on top (`BAGSTORE_KAFKA__BROKERS=kafka:9092`).
-//! Deeper keys nest with more `__`. A value is read as TOML when it parses
-//! as one (`8`, `true`, `["a","b"]`) and as a plain string otherwise.
-//! Variables without `__` are not settings and are ignored.
+//! Deeper keys nest with more `__` (`BAGSTORE_KAFKA__OPTIONS__SASL.PASSWORD`).
+//! A value is read as TOML when it parses as one (`8`, `true`, `["a","b"]`)
+//! and as a plain string otherwise. Variables without `__` are not settings
+//! and are ignored.
+//!
+//! Every field's doc comment is its entry in the configuration reference,
+//! `docs/configuration.md`, which `schemas/src/settings/reference.rs`
+//! generates and checks: a setting without one fails that test.
 
 use serde::{Deserialize, Serialize};
 
 use crate::index::IndexSpec;
 
+#[cfg(test)]
+mod reference;
 mod secrets;
 mod sections;
 
@@ -78,6 +85,23 @@ pub struct Settings {
     pub mover: MoverSettings,
     #[serde(default)]
     pub auth: AuthSettings,
+    /// The secondary indexes, one `[[indexes]]` table each, in the file
+    /// only (no environment variable sets them). Each has:
+    ///
+    /// - `table`: the index table's name, `[a-z][a-z0-9_]{0,63}`;
+    /// - `properties`: the indexed properties in order, each `{ name, type }`
+    ///   with `type` one of `uuid`, `string` (with `max_len`, in characters,
+    ///   default 255), `int`, `float`, `bool`;
+    /// - `shard_on`: the property whose value picks the shard of an index
+    ///   row (default: the first property);
+    /// - `match_on`: equality conditions an entity must meet to be in the
+    ///   index (a partial index), e.g. `match_on = { kind = "post" }`.
+    ///
+    /// An entity that lacks an indexed property is not in the index; an
+    /// array value is indexed once per element. A new index is created by
+    /// `bagstore migrate` and filled by the cleaner's backfill; a changed
+    /// definition is refused (drop it, or use a new table name). See
+    /// `docs/operations.md`, "Adding and dropping an index".
     #[serde(default)]
     pub indexes: Vec<IndexSpec>,
 }

@@ -13,7 +13,7 @@ pub struct AuthSettings {
     /// Writes: `POST/PUT/DELETE /v1/entities…`.
     #[serde(deserialize_with = "secrets_list_or_csv")]
     pub write_tokens: Vec<Secret>,
-    /// Reads: entity gets, queries, index list, lag.
+    /// Reads: entity gets, queries, the index list, lag and shards.
     #[serde(deserialize_with = "secrets_list_or_csv")]
     pub read_tokens: Vec<Secret>,
     /// Index administration (`DELETE /v1/indexes/{table}`), and everything else.
@@ -23,6 +23,8 @@ pub struct AuthSettings {
     pub protect_metrics: bool,
 }
 
+/// The MySQL (or MariaDB) shards, one database per physical shard. Which
+/// logical shards each holds is the cluster's map, kept in the database.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MysqlSettings {
@@ -37,9 +39,12 @@ pub struct MysqlSettings {
     /// `schemas::shard::DEFAULT_LOGICAL_SHARDS`); for an existing one, if
     /// given, it must be the number the cluster was created with.
     pub logical_shards: Option<u16>,
-    /// Pool size per shard and process; the hot-path connections
-    /// ([`crate::conns`]) have their own cap of the same size.
+    /// Pool size per shard and process; the hot-path connections (commits
+    /// and the reader's statements, `storage::conns`) have their own cap of
+    /// the same size.
     pub max_connections: u32,
+    /// How long a starting process waits for the shards' databases to
+    /// answer, and a statement for a free pooled connection.
     pub connect_timeout_ms: u64,
     /// How often a running process checks the map's epoch (and reloads it
     /// when it moved) and reports the epoch it routes with.
@@ -58,11 +63,15 @@ impl Default for MysqlSettings {
     }
 }
 
-/// Debug output redacts secret `options` (see [`is_secret_kafka_option`]).
+/// The Kafka cluster every process talks to, and the internal change topic
+/// (bagstore's own events, lz4 + bincode). Secret `options` never appear in
+/// logs or Debug output (see [`is_secret_kafka_option`]).
 #[derive(Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct KafkaSettings {
-    /// bootstrap.servers
+    /// Bootstrap servers, `host:port` comma-separated (librdkafka's
+    /// `bootstrap.servers`). Every service needs it; `bagstore dev` runs an
+    /// embedded broker when it is empty.
     pub brokers: String,
     /// The change-event topic; undecodable events go to `<topic>.dlq`.
     pub topic: String,
@@ -71,14 +80,23 @@ pub struct KafkaSettings {
     /// Replicas `bagstore migrate` creates the topics with: 3, what a
     /// production Kafka cluster needs to lose a broker without losing
     /// events; a single-broker cluster (`dev`, the example compose) sets 1.
+    /// `migrate` says so when the cluster has fewer brokers.
     pub replication_factor: i32,
-    /// Put before every consumer group id (`<prefix>bagstore-index-<table>`),
-    /// so environments that share a Kafka cluster keep their groups apart.
+    /// Put before every consumer group id (`<prefix>bagstore-index-<table>`,
+    /// `<prefix>bagstore-ingest`), so environments that share a Kafka
+    /// cluster keep their groups apart. At most 100 of `a-z`, `A-Z`, `0-9`,
+    /// `.`, `_` and `-`.
     pub group_prefix: String,
-    /// Consumer session timeout: how long a dead indexer holds its partitions.
+    /// Consumer session timeout: how long a dead indexer (or ingest
+    /// consumer) holds its partitions on the group protocol; with member
+    /// leases it is the lease's length. Measured recovery after a `kill -9`:
+    /// about this plus the broker's rebalance wait on the group protocol,
+    /// about this alone with leases.
     pub session_timeout_ms: u64,
     /// How long the relay waits for a round's acknowledgements before it
-    /// drops its producer and sends the unacknowledged rows again.
+    /// drops its producer and sends the unacknowledged rows again with a new
+    /// one (librdkafka itself never times a message out: a later version
+    /// could then overtake it).
     pub message_timeout_ms: u64,
     /// Extra librdkafka properties for every client (e.g. `security.protocol`,
     /// `ssl.ca.location`, `sasl.password`, `debug`), applied last. This is
@@ -147,11 +165,15 @@ impl Default for KafkaSettings {
     }
 }
 
+/// Every process's HTTP listener: the API, `/metrics`, `/health` and the
+/// operator console.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct HttpSettings {
+    /// Listen address, `host:port` (`--http` on the command line overrides it).
     pub addr: String,
-    /// How long a stopping server waits for requests in flight.
+    /// How long a stopping server waits for requests in flight; the relays
+    /// drain the outbox for half of it.
     pub shutdown_grace_ms: u64,
     /// How long a client may take to send a request body, counted from the
     /// end of its headers. A slower (or stalled) client gets 408 and its
@@ -171,6 +193,8 @@ impl Default for HttpSettings {
     }
 }
 
+/// The writer: the write API, group commit, the outbox relay and Kafka
+/// ingest.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct WriterSettings {
@@ -185,14 +209,17 @@ pub struct WriterSettings {
     pub relay_poll_ms: u64,
     /// Transactions in flight per shard for single writes; a slot that comes
     /// free commits every single write queued meanwhile in one transaction
-    /// (group commit).
+    /// (group commit). 1 makes bigger groups; 4 measured 2× slower on two
+    /// cores.
     pub commit_slots: usize,
     /// Most writes (a batch counts each entity) this process holds at once,
     /// queued or committing; beyond it a write is answered 429 with
-    /// `Retry-After`, so a flood costs bounded memory.
+    /// `Retry-After`, so a flood costs bounded memory. At least
+    /// `writer.max_batch`.
     pub max_pending_writes: usize,
     /// How long an `Idempotency-Key` is remembered: a retry within it gets
-    /// the first answer and writes nothing.
+    /// the first answer and writes nothing. The cleaner purges older
+    /// records once a minute.
     pub idempotency_window_secs: u64,
     /// Test drill: exit the process right after committing a write that
     /// carries an `Idempotency-Key`, before answering (a crash between
@@ -215,6 +242,8 @@ impl Default for WriterSettings {
     }
 }
 
+/// Index maintenance: the indexers of an index consume the change topic as
+/// one consumer group, `<kafka.group_prefix>bagstore-index-<table>`.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct IndexerSettings {
@@ -225,16 +254,23 @@ pub struct IndexerSettings {
     /// Ceiling of the retry backoff after a database error.
     pub retry_max_ms: u64,
     /// The index consumers' `fetch.wait.max.ms`: how long a broker may hold
-    /// a fetch that found nothing. Unset: [`EMBEDDED_FETCH_WAIT_MS`] on
-    /// `bagstore dev`'s embedded broker, [`FETCH_WAIT_MS`] on any other.
+    /// a fetch that found nothing. Unset: 5 ms on `bagstore dev`'s embedded
+    /// broker ([`EMBEDDED_FETCH_WAIT_MS`]), 20 ms on any other
+    /// ([`FETCH_WAIT_MS`]). librdkafka's mock cluster and tansu 0.6 hold
+    /// every fetch for the whole wait, so there index lag includes it;
+    /// Apache Kafka answers as soon as data arrives, so there it only sets
+    /// how often an idle consumer asks.
     pub fetch_wait_ms: Option<u64>,
     /// Who gives the index consumers their partitions: the broker's group
     /// protocol, or the indexers themselves by leases on the metadata shard.
+    /// Use leases on tansu 0.6, whose coordinator can keep a dead leader.
     pub assignment: Assignment,
     /// With leases: this indexer's member name, stable across restarts
     /// (Kubernetes: the pod's name). A process that starts under a name
     /// takes its partitions at once. Unset: a name of its own per process,
-    /// so a restarted one is a new member.
+    /// so a restarted one is a new member. 1 to 255 printable characters,
+    /// unique among live processes: a second process under a taken name
+    /// takes it, and the first stops applying and reports not ready.
     pub member: Option<String>,
 }
 
@@ -293,18 +329,25 @@ impl Default for IndexerSettings {
     }
 }
 
+/// The reader: point reads, batch gets and queries.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ReaderSettings {
+    /// Page size of a query that gives no `limit`.
     pub default_limit: usize,
+    /// Largest `limit` a query may ask for (more is a 400).
     pub max_limit: usize,
-    /// Most values in one `in` list, and most index keys one query may expand to.
+    /// Most values in one `in` list, and most index keys one query may
+    /// expand to (more is a 400).
     pub max_in: usize,
+    /// Most ids in one `POST /v1/entities/get` (more is a 400).
     pub max_batch_get: usize,
-    /// Longest a query may take, including a `consistent_with` wait.
+    /// Longest a query may take, including a `consistent_with` wait (then
+    /// 504).
     pub query_timeout_ms: u64,
     /// Entity locations (id → the row's clustered key) remembered, so a
-    /// fetch by id takes one B-tree descent instead of two (0: off).
+    /// fetch by id takes one B-tree descent instead of two; about 40 bytes
+    /// each (0: off). Queries take locations from the index rows instead.
     pub location_cache: usize,
     /// Most reads (gets, batch gets, queries) served at once; beyond it a
     /// read is answered 429 with `Retry-After`.
@@ -325,6 +368,8 @@ impl Default for ReaderSettings {
     }
 }
 
+/// The cleaner: drift repair, backfills of new indexes, expiry, tombstone
+/// purges, the index lag measurement, and moves left in flight.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CleanerSettings {
@@ -350,7 +395,7 @@ pub struct CleanerSettings {
     /// Entities per backfill batch.
     pub backfill_batch: usize,
     /// How often each shard is searched for expired entities (see
-    /// [`ExpirySettings`]); an entity is deleted within about this long
+    /// `expiry.property`); an entity is deleted within about this long
     /// after it expires, plus the time to delete those before it.
     pub expiry_interval_ms: u64,
     /// Tombstones (deleted entities' rows) older than this are purged
@@ -390,12 +435,13 @@ impl Default for CleanerSettings {
 #[serde(deny_unknown_fields, default)]
 pub struct ExpirySettings {
     /// The property holding an entity's expiry time in Unix seconds
-    /// (`None`: nothing expires). Reads hide an entity from that instant
+    /// (unset: nothing expires). Reads hide an entity from that instant
     /// on; the cleaner deletes it within `cleaner.expiry_interval_ms`.
     pub property: Option<String>,
 }
 
-/// The public change stream (see `crate::changes`), on by default.
+/// The public change stream: every committed write as JSON in Debezium's
+/// shape, for consumers outside bagstore (`docs/api.md`), on by default.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ChangesSettings {
@@ -412,8 +458,8 @@ impl Default for ChangesSettings {
 }
 
 /// Kafka ingest: producers write commands to `topic`; the writers consume
-/// them as one consumer group and apply each through the write path (see
-/// README "Kafka ingest (for producers)").
+/// them as one consumer group, `<kafka.group_prefix>bagstore-ingest`, and
+/// apply each through the write path (`docs/api.md`, "Kafka ingest").
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct IngestSettings {

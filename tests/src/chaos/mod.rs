@@ -3,9 +3,12 @@
 //! sweeping cleaner, each a separate `bagstore` process) while faults are
 //! injected, checked against DESIGN's invariants W, I and R.
 //!
-//! Written once, run against two brokers (`tests/tests/chaos.rs`):
-//! librdkafka's mock cluster (fault: broker down/up) and a standalone
-//! `tansu` process (fault: `kill -9` and restart with its data).
+//! Written once, run as a matrix of broker and partition assignment
+//! (`tests/tests/chaos.rs`): librdkafka's mock cluster (fault: broker
+//! down/up) with the group protocol and with member leases, and a
+//! standalone `tansu` process (fault: `kill -9` and restart with its data)
+//! with member leases, since tansu 0.6's coordinator can keep a dead
+//! leader (`docs/design-notes.md`).
 //!
 //! Faults ([`Fault`]), one at a time, in a seeded order, each healed before
 //! the next: `kill -9` of an indexer then a restart (the group rebalances);

@@ -1,8 +1,9 @@
 //! The end-to-end suites, one module each, in one test binary: one build
 //! and link instead of fifteen, and one pair of private MariaDB servers for
 //! all of them (every test still gets its own databases, topics and Kafka,
-//! so they run in parallel). The chaos suites are binaries of their own
-//! (`chaos.rs`, `chaos_tansu.rs`): long, and each wants the machine.
+//! so they run in parallel). The chaos matrix and the tests against the
+//! standalone broker are binaries of their own (`tests/tests/`): long, and
+//! each wants the machine. What each suite proves: `docs/testing.md`.
 //!
 //! - `pipeline`: the seed entity's lifecycle through every index kind.
 //! - `queries`: ordered pages, ranges, merges across shards, the planner.
@@ -18,6 +19,8 @@
 //!   protocol and member leases); leases after kills and restarts.
 //! - `idempotency`: keyed retries (single and batch) after a crash between
 //!   commit and answer.
+//! - `ingest`: Kafka ingest answers each command once, also when its
+//!   commands are delivered again after a crash.
 //! - `expiry`: expired entities hidden, then deleted; tombstone purge and
 //!   the version floor.
 //! - `health`: readiness with a frozen or stopped shard, or no broker.
@@ -34,6 +37,7 @@
 //! - `bench_quick`: the benchmark's smoke run.
 //! - `upgrade`: what removed features left, dropped by `migrate` once it
 //!   loses nothing; removed settings refused.
+//! - `docs`: every repository path the docs name exists (no servers).
 
 mod auth;
 mod backpressure;
@@ -46,6 +50,7 @@ mod config;
 mod console;
 mod convergence;
 mod delivery;
+mod docs;
 mod edges;
 mod expiry;
 mod group_commit;
