@@ -5,6 +5,7 @@
 //!
 //! Layout:
 //! - [`mariadb`]: private `mariadbd` servers (the shards).
+//! - [`replication`]: private replicated shards: accounts, replicas.
 //! - [`postgres`]: private PostgreSQL clusters (the kill tests' broker
 //!   stores in one).
 //! - [`supervise`]: the wrapper that ties a server's life to ours.
@@ -17,4 +18,5 @@ pub mod fds;
 pub mod kafka;
 pub mod mariadb;
 pub mod postgres;
+pub mod replication;
 mod supervise;

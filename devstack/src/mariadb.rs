@@ -44,6 +44,51 @@ pub struct MariaDbOptions {
     pub innodb_buffer_pool_size: Option<String>,
     /// Further `--option=value` server flags, appended last so they win.
     pub extra_args: Vec<String>,
+    /// Runs as a server of a replicated shard (see [`Replicated`]); `None`:
+    /// a lone server without a binary log.
+    pub replicated: Option<Replicated>,
+}
+
+/// How a private server of a replicated shard runs. Every server runs
+/// with what any role needs, so a replica can be promoted and a primary
+/// can rejoin as a replica: the binary log in ROW format with GTID strict
+/// mode and `log_slave_updates`, semi-sync acknowledgements as a replica,
+/// semi-sync's wait point `AFTER_SYNC` with a timeout that never passes,
+/// and replication started only when bagstore says so
+/// (`--skip-slave-start`). Only a primary waits for acknowledgements
+/// (`rpl_semi_sync_master_enabled`): a replica that did would wait, for
+/// every transaction it applies, on replicas of its own it does not have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Replicated {
+    /// Distinct among the shard's servers (MariaDB ignores events of its own id).
+    pub server_id: u32,
+    /// Starts as a replica (`--init-rpl-role=SLAVE`, read-only): its crash
+    /// recovery truncates a binary-log tail no replica acknowledged, as a
+    /// primary that died must before it rejoins (MDEV-33465; without it the
+    /// prepared tail is committed, a transaction the new primary never had).
+    pub as_replica: bool,
+}
+
+impl Replicated {
+    fn args(&self) -> Vec<String> {
+        let mut args: Vec<String> = vec![
+            "--log-bin=binlog".into(),
+            "--binlog-format=ROW".into(),
+            format!("--server-id={}", self.server_id),
+            "--log-slave-updates=1".into(),
+            "--gtid-strict-mode=1".into(),
+            format!("--rpl-semi-sync-master-enabled={}", u8::from(!self.as_replica)),
+            "--rpl-semi-sync-slave-enabled=1".into(),
+            "--rpl-semi-sync-master-wait-point=AFTER_SYNC".into(),
+            "--rpl-semi-sync-master-timeout=18446744073709551615".into(),
+            "--skip-slave-start".into(),
+        ];
+        if self.as_replica {
+            args.push("--init-rpl-role=SLAVE".into());
+            args.push("--read-only=1".into());
+        }
+        args
+    }
 }
 
 impl MariaDb {
@@ -212,9 +257,12 @@ fn server_args(dir: &Path, port: u16, opts: &MariaDbOptions) -> Vec<OsString> {
         "--innodb-log-file-size=64M".into(),
         "--innodb-flush-log-at-trx-commit=1".into(),
         "--max-connections=500".into(),
-        "--skip-log-bin".into(),
         "--character-set-server=utf8mb4".into(),
     ];
+    match opts.replicated {
+        Some(r) => args.extend(r.args().into_iter().map(OsString::from)),
+        None => args.push("--skip-log-bin".into()),
+    }
     args.extend(run_as_root_flag());
     args.extend(opts.extra_args.iter().map(OsString::from));
     args

@@ -21,6 +21,7 @@
 //!   Invariant R, page tokens.
 //! - [`shard`]: `logical_of`, the one routing function (key → logical shard).
 //! - [`topology`]: the map of logical shards to physical shards; moves.
+//! - [`gtid`]: MariaDB GTID positions, compared as failover compares replicas.
 //! - [`names`]: the identifier rule that keeps SQL text safe; reserved names.
 //! - [`settings`]: typed `Settings` from TOML + `BAGSTORE_…` variables.
 //! - [`clock`]: the wall clock in microseconds.
@@ -31,6 +32,7 @@ pub mod codec;
 pub mod event;
 pub mod expiry;
 pub mod filter;
+pub mod gtid;
 pub mod id;
 pub mod idempotency;
 pub mod index;

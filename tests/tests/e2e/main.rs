@@ -35,6 +35,8 @@
 //!   from it running the seed's scenario.
 //! - `console`: the operator console in headless chromium.
 //! - `bench_quick`: the benchmark's smoke run.
+//! - `replication`: MariaDB replication as bagstore runs it: the checks,
+//!   the unacknowledged commit a failover must lose, a primary rejoining.
 //! - `upgrade`: what removed features left, dropped by `migrate` once it
 //!   loses nothing; removed settings refused.
 //! - `docs`: every repository path the docs name exists (no servers).
@@ -63,6 +65,7 @@ mod observability;
 mod patch;
 mod pipeline;
 mod queries;
+mod replication;
 mod shards;
 mod shutdown;
 mod tls;
