@@ -14,8 +14,8 @@ use schemas::index::{IndexSpec, PropType};
 use sqlx::{MySqlExecutor, Row};
 use std::collections::BTreeMap;
 
-use crate::entities::marks;
 use crate::error::{OnShard, Result};
+use crate::rows::marks;
 
 /// One logical shard's rows of one table, summed up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

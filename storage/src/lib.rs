@@ -30,6 +30,8 @@
 //! - [`topology`]: the map in the database; the ownership a write proves,
 //!   the epoch a read checks.
 //! - [`server`]: statements about a server itself (private dev servers).
+//! - `rows`: statements over many rows (`VALUES` and `IN` lists), cut to
+//!   fit; every module above builds its multi-row statements with it.
 //!
 //! Timestamps cross as integer microseconds since the Unix epoch; sqlx sets
 //! each session's `time_zone` to UTC, so `TIMESTAMPADD` / `TIMESTAMPDIFF`
@@ -54,6 +56,7 @@ pub mod migrate;
 pub mod moves;
 pub mod outbox;
 pub mod purge;
+mod rows;
 pub mod server;
 pub mod shards;
 pub mod snapshots;
