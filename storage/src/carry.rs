@@ -6,8 +6,9 @@
 //!   [`crate::ddl::FLOOR_COLUMN`]): read on the source while the cutover's
 //!   fence holds its owned rows (a tombstone purge, which raises a floor,
 //!   takes the same rows exclusively, so a floor cannot rise meanwhile),
-//!   written on the target by [`crate::moves::take_over`] with its owned
-//!   rows.
+//!   written on the target in the transaction that makes it own the
+//!   logical shards (the cutover's take-over), so an owner always has its
+//!   floor.
 //! - **Idempotency records** (`bagstore_idempotency`, see
 //!   [`crate::idempotency`]): they live on the shard of the entity they
 //!   guard, so they move with its logical shard. Records are only inserted
@@ -134,10 +135,11 @@ pub async fn count_idempotency_records(shard: usize, pool: &MySqlPool, logicals:
 }
 
 /// Writes copied records into a target shard, inside the caller's
-/// transaction (a move's: see [`crate::moves::begin_incoming`]). A record
-/// the target has already is replaced only by a newer one (a copy that
-/// comes late never undoes a later one). Columns are assigned left to
-/// right: `recorded_us` last, so the others compare with the old stamp.
+/// transaction (a move's copy transaction, which proves the run still may
+/// write there). A record the target has already is replaced only by a
+/// newer one (a copy that comes late never undoes a later one). Columns
+/// are assigned left to right: `recorded_us` last, so the others compare
+/// with the old stamp.
 pub async fn copy_idempotency_records(
     shard: usize,
     conn: &mut MySqlConnection,

@@ -19,6 +19,7 @@ use sqlx::mysql::{MySqlArguments, MySqlPool, MySqlRow};
 use sqlx::query::Query;
 use sqlx::{MySql, MySqlConnection, Row};
 
+use crate::ddl::LIVE;
 use crate::error::{id_column, OnShard, Result};
 use crate::rows::{marks, Rows};
 
@@ -45,9 +46,6 @@ pub struct IndexRowDelete {
     pub logical: u16,
     pub below_version: u64,
 }
-
-/// The condition every read of live rows adds.
-pub const LIVE: &str = "removed_us IS NULL";
 
 /// Where an existing row's entity lives: its `added_id`.
 #[derive(Debug, Clone, PartialEq)]

@@ -66,4 +66,5 @@ pub use catalog::IndexMeta;
 pub use entities::{EntityRecord, EntityWrite};
 pub use error::{OnShard, Result, StoreError};
 pub use index_rows::IndexRow;
-pub use shards::{Shards, META_SHARD};
+pub use shards::Shards;
+pub use topology::META_SHARD;

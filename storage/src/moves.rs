@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 
 use crate::error::{id_column, OnShard, Result, StoreError};
 use crate::rows::{marks, Rows, KEYS_PER_STATEMENT};
-use crate::shards::META_SHARD;
+use crate::topology::META_SHARD;
 
 /// `head`, an `IN (…)` list of logical shards, `tail`.
 fn logicals_in(head: &str, tail: &str) -> Rows {

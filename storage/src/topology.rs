@@ -25,7 +25,10 @@ use std::collections::HashMap;
 
 use crate::error::{OnShard, Result, StoreError};
 use crate::rows::{marks, Rows, KEYS_PER_STATEMENT};
-use crate::shards::META_SHARD;
+
+/// The metadata shard: physical shard 0, the first of the cluster. It holds
+/// the map (and the index catalog) and is never removed.
+pub const META_SHARD: usize = 0;
 
 /// Who a physical shard's database says it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
