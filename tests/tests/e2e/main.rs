@@ -34,6 +34,9 @@
 //! - `bench_quick`: the benchmark's smoke run.
 //! - `upgrade`: what removed features left, dropped by `migrate` once it
 //!   loses nothing; removed settings refused.
+//! - `layout`: the workspace's layout rules (no two modules of a crate
+//!   referring to each other, service crates on schemas, storage and
+//!   service only, file and function sizes); reads sources, no server.
 
 mod auth;
 mod backpressure;
@@ -52,6 +55,7 @@ mod group_commit;
 mod health;
 mod idempotency;
 mod ingest;
+mod layout;
 mod limits;
 mod membership;
 mod observability;
