@@ -9,6 +9,8 @@ use client::{Answer, Client, Precondition, TransportError};
 use serde_json::Value;
 use std::io::Read;
 
+use crate::table::{cut, table};
+
 #[derive(Debug, Clone, clap::Args)]
 pub struct ClientArgs {
     /// Base URL of a bagstore HTTP listener.
@@ -48,28 +50,6 @@ fn ok(answer: Result<Answer, TransportError>) -> anyhow::Result<Value> {
     Ok(answer?.into_ok()?)
 }
 
-pub(crate) fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
-    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
-    for r in &rows {
-        for (i, c) in r.iter().enumerate() {
-            widths[i] = widths[i].max(c.chars().count());
-        }
-    }
-    let line = |cells: Vec<String>| {
-        cells
-            .iter()
-            .enumerate()
-            .map(|(i, c)| format!("{c:<w$}", w = widths[i]))
-            .collect::<Vec<_>>()
-            .join("  ")
-            .trim_end()
-            .to_string()
-    };
-    let mut out = vec![line(headers.iter().map(|h| h.to_string()).collect())];
-    out.extend(rows.into_iter().map(line));
-    out.join("\n")
-}
-
 fn text(v: &Value) -> String {
     match v {
         Value::Null => "-".into(),
@@ -78,13 +58,9 @@ fn text(v: &Value) -> String {
     }
 }
 
+/// A JSON value's text, cut to `max` characters.
 fn short(v: &Value, max: usize) -> String {
-    let s = v.to_string();
-    if s.chars().count() <= max {
-        s
-    } else {
-        format!("{}…", s.chars().take(max - 1).collect::<String>())
-    }
+    cut(&v.to_string(), max)
 }
 
 pub async fn put(c: &ClientArgs, id: Option<&str>, body: Value, if_match: Option<u64>) -> anyhow::Result<()> {

@@ -15,6 +15,7 @@
 //!   group brought up to date.
 //! - [`progress`]: progress bars and lines for long commands.
 //! - [`client_commands`]: `put`, `get`, `query`, `lag`, … over HTTP.
+//! - `table`: plain-text tables, the human form of both kinds of command.
 //! - [`logging`]: tracing setup.
 
 pub mod admin;
@@ -26,3 +27,4 @@ pub mod logging;
 pub mod migrate;
 pub mod progress;
 pub mod shards;
+mod table;

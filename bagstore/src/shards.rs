@@ -20,6 +20,7 @@ use storage::{catalog, migrate, topology, Shards};
 use tokio_util::sync::CancellationToken;
 
 use crate::progress::Printer;
+use crate::table::{cut, table};
 
 /// `shards list`: the layout from the shards themselves.
 pub async fn list(settings: Settings, json: bool) -> anyhow::Result<()> {
@@ -43,7 +44,7 @@ pub fn render(doc: &Value) -> String {
                         text(&s["name"]),
                         text(&s["id"]),
                         text(&s["logical"]),
-                        short(&text(&s["ranges"]), 40),
+                        cut(&text(&s["ranges"]), 40),
                         text(&s["entities_estimate"]),
                         text(&s["epoch"]),
                         text(&s["address"]),
@@ -52,10 +53,7 @@ pub fn render(doc: &Value) -> String {
                 .collect()
         })
         .unwrap_or_default();
-    out.push(crate::client_commands::table(
-        &["NAME", "ID", "LOGICAL", "RANGES", "ENTITIES(EST)", "EPOCH", "ADDRESS"],
-        rows,
-    ));
+    out.push(table(&["NAME", "ID", "LOGICAL", "RANGES", "ENTITIES(EST)", "EPOCH", "ADDRESS"], rows));
     match doc["moves"].as_array().filter(|m| !m.is_empty()) {
         None => out.push("moves in flight: none".into()),
         Some(ms) => {
@@ -72,22 +70,10 @@ pub fn render(doc: &Value) -> String {
                     ]
                 })
                 .collect();
-            out.push(crate::client_commands::table(
-                &["ID", "PHASE", "LOGICAL", "FROM -> TO", "ROWS COPIED"],
-                rows,
-            ));
+            out.push(table(&["ID", "PHASE", "LOGICAL", "FROM -> TO", "ROWS COPIED"], rows));
         }
     }
     out.join("\n")
-}
-
-/// At most `max` characters of `s`, with `…` when cut.
-fn short(s: &str, max: usize) -> String {
-    if s.chars().count() <= max {
-        s.to_string()
-    } else {
-        format!("{}…", s.chars().take(max - 1).collect::<String>())
-    }
 }
 
 /// `shards add NAME DSN`: prepares an empty database as a physical shard

@@ -20,7 +20,9 @@ use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use storage::index_rows::{self, IndexRow};
-use storage::{catalog, entities, locks, migrate, topology, EntityRecord, OnShard, StoreError, META_SHARD};
+use storage::{
+    catalog, entities, locks, migrate, topology, EntityRecord, IndexMeta, OnShard, StoreError, META_SHARD,
+};
 use tokio::sync::{Mutex, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -63,11 +65,26 @@ impl Progress {
     }
 }
 
+/// What the shards' jobs of one backfill share.
 struct Shared {
     cursor: Cursor,
     rows_done: u64,
     scanned_this_run: u64,
     saved_at: Instant,
+}
+
+/// One backfill run: what its per-shard jobs need.
+struct Run<'a> {
+    cleaner: &'a Cleaner,
+    /// The index as the catalog has it.
+    spec: &'a IndexSpec,
+    table: &'a str,
+    rows_total: u64,
+    started: Instant,
+    pace: Arc<Pace>,
+    shared: Mutex<Shared>,
+    report: &'a (dyn Fn(Progress) + Sync),
+    shutdown: &'a CancellationToken,
 }
 
 impl Cleaner {
@@ -110,158 +127,111 @@ impl Cleaner {
             });
         }
         // Held for the whole backfill: closing this connection frees it.
-        let mut lock = storage::shards::dedicated_connection(shards.dsn(META_SHARD))
-            .await
-            .map_err(|source| StoreError::Shard { shard: META_SHARD, source })?;
-        if !locks::try_backfill_lock(&mut lock, &table).await? {
-            return Err(CleanerError::Busy(table));
-        }
+        let _lock = self.backfill_lock(&table).await?;
         shards.try_each(|shard, pool| migrate::create_index_table(shard, pool, &meta.spec)).await?;
         if meta.state == IndexState::Creating {
             catalog::set_index_state(shards, &table, IndexState::Backfilling).await?;
         }
-        let (cursor, rows_done, rows_total) = match catalog::backfill_cursor(shards, &table).await? {
-            Some(text) => {
-                let mut c: Cursor = serde_json::from_str(&text)
-                    .map_err(|source| CleanerError::BadCursor { table: table.clone(), source })?;
-                c.below.resize(n.max(c.below.len()), 0);
-                c.done.resize(n.max(c.done.len()), true);
-                (c, meta.rows_done, meta.rows_total)
-            }
-            None => {
-                // Indexed by physical id; a shard not live is done.
-                let bounds = shards
-                    .try_each(|shard, pool| async move {
-                        Ok((shard, entities::entity_bounds(shard, pool).await?))
-                    })
-                    .await?;
-                let mut c = Cursor { below: vec![0; n], done: vec![true; n] };
-                for (shard, b) in &bounds {
-                    c.below[*shard] = b.max_added_id + 1;
-                    c.done[*shard] = false;
-                }
-                let total = bounds.iter().map(|(_, b)| b.count).sum();
-                let text = serde_json::to_string(&c).expect("cursor serializes");
-                catalog::set_backfill_progress(shards, &table, Some(&text), 0, total).await?;
-                (c, 0, total)
-            }
-        };
-        let c = &self.settings().cleaner;
+        let (cursor, rows_done, rows_total) = self.backfill_cursor(&meta, n).await?;
         let stop_pace = CancellationToken::new();
         let _stop_pace = stop_pace.clone().drop_guard();
-        let pace = if c.backfill_follow_health {
-            let m = self.metrics().clone();
-            pace::follow_health(shards, &table, c.backfill_health_slack_ms, c.backfill_rate, m, stop_pace)
-                .await?
-                .0
-        } else {
-            self.metrics().backfill_pace.with_label_values(&[&table]).set(c.backfill_rate as f64);
-            Arc::new(Pace::fixed(c.backfill_rate))
-        };
+        let pace = self.backfill_pace(&table, stop_pace).await?;
         tracing::info!(index = %table, rows_done, rows_total, "backfill running");
-        let shared =
-            Arc::new(Mutex::new(Shared { cursor, rows_done, scanned_this_run: 0, saved_at: Instant::now() }));
-        let gate = Semaphore::new(self.settings().cleaner.backfill_concurrency);
-        // The cursor covers only batches whose rows are committed.
-        let save = |s: &Shared| {
-            let (cursor, rows_done, table) = (s.cursor.clone(), s.rows_done, &table);
-            async move { self.save_cursor(table, &cursor, rows_done, rows_total).await }
-        };
-        let progress_now = |s: &Shared| Progress {
-            rows_done: s.rows_done,
+        let run = Run {
+            cleaner: self,
+            spec: &meta.spec,
+            table: &table,
             rows_total,
-            scanned_this_run: s.scanned_this_run,
-            elapsed: start.elapsed(),
+            started: start,
+            pace,
+            shared: Mutex::new(Shared { cursor, rows_done, scanned_this_run: 0, saved_at: Instant::now() }),
+            report,
+            shutdown,
         };
+        let gate = Semaphore::new(self.settings().cleaner.backfill_concurrency);
         let jobs = shards.ids().into_iter().filter(|s| *s < n).map(|shard| {
-            let shared = shared.clone();
-            let gate = &gate;
-            let spec = &meta.spec;
-            let table = &table;
-            let pace = &pace;
+            let (gate, run) = (&gate, &run);
             async move {
                 let _permit = gate.acquire().await.expect("semaphore open");
-                loop {
-                    let below = {
-                        let s = shared.lock().await;
-                        if s.cursor.done[shard] {
-                            return Ok(());
-                        }
-                        s.cursor.below[shard]
-                    };
-                    if shutdown.is_cancelled() {
-                        return Err(CleanerError::Interrupted(table.to_string()));
-                    }
-                    let map = shards.routing();
-                    let scanned = entities::scan_entities_by_added_id(
-                        shard,
-                        shards.pool(shard),
-                        Some(below),
-                        pace.batch(self.settings().cleaner.backfill_batch),
-                    )
-                    .await?;
-                    // A moved-away copy's rows are not this shard's to index,
-                    // by a map the shard's epoch (read with the rows) still
-                    // vouches for (else a move released logical shards the
-                    // map gives it: reload and scan the batch again).
-                    if scanned.shard_epoch.is_some_and(|e| e != map.epoch_of(shard)) {
-                        shards.reload().await?;
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                        continue;
-                    }
-                    let scanned = scanned.records;
-                    let batch: Vec<EntityRecord> =
-                        scanned.iter().filter(|e| map.of_logical(e.logical) == shard).cloned().collect();
-                    // Live indexer writes can deadlock with ours; InnoDB rolled
-                    // the statement back, so run it again (upserts are idempotent).
-                    let mut attempt = 0u32;
-                    loop {
-                        match self.write_rows(spec, &batch).await {
-                            Ok(()) => break,
-                            Err(e) if e.is_retryable_conflict() && attempt < 20 => {
-                                attempt += 1;
-                                tokio::time::sleep(Duration::from_millis(10 << attempt.min(6))).await;
-                            }
-                            Err(e) => return Err(e.into()),
-                        }
-                    }
-                    let mut s = shared.lock().await;
-                    match scanned.last() {
-                        Some(last) => s.cursor.below[shard] = last.added_id,
-                        None => s.cursor.done[shard] = true,
-                    }
-                    s.rows_done += scanned.len() as u64;
-                    s.scanned_this_run += scanned.len() as u64;
-                    if s.saved_at.elapsed() >= SAVE_EVERY {
-                        save(&s).await?;
-                        s.saved_at = Instant::now();
-                    }
-                    let p = progress_now(&s);
-                    drop(s);
-                    self.metrics().backfill_rows.with_label_values(&[table]).inc_by(scanned.len() as u64);
-                    self.metrics().backfill_progress.with_label_values(&[table]).set(p.ratio());
-                    report(p);
-                    pace.after(scanned.len() as u64).await;
-                }
+                run.shard(shard).await
             }
         });
         let results = futures::future::join_all(jobs).await;
         if let Some(e) = results.into_iter().find_map(Result::err) {
             // Keep what the other shards finished since the last save (best
             // effort: the error may be shard 0's own).
-            if let Err(save_err) = save(&*shared.lock().await).await {
+            if let Err(save_err) = run.save(&*run.shared.lock().await).await {
                 tracing::warn!(index = %table, error = %save_err, "could not save the backfill cursor");
             }
             return Err(e);
         }
-        save(&*shared.lock().await).await?;
+        run.save(&*run.shared.lock().await).await?;
         catalog::set_index_state(shards, &table, IndexState::Active).await?;
         self.metrics().index_state.with_label_values(&[&table]).set(crate::state_code(IndexState::Active));
-        let s = shared.lock().await;
-        let p = progress_now(&s);
+        let p = run.progress(&*run.shared.lock().await);
         self.metrics().backfill_progress.with_label_values(&[&table]).set(1.0);
         report(p);
         Ok(p)
+    }
+
+    /// The index's backfill lock, on a connection of its own: held until
+    /// the connection closes.
+    async fn backfill_lock(&self, table: &str) -> Result<sqlx::MySqlConnection, CleanerError> {
+        let mut lock = storage::shards::dedicated_connection(self.shards().dsn(META_SHARD))
+            .await
+            .map_err(|source| StoreError::Shard { shard: META_SHARD, source })?;
+        if !locks::try_backfill_lock(&mut lock, table).await? {
+            return Err(CleanerError::Busy(table.to_string()));
+        }
+        Ok(lock)
+    }
+
+    /// Where the backfill resumes (its saved cursor and counts), or where a
+    /// new one starts, saved before it writes anything: every live shard
+    /// below its highest `added_id` now, indexed by physical id (`n` of
+    /// them; a shard not live is done).
+    async fn backfill_cursor(&self, meta: &IndexMeta, n: usize) -> Result<(Cursor, u64, u64), CleanerError> {
+        let (shards, table) = (self.shards(), &meta.spec.table);
+        if let Some(text) = catalog::backfill_cursor(shards, table).await? {
+            let mut c: Cursor = serde_json::from_str(&text)
+                .map_err(|source| CleanerError::BadCursor { table: table.clone(), source })?;
+            c.below.resize(n.max(c.below.len()), 0);
+            c.done.resize(n.max(c.done.len()), true);
+            return Ok((c, meta.rows_done, meta.rows_total));
+        }
+        let bounds = shards
+            .try_each(|shard, pool| async move { Ok((shard, entities::entity_bounds(shard, pool).await?)) })
+            .await?;
+        let mut c = Cursor { below: vec![0; n], done: vec![true; n] };
+        for (shard, b) in &bounds {
+            c.below[*shard] = b.max_added_id + 1;
+            c.done[*shard] = false;
+        }
+        let total = bounds.iter().map(|(_, b)| b.count).sum();
+        let text = serde_json::to_string(&c).expect("cursor serializes");
+        catalog::set_backfill_progress(shards, table, Some(&text), 0, total).await?;
+        Ok((c, 0, total))
+    }
+
+    /// The backfill's pace: one that follows the shards' health (its
+    /// probes stop with `stop`), or the fixed rate.
+    async fn backfill_pace(&self, table: &str, stop: CancellationToken) -> Result<Arc<Pace>, CleanerError> {
+        let c = &self.settings().cleaner;
+        if c.backfill_follow_health {
+            let m = self.metrics().clone();
+            let (pace, _) = pace::follow_health(
+                self.shards(),
+                table,
+                c.backfill_health_slack_ms,
+                c.backfill_rate,
+                m,
+                stop,
+            )
+            .await?;
+            return Ok(pace);
+        }
+        self.metrics().backfill_pace.with_label_values(&[table]).set(c.backfill_rate as f64);
+        Ok(Arc::new(Pace::fixed(c.backfill_rate)))
     }
 
     /// Upserts the rows of a batch of entities, grouped by target shard.
@@ -308,5 +278,98 @@ impl Cleaner {
             }
         }
         per_shard
+    }
+}
+
+impl Run<'_> {
+    fn progress(&self, s: &Shared) -> Progress {
+        Progress {
+            rows_done: s.rows_done,
+            rows_total: self.rows_total,
+            scanned_this_run: s.scanned_this_run,
+            elapsed: self.started.elapsed(),
+        }
+    }
+
+    /// Saves the cursor, which covers only batches whose rows are committed.
+    async fn save(&self, s: &Shared) -> Result<(), CleanerError> {
+        self.cleaner.save_cursor(self.table, &s.cursor, s.rows_done, self.rows_total).await
+    }
+
+    /// Backfills one shard's entities from its cursor to its end.
+    async fn shard(&self, shard: usize) -> Result<(), CleanerError> {
+        let shards = self.cleaner.shards();
+        loop {
+            let below = {
+                let s = self.shared.lock().await;
+                if s.cursor.done[shard] {
+                    return Ok(());
+                }
+                s.cursor.below[shard]
+            };
+            if self.shutdown.is_cancelled() {
+                return Err(CleanerError::Interrupted(self.table.to_string()));
+            }
+            let map = shards.routing();
+            let batch = self.pace.batch(self.cleaner.settings().cleaner.backfill_batch);
+            let scanned =
+                entities::scan_entities_by_added_id(shard, shards.pool(shard), Some(below), batch).await?;
+            // A moved-away copy's rows are not this shard's to index,
+            // by a map the shard's epoch (read with the rows) still
+            // vouches for (else a move released logical shards the
+            // map gives it: reload and scan the batch again).
+            if scanned.shard_epoch.is_some_and(|e| e != map.epoch_of(shard)) {
+                shards.reload().await?;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+            let scanned = scanned.records;
+            let batch: Vec<EntityRecord> =
+                scanned.iter().filter(|e| map.of_logical(e.logical) == shard).cloned().collect();
+            self.write(&batch).await?;
+            self.advance(shard, &scanned).await?;
+        }
+    }
+
+    /// Writes a batch's index rows. Live indexer writes can deadlock with
+    /// ours; InnoDB rolled the statement back, so run it again (upserts
+    /// are idempotent).
+    async fn write(&self, batch: &[EntityRecord]) -> Result<(), CleanerError> {
+        let mut attempt = 0u32;
+        loop {
+            match self.cleaner.write_rows(self.spec, batch).await {
+                Ok(()) => return Ok(()),
+                Err(e) if e.is_retryable_conflict() && attempt < 20 => {
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(10 << attempt.min(6))).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Moves the shard's cursor past `scanned`, whose rows are written (no
+    /// rows: the shard is done); saves it at most every [`SAVE_EVERY`];
+    /// reports; waits as the pace says.
+    async fn advance(&self, shard: usize, scanned: &[EntityRecord]) -> Result<(), CleanerError> {
+        let mut s = self.shared.lock().await;
+        match scanned.last() {
+            Some(last) => s.cursor.below[shard] = last.added_id,
+            None => s.cursor.done[shard] = true,
+        }
+        s.rows_done += scanned.len() as u64;
+        s.scanned_this_run += scanned.len() as u64;
+        if s.saved_at.elapsed() >= SAVE_EVERY {
+            self.save(&s).await?;
+            s.saved_at = Instant::now();
+        }
+        let p = self.progress(&s);
+        drop(s);
+        let m = self.cleaner.metrics();
+        m.backfill_rows.with_label_values(&[self.table]).inc_by(scanned.len() as u64);
+        m.backfill_progress.with_label_values(&[self.table]).set(p.ratio());
+        (self.report)(p);
+        self.pace.after(scanned.len() as u64).await;
+        Ok(())
     }
 }

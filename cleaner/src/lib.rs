@@ -103,6 +103,30 @@ struct SweepState {
     index_done: HashSet<(String, usize)>,
 }
 
+impl SweepState {
+    /// A sweep from the start over `n` physical ids, of which only `live`
+    /// have entities to pass through.
+    fn fresh(n: usize, live: &[usize]) -> SweepState {
+        SweepState {
+            deep: vec![None; n],
+            deep_done: (0..n).map(|s| !live.contains(&s)).collect(),
+            ..Default::default()
+        }
+    }
+}
+
+/// The rows of a scan that `shard` answers for by `map`. A moved-away
+/// copy's rows are not this shard's to judge. Nor are rows of a shard whose
+/// epoch (read with them) moved since `map` was loaded: a move released
+/// logical shards the map still gives it, and their rows there may be that
+/// stale copy (StaleMap: reloaded, swept again).
+fn owned_rows(map: &Routing, shard: usize, scanned: Fetched) -> Result<Vec<EntityRecord>, CleanerError> {
+    if scanned.shard_epoch.is_some_and(|e| e != map.epoch_of(shard)) {
+        return Err(CleanerError::Store(StoreError::StaleMap { shard }));
+    }
+    Ok(scanned.records.into_iter().filter(|e| map.of_logical(e.logical) == shard).collect())
+}
+
 pub fn state_code(s: IndexState) -> i64 {
     match s {
         IndexState::Creating => 0,
@@ -216,29 +240,8 @@ impl Cleaner {
         tracker: &TaskTracker,
         shutdown: &CancellationToken,
     ) -> Result<(), CleanerError> {
-        let metas = self.index_metas().await?;
-        for m in &metas {
-            self.inner.metrics.index_state.with_label_values(&[&m.spec.table]).set(state_code(m.state));
-            if matches!(m.state, IndexState::Creating | IndexState::Backfilling) {
-                self.start_backfill(m.spec.clone(), tracker, shutdown.clone());
-            }
-        }
-        let specs: Vec<IndexSpec> = metas
-            .into_iter()
-            .filter(|m| matches!(m.state, IndexState::Active | IndexState::Backfilling))
-            .map(|m| m.spec)
-            .collect();
-        // Per index: entities written after the settled time may have events
-        // in flight (lag, not drift) and are not judged this cycle.
-        let mut settled = HashMap::new();
-        for spec in &specs {
-            settled.insert(spec.table.clone(), self.settled_us(&spec.table).unwrap_or(i64::MIN));
-            for kind in ["missing", "dangling"] {
-                // Present from the start, so increase() sees the first drift.
-                self.inner.metrics.drift_found.with_label_values(&[&spec.table, kind]);
-                self.inner.metrics.drift_fixed.with_label_values(&[&spec.table, kind]);
-            }
-        }
+        let specs = self.swept_specs(tracker, shutdown).await?;
+        let settled = self.settled_times(&specs);
         // One map for the whole cycle: which rows each shard answers for,
         // where index rows belong, and the epochs that vouch for both.
         let map = self.shards().routing();
@@ -246,88 +249,19 @@ impl Cleaner {
         // Per physical id; ids not live count as done.
         let live = map.live.clone();
         let n = map.slots_len();
-        let fresh = |live: &[usize]| SweepState {
-            deep: vec![None; n],
-            deep_done: (0..n).map(|s| !live.contains(&s)).collect(),
-            ..Default::default()
-        };
         if st.deep.len() != n {
-            *st = fresh(&live);
+            *st = SweepState::fresh(n, &live);
         }
         let started = *st.started.get_or_insert_with(Instant::now);
         if specs.is_empty() {
             return Ok(());
         }
-        let batch = self.settings().cleaner.batch;
         let now_us = schemas::clock::now_micros();
-        let window_us = self.settings().cleaner.recent_window_secs as i64 * 1_000_000;
-        // A moved-away copy's rows are not this shard's to judge. Nor are
-        // rows of a shard whose epoch (read with them) moved since `map` was
-        // loaded: a move released logical shards the map still gives it,
-        // and their rows there may be that stale copy (StaleMap: reloaded,
-        // swept again).
-        let owned = |shard: usize, scanned: Fetched| {
-            if scanned.shard_epoch.is_some_and(|e| e != map.epoch_of(shard)) {
-                return Err(CleanerError::Store(StoreError::StaleMap { shard }));
-            }
-            Ok(scanned.records.into_iter().filter(|e| map.of_logical(e.logical) == shard).collect::<Vec<_>>())
-        };
         for &shard in &live {
-            // Fresh drift first: everything updated within the window.
-            let recent = entities::scan_entities_by_updated(
-                shard,
-                self.shards().pool(shard),
-                now_us - window_us,
-                None,
-                batch,
-            )
-            .await?;
-            self.reconcile_scanned(map, &specs, &settled, owned(shard, recent)?).await?;
-            // One step of the deep pass.
-            if !st.deep_done[shard] {
-                let rows = entities::scan_entities_by_updated(
-                    shard,
-                    self.shards().pool(shard),
-                    0,
-                    st.deep[shard],
-                    batch,
-                )
-                .await?;
-                st.deep[shard] = rows.records.last().map(UpdatedCursor::after);
-                st.deep_done[shard] = rows.records.len() < batch;
-                self.reconcile_scanned(map, &specs, &settled, owned(shard, rows)?).await?;
-            }
+            self.sweep_entities(map, st, shard, &specs, &settled, now_us).await?;
             // One step of each index table's pass.
             for spec in &specs {
-                let k = (spec.table.clone(), shard);
-                if st.index_done.contains(&k) {
-                    continue;
-                }
-                let after = st.index_pass.get(&k).cloned().flatten();
-                let ids = index_rows::index_entity_ids(
-                    shard,
-                    self.shards().pool(shard),
-                    spec,
-                    after.as_ref(),
-                    batch,
-                )
-                .await?;
-                if ids.len() < batch {
-                    st.index_done.insert(k.clone());
-                }
-                st.index_pass.insert(k, ids.last().copied());
-                let found = self.read_any(&ids).await?;
-                self.inner.metrics.rows_scanned.with_label_values(&[&spec.table]).inc_by(ids.len() as u64);
-                reconcile::reconcile(self, map, spec, &ids, &found, settled[&spec.table]).await?;
-                // Tombstones long past the settled time have done their job.
-                let keep_us =
-                    (self.settings().cleaner.index_tombstone_retention_secs as i64).saturating_mul(1_000_000);
-                let before = settled[&spec.table].min(now_us).saturating_sub(keep_us);
-                let pool = self.shards().pool(shard);
-                let purged = index_rows::purge_tombstones_of(shard, pool, spec, &ids, before).await?;
-                if purged > 0 {
-                    tracing::debug!(index = %spec.table, shard, purged, "purged index tombstones");
-                }
+                self.sweep_index(map, st, shard, spec, settled[&spec.table], now_us).await?;
             }
         }
         let all_index_done =
@@ -335,7 +269,107 @@ impl Cleaner {
         if st.deep_done.iter().all(|d| *d) && all_index_done {
             self.inner.metrics.sweeps.inc();
             self.inner.metrics.sweep_seconds.set(started.elapsed().as_secs_f64());
-            *st = fresh(&live);
+            *st = SweepState::fresh(n, &live);
+        }
+        Ok(())
+    }
+
+    /// The indexes a sweep judges (ACTIVE and BACKFILLING); every index's
+    /// state is exported, and the backfill of each new one started.
+    async fn swept_specs(
+        &self,
+        tracker: &TaskTracker,
+        shutdown: &CancellationToken,
+    ) -> Result<Vec<IndexSpec>, CleanerError> {
+        let metas = self.index_metas().await?;
+        for m in &metas {
+            self.inner.metrics.index_state.with_label_values(&[&m.spec.table]).set(state_code(m.state));
+            if matches!(m.state, IndexState::Creating | IndexState::Backfilling) {
+                self.start_backfill(m.spec.clone(), tracker, shutdown.clone());
+            }
+        }
+        Ok(metas
+            .into_iter()
+            .filter(|m| matches!(m.state, IndexState::Active | IndexState::Backfilling))
+            .map(|m| m.spec)
+            .collect())
+    }
+
+    /// Per index, its settled time: entities written after it may have
+    /// events in flight (lag, not drift) and are not judged this cycle.
+    fn settled_times(&self, specs: &[IndexSpec]) -> HashMap<String, i64> {
+        let mut settled = HashMap::new();
+        for spec in specs {
+            settled.insert(spec.table.clone(), self.settled_us(&spec.table).unwrap_or(i64::MIN));
+            for kind in ["missing", "dangling"] {
+                // Present from the start, so increase() sees the first drift.
+                self.inner.metrics.drift_found.with_label_values(&[&spec.table, kind]);
+                self.inner.metrics.drift_fixed.with_label_values(&[&spec.table, kind]);
+            }
+        }
+        settled
+    }
+
+    /// One shard's entity passes in a cycle: everything updated within the
+    /// recent window, then one step of the deep pass.
+    async fn sweep_entities(
+        &self,
+        map: &Routing,
+        st: &mut SweepState,
+        shard: usize,
+        specs: &[IndexSpec],
+        settled: &HashMap<String, i64>,
+        now_us: i64,
+    ) -> Result<(), CleanerError> {
+        let batch = self.settings().cleaner.batch;
+        let window_us = self.settings().cleaner.recent_window_secs as i64 * 1_000_000;
+        let pool = self.shards().pool(shard);
+        // Fresh drift first: everything updated within the window.
+        let recent = entities::scan_entities_by_updated(shard, pool, now_us - window_us, None, batch).await?;
+        self.reconcile_scanned(map, specs, settled, owned_rows(map, shard, recent)?).await?;
+        // One step of the deep pass.
+        if !st.deep_done[shard] {
+            let rows = entities::scan_entities_by_updated(shard, pool, 0, st.deep[shard], batch).await?;
+            st.deep[shard] = rows.records.last().map(UpdatedCursor::after);
+            st.deep_done[shard] = rows.records.len() < batch;
+            self.reconcile_scanned(map, specs, settled, owned_rows(map, shard, rows)?).await?;
+        }
+        Ok(())
+    }
+
+    /// One step of an index table's pass on one shard: the rows of entities
+    /// that no longer exist, then the tombstones long past the settled time.
+    async fn sweep_index(
+        &self,
+        map: &Routing,
+        st: &mut SweepState,
+        shard: usize,
+        spec: &IndexSpec,
+        settled_us: i64,
+        now_us: i64,
+    ) -> Result<(), CleanerError> {
+        let k = (spec.table.clone(), shard);
+        if st.index_done.contains(&k) {
+            return Ok(());
+        }
+        let batch = self.settings().cleaner.batch;
+        let pool = self.shards().pool(shard);
+        let after = st.index_pass.get(&k).cloned().flatten();
+        let ids = index_rows::index_entity_ids(shard, pool, spec, after.as_ref(), batch).await?;
+        if ids.len() < batch {
+            st.index_done.insert(k.clone());
+        }
+        st.index_pass.insert(k, ids.last().copied());
+        let found = self.read_any(&ids).await?;
+        self.inner.metrics.rows_scanned.with_label_values(&[&spec.table]).inc_by(ids.len() as u64);
+        reconcile::reconcile(self, map, spec, &ids, &found, settled_us).await?;
+        // Tombstones long past the settled time have done their job.
+        let keep_us =
+            (self.settings().cleaner.index_tombstone_retention_secs as i64).saturating_mul(1_000_000);
+        let before = settled_us.min(now_us).saturating_sub(keep_us);
+        let purged = index_rows::purge_tombstones_of(shard, pool, spec, &ids, before).await?;
+        if purged > 0 {
+            tracing::debug!(index = %spec.table, shard, purged, "purged index tombstones");
         }
         Ok(())
     }

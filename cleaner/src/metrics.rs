@@ -19,7 +19,8 @@ pub struct CleanerMetrics {
     pub sweep_seconds: prometheus::Gauge,
     pub backfill_progress: GaugeVec,
     pub backfill_rows: IntCounterVec,
-    /// The backfill's pace now, rows per second (0: none; see `crate::pace`).
+    /// The backfill's pace now, rows per second (0: none): what the pacer
+    /// lets it write.
     pub backfill_pace: GaugeVec,
     /// A pace following health: the latest window's 90th-percentile probe latency
     /// (`what="probe"`) on the shard furthest over its baseline, and that

@@ -29,6 +29,9 @@ fn expected_keys(spec: &IndexSpec, e: Option<&EntityRecord>) -> (u64, Vec<IndexK
     }
 }
 
+/// What each entity should have in the index: its version and keys.
+type Expected = HashMap<EntityId, (u64, Vec<IndexKey>)>;
+
 /// Repairs the rows of `ids` in `spec`'s index, given what was read of them.
 ///
 /// Entities committed after `settled_us` (before which every event has been
@@ -45,116 +48,197 @@ pub async fn reconcile(
     let in_flight: std::collections::HashSet<EntityId> =
         found.iter().filter(|e| e.updated_us > settled_us).map(|e| e.id).collect();
     let ids: Vec<EntityId> = ids.iter().filter(|id| !in_flight.contains(id)).copied().collect();
-    let ids = &ids[..];
     if ids.is_empty() {
         return Ok(());
     }
-    let shards = cleaner.shards();
     // One map for where rows belong and which rows count (`map`, the
     // caller's): with two, a reload in between made a row filtered out as
     // a moved-away copy "missing" at its new home. Its writes check
     // ownership on the shard ([`topology::begin_owned`]) whatever the map.
-    let n = map.slots_len();
-    let l = map.logical_shards();
-    // Where a key's row belongs: the owner of its logical shard.
-    let home = |key: &IndexKey| map.of_logical(spec.logical_of_key(key, l));
+    let homes = Homes { map, spec, logical_shards: map.logical_shards() };
     let by_id: HashMap<EntityId, &EntityRecord> = found.iter().map(|e| (e.id, e)).collect();
-    let expected: HashMap<EntityId, (u64, Vec<IndexKey>)> =
+    let expected: Expected =
         ids.iter().map(|id| (*id, expected_keys(spec, by_id.get(id).copied()))).collect();
+    let actual = held_rows(cleaner, &homes, &expected.keys().copied().collect::<Vec<_>>()).await?;
+    let repairs = repairs(&homes, &expected, &by_id, &actual);
+    let candidates = dangling_candidates(&homes, &expected, actual);
+    write_missing(cleaner, spec, &repairs).await?;
+    write_locations(cleaner, &homes, &repairs).await?;
+    if candidates.is_empty() {
+        return Ok(());
+    }
+    remove_dangling(cleaner, &homes, candidates, settled_us).await
+}
 
-    // The rows these entities have, on every shard.
-    let unique: Vec<EntityId> = expected.keys().copied().collect();
-    let unique = &unique;
-    let per_shard = shards
+/// Where a reconcile's rows belong, by the one map it judges with.
+struct Homes<'a> {
+    map: &'a Routing,
+    spec: &'a IndexSpec,
+    logical_shards: u16,
+}
+
+impl Homes<'_> {
+    /// The logical shard of a key's row.
+    fn logical_of(&self, key: &IndexKey) -> u16 {
+        self.spec.logical_of_key(key, self.logical_shards)
+    }
+
+    /// Where a key's row belongs: the owner of its logical shard.
+    fn of(&self, key: &IndexKey) -> usize {
+        self.map.of_logical(self.logical_of(key))
+    }
+}
+
+/// The rows `ids` have in the index, on every shard, each with its shard.
+async fn held_rows(
+    cleaner: &Cleaner,
+    homes: &Homes<'_>,
+    ids: &[EntityId],
+) -> Result<Vec<(usize, IndexRow)>, CleanerError> {
+    let spec = homes.spec;
+    let per_shard = cleaner
+        .shards()
         .try_each(|shard, pool| async move {
-            Ok((shard, index_rows::index_rows_of(shard, pool, spec, unique).await?))
+            Ok((shard, index_rows::index_rows_of(shard, pool, spec, ids).await?))
         })
         .await?;
     // Rows on a shard that does not own their logical shard are a moved-away
     // copy waiting for removal, not drift: left alone.
-    let actual: Vec<(usize, IndexRow)> = per_shard
+    Ok(per_shard
         .into_iter()
         .flat_map(|(shard, rows)| rows.into_iter().map(move |r| (shard, r)))
-        .filter(|(shard, r)| map.of_logical(r.logical) == *shard)
-        .collect();
+        .filter(|(shard, r)| homes.map.of_logical(r.logical) == *shard)
+        .collect())
+}
 
-    // Missing: a key the entity produces without its row. Mislocated: a
-    // row that is right but does not say where its entity is (written
-    // before rows did) or says it wrong; queries then fetch it by id.
-    let mut missing: Vec<Vec<IndexRow>> = vec![Vec::new(); n];
-    let mut missing_count = 0u64;
-    let mut mislocated: Vec<Vec<IndexRowLocation>> = vec![Vec::new(); n];
-    let mut mislocated_count = 0u64;
-    for (id, (version, keys)) in &expected {
+/// What the index lacks, per shard: rows to write, locations to set.
+struct Repairs {
+    missing: Vec<Vec<IndexRow>>,
+    missing_count: u64,
+    mislocated: Vec<Vec<IndexRowLocation>>,
+    mislocated_count: u64,
+}
+
+/// Missing: a key the entity produces without its row. Mislocated: a
+/// row that is right but does not say where its entity is (written
+/// before rows did) or says it wrong; queries then fetch it by id.
+fn repairs(
+    homes: &Homes<'_>,
+    expected: &Expected,
+    by_id: &HashMap<EntityId, &EntityRecord>,
+    actual: &[(usize, IndexRow)],
+) -> Repairs {
+    let n = homes.map.slots_len();
+    let mut r = Repairs {
+        missing: vec![Vec::new(); n],
+        missing_count: 0,
+        mislocated: vec![Vec::new(); n],
+        mislocated_count: 0,
+    };
+    for (id, (version, keys)) in expected {
         let at = by_id.get(id).map(|e| e.added_id);
         for key in keys {
-            let shard = home(key);
-            match actual.iter().find(|(s, r)| *s == shard && r.entity == *id && &r.key == key) {
+            let shard = homes.of(key);
+            match actual.iter().find(|(s, row)| *s == shard && row.entity == *id && &row.key == key) {
                 None => {
-                    missing[shard].push(IndexRow {
+                    r.missing[shard].push(IndexRow {
                         key: key.clone(),
                         entity: *id,
-                        logical: spec.logical_of_key(key, l),
+                        logical: homes.logical_of(key),
                         version: *version,
                         entity_added_id: at,
                     });
-                    missing_count += 1;
+                    r.missing_count += 1;
                 }
                 Some((_, row)) => {
                     if let Some(at) = at.filter(|a| row.entity_added_id != Some(*a)) {
-                        mislocated[shard].push(IndexRowLocation {
+                        r.mislocated[shard].push(IndexRowLocation {
                             key: key.clone(),
                             entity: *id,
                             entity_added_id: at,
                         });
-                        mislocated_count += 1;
+                        r.mislocated_count += 1;
                     }
                 }
             }
         }
     }
-    // Dangling candidates: a row for a key the entity does not produce (or
-    // a row on a shard that key does not route to).
-    let candidates: Vec<(usize, IndexRow)> = actual
+    r
+}
+
+/// Dangling candidates: a row for a key the entity does not produce (or
+/// a row on a shard that key does not route to).
+fn dangling_candidates(
+    homes: &Homes<'_>,
+    expected: &Expected,
+    actual: Vec<(usize, IndexRow)>,
+) -> Vec<(usize, IndexRow)> {
+    actual
         .into_iter()
         .filter(|(shard, r)| {
             let produced = expected.get(&r.entity).is_some_and(|(_, keys)| keys.contains(&r.key));
-            !produced || home(&r.key) != *shard
+            !produced || homes.of(&r.key) != *shard
         })
-        .collect();
+        .collect()
+}
 
-    let table = spec.table.as_str();
-    let m = cleaner.metrics();
-    if missing_count > 0 {
-        for (shard, rows) in missing.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
-            let logicals: Vec<u16> = rows.iter().map(|r| r.logical).collect();
-            let mut tx = topology::begin_owned(shard, shards.pool(shard), &logicals).await?;
-            index_rows::upsert_index_rows(shard, &mut tx, spec, rows).await?;
-            tx.commit().await.on(shard)?;
-        }
-        // A row the entity's newer write made unneeded meanwhile was a
-        // race with the indexer, not drift: counted only once confirmed.
-        let undone = undo_overtaken(cleaner, spec, &missing).await?;
-        let drift = missing_count - undone;
-        m.drift_found.with_label_values(&[table, "missing"]).inc_by(drift);
-        m.drift_fixed.with_label_values(&[table, "missing"]).inc_by(drift);
-        tracing::info!(index = table, rows = drift, undone, "wrote missing index rows");
-    }
-    if mislocated_count > 0 {
-        m.drift_found.with_label_values(&[table, "location"]).inc_by(mislocated_count);
-        let mut fixed = 0;
-        for (shard, rows) in mislocated.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
-            let logicals: Vec<u16> = rows.iter().map(|r| spec.logical_of_key(&r.key, l)).collect();
-            let mut tx = topology::begin_owned(shard, shards.pool(shard), &logicals).await?;
-            fixed += index_rows::set_index_row_locations(shard, &mut tx, spec, rows).await?;
-            tx.commit().await.on(shard)?;
-        }
-        m.drift_fixed.with_label_values(&[table, "location"]).inc_by(fixed);
-        tracing::info!(index = table, rows = fixed, "wrote entity locations into index rows");
-    }
-    if candidates.is_empty() {
+/// Writes the missing rows, each shard's in one transaction that owns
+/// their logical shards.
+async fn write_missing(cleaner: &Cleaner, spec: &IndexSpec, repairs: &Repairs) -> Result<(), CleanerError> {
+    if repairs.missing_count == 0 {
         return Ok(());
     }
+    let shards = cleaner.shards();
+    for (shard, rows) in repairs.missing.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
+        let logicals: Vec<u16> = rows.iter().map(|r| r.logical).collect();
+        let mut tx = topology::begin_owned(shard, shards.pool(shard), &logicals).await?;
+        index_rows::upsert_index_rows(shard, &mut tx, spec, rows).await?;
+        tx.commit().await.on(shard)?;
+    }
+    // A row the entity's newer write made unneeded meanwhile was a
+    // race with the indexer, not drift: counted only once confirmed.
+    let undone = undo_overtaken(cleaner, spec, &repairs.missing).await?;
+    let drift = repairs.missing_count - undone;
+    let (m, table) = (cleaner.metrics(), spec.table.as_str());
+    m.drift_found.with_label_values(&[table, "missing"]).inc_by(drift);
+    m.drift_fixed.with_label_values(&[table, "missing"]).inc_by(drift);
+    tracing::info!(index = table, rows = drift, undone, "wrote missing index rows");
+    Ok(())
+}
+
+/// Writes where their entities are into the mislocated rows.
+async fn write_locations(
+    cleaner: &Cleaner,
+    homes: &Homes<'_>,
+    repairs: &Repairs,
+) -> Result<(), CleanerError> {
+    if repairs.mislocated_count == 0 {
+        return Ok(());
+    }
+    let (m, spec, table) = (cleaner.metrics(), homes.spec, homes.spec.table.as_str());
+    m.drift_found.with_label_values(&[table, "location"]).inc_by(repairs.mislocated_count);
+    let shards = cleaner.shards();
+    let mut fixed = 0;
+    for (shard, rows) in repairs.mislocated.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
+        let logicals: Vec<u16> = rows.iter().map(|r| homes.logical_of(&r.key)).collect();
+        let mut tx = topology::begin_owned(shard, shards.pool(shard), &logicals).await?;
+        fixed += index_rows::set_index_row_locations(shard, &mut tx, spec, rows).await?;
+        tx.commit().await.on(shard)?;
+    }
+    m.drift_fixed.with_label_values(&[table, "location"]).inc_by(fixed);
+    tracing::info!(index = table, rows = fixed, "wrote entity locations into index rows");
+    Ok(())
+}
+
+/// Removes the dangling candidates the entities, read again right before,
+/// confirm.
+async fn remove_dangling(
+    cleaner: &Cleaner,
+    homes: &Homes<'_>,
+    candidates: Vec<(usize, IndexRow)>,
+    settled_us: i64,
+) -> Result<(), CleanerError> {
+    let (spec, shards) = (homes.spec, cleaner.shards());
     // Re-read right before deleting: the entity may have changed since the scan.
     let reread_ids: Vec<EntityId> = candidates.iter().map(|(_, r)| r.entity).collect();
     let reread = cleaner.read_any(&reread_ids).await?;
@@ -167,7 +251,7 @@ pub async fn reconcile(
             continue; // Changed since the scan and not yet indexed: the indexer's turn.
         }
         let (version, keys) = expected_keys(spec, now.get(&row.entity).copied());
-        if keys.contains(&row.key) && home(&row.key) == shard {
+        if keys.contains(&row.key) && homes.of(&row.key) == shard {
             continue; // Valid again: the entity changed under us.
         }
         // Only rows no newer than what we judged: a row rewritten by a newer
@@ -180,6 +264,7 @@ pub async fn reconcile(
             index_rows::remove_index_row_upto(shard, &mut tx, spec, &row.key, &row.entity, upto, now).await?;
         tx.commit().await.on(shard)?;
     }
+    let (m, table) = (cleaner.metrics(), spec.table.as_str());
     m.drift_found.with_label_values(&[table, "dangling"]).inc_by(confirmed);
     m.drift_fixed.with_label_values(&[table, "dangling"]).inc_by(fixed);
     if fixed > 0 {

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use storage::moves::{self, Fence, Phase};
 use storage::{carry, topology, StoreError};
 
-use crate::copy::Differs;
+use crate::verify::Differs;
 use crate::{MoveError, Mover, Result, Running};
 
 /// Why a cutover attempt did not complete.

@@ -9,7 +9,7 @@
 //!    are copied to Q in `(logical, clustered key)` order, throttled, a
 //!    few logical shards at a time, progress saved after each; the journal
 //!    is replayed onto Q until it is short (an entity P no longer has goes
-//!    from Q too); Q is compared with P ([`copy::verify`]: with the digests
+//!    from Q too); Q is compared with P ([`verify`]: with the digests
 //!    of the rows the copy read, where the journal says P has not changed
 //!    since, else with P's rows as they are now); the idempotency records
 //!    written meanwhile are copied again.
@@ -28,13 +28,16 @@
 //! ([`Mover::abort`]): Q gives S back and forgets its copy. One move runs
 //! at a time in a cluster, by the process holding the mover lock.
 //!
-//! Layout: this file (the [`Mover`], phases in order, rebalance);
-//! [`copy`], [`cutover`], [`cleanup`]: the phases; [`metrics`].
+//! Layout: this file (the [`Mover`], phases in order); [`plan`]: the moves
+//! a command asks for; [`copy`] (the first copy), [`verify`] (catch-up and
+//! verification), [`cutover`], [`cleanup`]: the phases; [`metrics`].
 
 pub mod cleanup;
 pub mod copy;
 pub mod cutover;
 pub mod metrics;
+pub mod plan;
+pub mod verify;
 
 use schemas::topology::{format_logicals, MovePlan, PhysicalId};
 use schemas::{IndexSpec, Settings};
@@ -186,63 +189,6 @@ impl Mover {
     /// Takes the mover lock, or fails with [`MoveError::Busy`].
     pub async fn lock(&self) -> Result<MoverLock> {
         locks::take_mover_lock(self.shards().dsn(META_SHARD)).await?.ok_or(MoveError::Busy)
-    }
-
-    /// The moves that take `logicals` to the shard named `to`: one per
-    /// physical shard that owns some of them now (those `to` owns already
-    /// need none).
-    pub fn plan_move(&self, logicals: &[u16], to: &str) -> Result<Vec<MovePlan>> {
-        let t = self.shards().topology();
-        let target =
-            t.by_name(to).ok_or_else(|| MoveError::Invalid(format!("no physical shard is named {to:?}")))?;
-        let mut by_source: std::collections::BTreeMap<PhysicalId, Vec<u16>> = Default::default();
-        for k in logicals {
-            if *k >= t.logical_shards {
-                return Err(MoveError::Invalid(format!(
-                    "logical shard {k} does not exist (the cluster has {})",
-                    t.logical_shards
-                )));
-            }
-            let owner = t.owner(*k);
-            if owner != target.id {
-                by_source.entry(owner).or_default().push(*k);
-            }
-        }
-        let plans = by_source.into_iter().map(|(from, logicals)| MovePlan { logicals, from, to: target.id });
-        Ok(self.chunked(plans.collect()))
-    }
-
-    /// `plans` split into moves of at most `mover.logicals_per_move`.
-    fn chunked(&self, plans: Vec<MovePlan>) -> Vec<MovePlan> {
-        let size = self.settings().logicals_per_move.max(1);
-        plans
-            .into_iter()
-            .flat_map(|p| {
-                p.logicals
-                    .chunks(size)
-                    .map(|c| MovePlan { logicals: c.to_vec(), from: p.from, to: p.to })
-                    .collect::<Vec<_>>()
-            })
-            .collect()
-    }
-
-    /// The moves that leave each shard named in `names` an even share and
-    /// the others none.
-    pub fn plan_rebalance(&self, names: &[String]) -> Result<Vec<MovePlan>> {
-        let t = self.shards().topology();
-        let mut ids = Vec::new();
-        for n in names {
-            let p = t
-                .by_name(n)
-                .ok_or_else(|| MoveError::Invalid(format!("no physical shard is named {n:?}")))?;
-            ids.push(p.id);
-        }
-        if ids.is_empty() {
-            return Err(MoveError::Invalid(
-                "a rebalance needs at least one physical shard to hold the data".into(),
-            ));
-        }
-        Ok(self.chunked(t.rebalance_plan(&ids)))
     }
 
     /// Runs `plans` one after another (after finishing any move already in

@@ -23,7 +23,7 @@ use schemas::index::{IndexKey, KeyValue};
 use schemas::query::{cmp_keys, PageToken, Plan, Query};
 use schemas::{codec, expiry};
 use schemas::{Bag, EntityId};
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use storage::entities::{self, EntityRecord};
 use storage::index_scan::{self, IndexScan, Local, ScannedRow};
 use storage::shards::Routing;
@@ -82,6 +82,56 @@ fn decode(shard: usize, s: EntityRecord, expiry: Option<&str>) -> Result<Option<
         return Ok(None);
     }
     Ok(Some(Entity { id: s.id, version: s.version, updated_us: s.updated_us, properties }))
+}
+
+/// One attempt of a query: the map it routes with, what it has found.
+struct Attempt<'a> {
+    plan: &'a Plan,
+    q: &'a Query,
+    map: &'a Routing,
+    out: Outcome,
+    /// Entities already on the page (one appears once, at its first key).
+    seen: HashSet<EntityId>,
+    /// Physical shards read.
+    touched: HashSet<usize>,
+}
+
+/// Two keys in the order the plan scans.
+fn in_order(plan: &Plan, a: &IndexKey, b: &IndexKey) -> std::cmp::Ordering {
+    let o = cmp_keys(a, b);
+    if plan.descending {
+        o.reverse()
+    } else {
+        o
+    }
+}
+
+/// Up to `want` rows of the streams merged in scan order (each with the
+/// shard whose index table it came from), while every stream that is not
+/// done has a head (so order holds).
+fn merge(plan: &Plan, streams: &mut [Stream], want: usize) -> Vec<(ScannedRow, usize)> {
+    let mut candidates: Vec<(ScannedRow, usize)> = Vec::new();
+    while candidates.len() < want && !streams.iter().any(|s| s.buf.is_empty() && !s.done) {
+        let best = streams
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.buf.front().map(|h| (i, h)))
+            .min_by(|(_, a), (_, b)| {
+                in_order(plan, &a.key, &b.key).then_with(|| {
+                    if plan.descending {
+                        b.entity.cmp(&a.entity)
+                    } else {
+                        a.entity.cmp(&b.entity)
+                    }
+                })
+            })
+            .map(|(i, _)| i);
+        match best {
+            Some(i) => candidates.push((streams[i].buf.pop_front().expect("has a head"), streams[i].shard)),
+            None => break,
+        }
+    }
+    candidates
 }
 
 /// One shard's stream of rows for one prefix.
@@ -152,8 +202,7 @@ impl Reader {
                 self.fetch_located(&map, ids.iter().map(|id| (*id, None))).await
             })
             .await?;
-        let mut found: std::collections::HashMap<EntityId, Entity> =
-            found.into_iter().map(|e| (e.id, e)).collect();
+        let mut found: HashMap<EntityId, Entity> = found.into_iter().map(|e| (e.id, e)).collect();
         Ok(ids.iter().filter_map(|id| found.remove(id)).collect())
     }
 
@@ -212,8 +261,7 @@ impl Reader {
             let rows = fetched.records;
             // Keyed by the id each row really holds: a row that is not the
             // asked id's leaves that id unresolved.
-            let mut got: std::collections::HashMap<EntityId, EntityRecord> =
-                rows.into_iter().map(|r| (r.id, r)).collect();
+            let mut got: HashMap<EntityId, EntityRecord> = rows.into_iter().map(|r| (r.id, r)).collect();
             let mut stale = 0;
             for (id, _) in &at {
                 match got.remove(id) {
@@ -268,170 +316,192 @@ impl Reader {
         // One map for the whole attempt: where to read, which rows each
         // shard answers for and the epochs that vouch for it must agree.
         let map = self.shards().routing();
-        let map = &*map;
-        let l = map.logical_shards();
-        let k = plan.prefix_len;
-        let mut out = Outcome::default();
-        let mut seen: HashSet<EntityId> = HashSet::new();
-        let mut touched = HashSet::new();
-        let in_order = |a: &IndexKey, b: &IndexKey| {
-            let o = cmp_keys(a, b);
-            if plan.descending {
-                o.reverse()
-            } else {
-                o
-            }
+        let mut a = Attempt {
+            plan,
+            q,
+            map: &map,
+            out: Outcome::default(),
+            seen: HashSet::new(),
+            touched: HashSet::new(),
         };
+        let k = plan.prefix_len;
         for prefix in &plan.prefixes {
             // Where the previous page stopped decides where this prefix starts.
             let after = match &start {
-                Some((key, id)) => match in_order(prefix, &key[..k].to_vec()) {
+                Some((key, id)) => match in_order(plan, prefix, &key[..k].to_vec()) {
                     std::cmp::Ordering::Less => continue,
                     std::cmp::Ordering::Equal => Some((key[k..].to_vec(), *id)),
                     std::cmp::Ordering::Greater => None,
                 },
                 None => None,
             };
-            let shards: Vec<usize> = if plan.shard_fixed {
-                let pos = plan.spec.shard_on_position();
-                vec![map.of_logical(schemas::logical_of(&prefix[pos].canonical_bytes(), l))]
-            } else {
-                map.live.clone()
-            };
-            touched.extend(shards.iter().copied());
-            let mut streams: Vec<Stream> = shards
-                .iter()
-                .map(|&shard| Stream { shard, buf: VecDeque::new(), after: after.clone(), done: false })
-                .collect();
-            loop {
-                // A little more than the page still needs, for rows the
-                // re-filter drops; each local row brings its entity along.
-                let need = q.limit - out.items.len();
-                let want = (need + need / 8 + 2).min(1000);
-                let refills =
-                    streams.iter_mut().filter(|s| s.buf.is_empty() && !s.done).map(|s| async move {
-                        let scan = IndexScan {
-                            prefix,
-                            range: plan.range.as_ref(),
-                            after: s.after.as_ref().map(|(rest, id)| (&rest[..], *id)),
-                            descending: plan.descending,
-                            limit: want,
-                            with_entities: true,
-                        };
-                        let rows = read_on!(
-                            self.shards().conns(s.shard),
-                            c => index_scan::scan_index(s.shard, c, &plan.spec, &scan)
-                        );
-                        // The shard's epoch came with the rows; with no row,
-                        // one more statement asks (a stale map must not
-                        // read as "nothing here").
-                        let epoch = match rows.first() {
-                            Some(r) => r.shard_epoch,
-                            None => {
-                                read_on!(self.shards().conns(s.shard), c => topology::shard_epoch(s.shard, c))
-                            }
-                        };
-                        if epoch != map.epoch_of(s.shard) {
-                            return Err(StoreError::StaleMap { shard: s.shard });
-                        }
-                        s.done = rows.len() < want;
-                        if let Some(last) = rows.last() {
-                            s.after = Some((last.key[k..].to_vec(), last.entity));
-                        }
-                        // Rows of logical shards this shard does not own are
-                        // a moved-away copy not yet removed: never answers.
-                        let shard = s.shard;
-                        s.buf.extend(rows.into_iter().filter(|r| map.of_logical(r.logical) == shard));
-                        Ok::<_, StoreError>(())
-                    });
-                for r in futures::future::join_all(refills).await {
-                    r?;
+            if self.scan_prefix(&mut a, prefix, after).await? {
+                break;
+            }
+        }
+        a.out.shards_touched = a.touched.len();
+        self.count(table, &a.out);
+        Ok(a.out)
+    }
+
+    /// Scans one equality prefix from `after` until the page is full (then
+    /// `true`, with its page token) or the prefix's rows end.
+    async fn scan_prefix(
+        &self,
+        a: &mut Attempt<'_>,
+        prefix: &IndexKey,
+        after: Option<(Vec<KeyValue>, EntityId)>,
+    ) -> Result<bool, ReadError> {
+        let (plan, map) = (a.plan, a.map);
+        let shards: Vec<usize> = if plan.shard_fixed {
+            let pos = plan.spec.shard_on_position();
+            vec![map.of_logical(schemas::logical_of(&prefix[pos].canonical_bytes(), map.logical_shards()))]
+        } else {
+            map.live.clone()
+        };
+        a.touched.extend(shards.iter().copied());
+        let mut streams: Vec<Stream> = shards
+            .iter()
+            .map(|&shard| Stream { shard, buf: VecDeque::new(), after: after.clone(), done: false })
+            .collect();
+        loop {
+            // A little more than the page still needs, for rows the
+            // re-filter drops; each local row brings its entity along.
+            let need = a.q.limit - a.out.items.len();
+            let want = (need + need / 8 + 2).min(1000);
+            let refills = streams
+                .iter_mut()
+                .filter(|s| s.buf.is_empty() && !s.done)
+                .map(|s| self.refill(plan, map, prefix, s, want));
+            for r in futures::future::join_all(refills).await {
+                r?;
+            }
+            for s in &streams {
+                let table = plan.spec.table.as_str();
+                self.inner.metrics.shard_reads.with_label_values(&[table, &s.shard.to_string()]).inc();
+            }
+            let candidates = merge(plan, &mut streams, want);
+            if candidates.is_empty() && streams.iter().all(|s| s.done && s.buf.is_empty()) {
+                return Ok(false);
+            }
+            a.out.index_rows += candidates.len() as u64;
+            if self.keep_matching(a, candidates).await? {
+                return Ok(true);
+            }
+        }
+    }
+
+    /// Reads up to `want` more rows of `prefix` into a stream whose buffer
+    /// ran dry.
+    async fn refill(
+        &self,
+        plan: &Plan,
+        map: &Routing,
+        prefix: &IndexKey,
+        s: &mut Stream,
+        want: usize,
+    ) -> Result<(), StoreError> {
+        let scan = IndexScan {
+            prefix,
+            range: plan.range.as_ref(),
+            after: s.after.as_ref().map(|(rest, id)| (&rest[..], *id)),
+            descending: plan.descending,
+            limit: want,
+            with_entities: true,
+        };
+        let rows = read_on!(
+            self.shards().conns(s.shard),
+            c => index_scan::scan_index(s.shard, c, &plan.spec, &scan)
+        );
+        // The shard's epoch came with the rows; with no row,
+        // one more statement asks (a stale map must not
+        // read as "nothing here").
+        let epoch = match rows.first() {
+            Some(r) => r.shard_epoch,
+            None => {
+                read_on!(self.shards().conns(s.shard), c => topology::shard_epoch(s.shard, c))
+            }
+        };
+        if epoch != map.epoch_of(s.shard) {
+            return Err(StoreError::StaleMap { shard: s.shard });
+        }
+        s.done = rows.len() < want;
+        if let Some(last) = rows.last() {
+            s.after = Some((last.key[plan.prefix_len..].to_vec(), last.entity));
+        }
+        // Rows of logical shards this shard does not own are
+        // a moved-away copy not yet removed: never answers.
+        let shard = s.shard;
+        s.buf.extend(rows.into_iter().filter(|r| map.of_logical(r.logical) == shard));
+        Ok(())
+    }
+
+    /// Keeps the candidates whose entities, as stored now, match and are
+    /// not yet on the page, in order, until the page is full (then `true`,
+    /// with its page token).
+    async fn keep_matching(
+        &self,
+        a: &mut Attempt<'_>,
+        candidates: Vec<(ScannedRow, usize)>,
+    ) -> Result<bool, ReadError> {
+        let (plan, q) = (a.plan, a.q);
+        // Entities on the index row's own shard came with the scan;
+        // the others (and any the join missed) are fetched, one
+        // statement per shard, only as many at a time as the page
+        // still needs: fetching and decoding is what costs.
+        let mut candidates = candidates.into_iter().peekable();
+        while candidates.peek().is_some() {
+            let need = q.limit - a.out.items.len();
+            let chunk: Vec<(ScannedRow, usize)> = candidates.by_ref().take(need).collect();
+            let (rows, mut found) = self.entities_of(a.map, chunk).await?;
+            for (key, id) in rows {
+                let keep = found.get(&id).is_some_and(|e| {
+                    !a.seen.contains(&id)
+                        && plan.admits(q, &e.properties)
+                        && plan.canonical_key(&e.properties).is_some_and(|c| c == key)
+                });
+                if !keep {
+                    a.out.dropped += 1;
+                    continue;
                 }
-                for s in &streams {
-                    self.inner.metrics.shard_reads.with_label_values(&[table, &s.shard.to_string()]).inc();
-                }
-                // Merge while every live stream has a head (so order holds).
-                // (row, the shard whose index table it came from)
-                let mut candidates: Vec<(ScannedRow, usize)> = Vec::new();
-                while candidates.len() < want && !streams.iter().any(|s| s.buf.is_empty() && !s.done) {
-                    let best = streams
-                        .iter()
-                        .enumerate()
-                        .filter_map(|(i, s)| s.buf.front().map(|h| (i, h)))
-                        .min_by(|(_, a), (_, b)| {
-                            in_order(&a.key, &b.key).then_with(|| {
-                                if plan.descending {
-                                    b.entity.cmp(&a.entity)
-                                } else {
-                                    a.entity.cmp(&b.entity)
-                                }
-                            })
-                        })
-                        .map(|(i, _)| i);
-                    match best {
-                        Some(i) => candidates
-                            .push((streams[i].buf.pop_front().expect("has a head"), streams[i].shard)),
-                        None => break,
-                    }
-                }
-                if candidates.is_empty() && streams.iter().all(|s| s.done && s.buf.is_empty()) {
-                    break;
-                }
-                out.index_rows += candidates.len() as u64;
-                // Entities on the index row's own shard came with the scan;
-                // the others (and any the join missed) are fetched, one
-                // statement per shard, only as many at a time as the page
-                // still needs: fetching and decoding is what costs.
-                let mut candidates = candidates.into_iter().peekable();
-                while candidates.peek().is_some() {
-                    let need = q.limit - out.items.len();
-                    let chunk: Vec<(ScannedRow, usize)> = candidates.by_ref().take(need).collect();
-                    let mut found: std::collections::HashMap<EntityId, Entity> =
-                        std::collections::HashMap::new();
-                    let mut fetch = Vec::new();
-                    let mut rows = Vec::with_capacity(chunk.len());
-                    for (row, from) in chunk {
-                        let here = map.of_id(&row.entity) == from;
-                        match row.local {
-                            Local::Live(stored) if here => {
-                                self.inner.locations.learn([(row.entity, stored.added_id)]);
-                                if let Some(entity) = decode(from, stored, self.expiry())? {
-                                    found.insert(row.entity, entity);
-                                }
-                            }
-                            Local::Deleted if here => {}
-                            _ => fetch.push((row.entity, row.entity_added_id)),
-                        }
-                        rows.push((row.key, row.entity));
-                    }
-                    found.extend(
-                        self.fetch_located(map, fetch.into_iter()).await?.into_iter().map(|e| (e.id, e)),
-                    );
-                    for (key, id) in rows {
-                        let keep = found.get(&id).is_some_and(|e| {
-                            !seen.contains(&id)
-                                && plan.admits(q, &e.properties)
-                                && plan.canonical_key(&e.properties).is_some_and(|c| c == key)
-                        });
-                        if !keep {
-                            out.dropped += 1;
-                            continue;
-                        }
-                        seen.insert(id);
-                        out.items.push(found.remove(&id).expect("kept entities were found"));
-                        if out.items.len() == q.limit {
-                            out.next_page_token = Some(PageToken { key, id }.encode(plan, q));
-                            out.shards_touched = touched.len();
-                            self.count(table, &out);
-                            return Ok(out);
-                        }
-                    }
+                a.seen.insert(id);
+                a.out.items.push(found.remove(&id).expect("kept entities were found"));
+                if a.out.items.len() == q.limit {
+                    a.out.next_page_token = Some(PageToken { key, id }.encode(plan, q));
+                    return Ok(true);
                 }
             }
         }
-        out.shards_touched = touched.len();
-        self.count(table, &out);
-        Ok(out)
+        Ok(false)
+    }
+
+    /// The candidates' `(key, entity id)`s in order, and their live
+    /// entities: those that came with the scan from their own shard, and
+    /// the others fetched.
+    async fn entities_of(
+        &self,
+        map: &Routing,
+        chunk: Vec<(ScannedRow, usize)>,
+    ) -> Result<(Vec<(IndexKey, EntityId)>, HashMap<EntityId, Entity>), ReadError> {
+        let mut found = HashMap::new();
+        let mut fetch = Vec::new();
+        let mut rows = Vec::with_capacity(chunk.len());
+        for (row, from) in chunk {
+            let here = map.of_id(&row.entity) == from;
+            match row.local {
+                Local::Live(stored) if here => {
+                    self.inner.locations.learn([(row.entity, stored.added_id)]);
+                    if let Some(entity) = decode(from, stored, self.expiry())? {
+                        found.insert(row.entity, entity);
+                    }
+                }
+                Local::Deleted if here => {}
+                _ => fetch.push((row.entity, row.entity_added_id)),
+            }
+            rows.push((row.key, row.entity));
+        }
+        found.extend(self.fetch_located(map, fetch.into_iter()).await?.into_iter().map(|e| (e.id, e)));
+        Ok((rows, found))
     }
 
     fn count(&self, table: &str, out: &Outcome) {

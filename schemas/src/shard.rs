@@ -15,8 +15,8 @@
 pub const DEFAULT_LOGICAL_SHARDS: u16 = 4096;
 
 /// Which of `logical_shards` logical shards owns `bytes` (an entity id, or
-/// the canonical bytes of an index's `shard_on` value, see
-/// [`crate::index::KeyValue::canonical_bytes`]).
+/// the canonical bytes of an index's `shard_on` value: the index module
+/// routes its keys through here).
 pub fn logical_of(bytes: &[u8], logical_shards: u16) -> u16 {
     assert!(logical_shards > 0, "logical_of needs at least one logical shard");
     (xxhash_rust::xxh3::xxh3_64(bytes) % u64::from(logical_shards)) as u16

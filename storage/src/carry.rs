@@ -6,8 +6,9 @@
 //!   [`crate::ddl::FLOOR_COLUMN`]): read on the source while the cutover's
 //!   fence holds its owned rows (a tombstone purge, which raises a floor,
 //!   takes the same rows exclusively, so a floor cannot rise meanwhile),
-//!   written on the target by [`crate::moves::take_over`] with its owned
-//!   rows.
+//!   written on the target in the transaction that makes it own the
+//!   logical shards (the cutover's take-over), so an owner always has its
+//!   floor.
 //! - **Idempotency records** (`bagstore_idempotency`, see
 //!   [`crate::idempotency`]): they live on the shard of the entity they
 //!   guard, so they move with its logical shard. Records are only inserted
@@ -23,24 +24,19 @@ use sqlx::mysql::{MySqlConnection, MySqlPool, MySqlRow};
 use sqlx::Row;
 use std::collections::BTreeMap;
 
-use crate::entities::marks;
 use crate::error::{id_column, OnShard, Result};
 use crate::idempotency::Record;
+use crate::rows::{marks, Rows, KEYS_PER_STATEMENT};
 
 /// The version floors of `logicals` this shard owns (a logical shard it
 /// does not own is absent). A plain read: the cutover calls it with the
 /// fence held, which keeps the floors still.
 pub async fn version_floors(shard: usize, pool: &MySqlPool, logicals: &[u16]) -> Result<BTreeMap<u16, u64>> {
     let mut out = BTreeMap::new();
-    for chunk in logicals.chunks(1000) {
-        let sql = format!(
-            "SELECT logical, version_floor FROM bagstore_owned WHERE logical IN ({})",
-            marks(chunk.len())
-        );
-        let mut q = sqlx::query_as::<_, (u16, u64)>(&sql);
-        for k in chunk {
-            q = q.bind(*k);
-        }
+    let floors = Rows::new("SELECT logical, version_floor FROM bagstore_owned WHERE logical IN (", "?", ")")
+        .at_most(KEYS_PER_STATEMENT);
+    for st in floors.statements(logicals) {
+        let q = st.bind(sqlx::query_as::<_, (u16, u64)>(&st.sql), |q, k| q.bind(*k));
         out.extend(q.fetch_all(pool).await.on(shard)?);
     }
     Ok(out)
@@ -129,47 +125,40 @@ pub async fn idempotency_records_in(
 /// How many idempotency records of `logicals` a shard has.
 pub async fn count_idempotency_records(shard: usize, pool: &MySqlPool, logicals: &[u16]) -> Result<u64> {
     let mut n = 0;
-    for chunk in logicals.chunks(1000) {
-        let sql =
-            format!("SELECT COUNT(*) FROM bagstore_idempotency WHERE logical IN ({})", marks(chunk.len()));
-        let mut q = sqlx::query_as::<_, (i64,)>(&sql);
-        for k in chunk {
-            q = q.bind(*k);
-        }
+    let count = Rows::new("SELECT COUNT(*) FROM bagstore_idempotency WHERE logical IN (", "?", ")")
+        .at_most(KEYS_PER_STATEMENT);
+    for st in count.statements(logicals) {
+        let q = st.bind(sqlx::query_as::<_, (i64,)>(&st.sql), |q, k| q.bind(*k));
         n += q.fetch_one(pool).await.on(shard)?.0 as u64;
     }
     Ok(n)
 }
 
 /// Writes copied records into a target shard, inside the caller's
-/// transaction (a move's: see [`crate::moves::begin_incoming`]). A record
-/// the target has already is replaced only by a newer one (a copy that
-/// comes late never undoes a later one). Columns are assigned left to
-/// right: `recorded_us` last, so the others compare with the old stamp.
+/// transaction (a move's copy transaction, which proves the run still may
+/// write there). A record the target has already is replaced only by a
+/// newer one (a copy that comes late never undoes a later one). Columns
+/// are assigned left to right: `recorded_us` last, so the others compare
+/// with the old stamp.
 pub async fn copy_idempotency_records(
     shard: usize,
     conn: &mut MySqlConnection,
     rows: &[IdempotencyRow],
 ) -> Result<()> {
-    for chunk in rows.chunks(500) {
-        let newer =
-            |col: &str| format!("{col} = IF(VALUES(recorded_us) > recorded_us, VALUES({col}), {col})");
-        let sql = format!(
-            "INSERT INTO bagstore_idempotency \
-             (key_hash, logical, request_hash, entity_id, version, created, refusal, recorded_us) VALUES {} \
-             ON DUPLICATE KEY UPDATE {}, {}, {}, {}, {}, {}, recorded_us = GREATEST(recorded_us, VALUES(recorded_us))",
-            vec!["(?, ?, ?, ?, ?, ?, ?, ?)"; chunk.len()].join(", "),
-            newer("logical"),
-            newer("request_hash"),
-            newer("entity_id"),
-            newer("version"),
-            newer("created"),
-            newer("refusal"),
-        );
-        let mut q = sqlx::query(&sql);
-        for row in chunk {
-            q = crate::idempotency::bind_record(q, &row.key_hash, row.logical, &row.record);
-        }
+    let newer = |col: &str| format!("{col} = IF(VALUES(recorded_us) > recorded_us, VALUES({col}), {col})");
+    let copy = crate::idempotency::record_rows(&format!(
+        " ON DUPLICATE KEY UPDATE {}, {}, {}, {}, {}, {}, recorded_us = GREATEST(recorded_us, VALUES(recorded_us))",
+        newer("logical"),
+        newer("request_hash"),
+        newer("entity_id"),
+        newer("version"),
+        newer("created"),
+        newer("refusal"),
+    ));
+    for st in copy.statements(rows) {
+        let q = st.bind(sqlx::query(&st.sql), |q, row| {
+            crate::idempotency::bind_record(q, &row.key_hash, row.logical, &row.record)
+        });
         q.execute(&mut *conn).await.on(shard)?;
     }
     Ok(())
@@ -199,12 +188,9 @@ pub async fn delete_idempotency_records(
 /// move's catch-up, for entities the source no longer has); how many.
 pub async fn delete_entities(shard: usize, conn: &mut MySqlConnection, ids: &[EntityId]) -> Result<u64> {
     let mut n = 0;
-    for chunk in ids.chunks(500) {
-        let sql = format!("DELETE FROM entities WHERE id IN ({})", marks(chunk.len()));
-        let mut q = sqlx::query(&sql);
-        for id in chunk {
-            q = q.bind(&id.0[..]);
-        }
+    let delete = Rows::new("DELETE FROM entities WHERE id IN (", "?", ")");
+    for st in delete.statements(ids) {
+        let q = st.bind(sqlx::query(&st.sql), |q, id| q.bind(&id.0[..]));
         n += q.execute(&mut *conn).await.on(shard)?.rows_affected();
     }
     Ok(n)

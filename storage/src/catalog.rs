@@ -8,7 +8,8 @@ use sqlx::mysql::MySqlPool;
 use sqlx::Row;
 
 use crate::error::{OnShard, Result, StoreError};
-use crate::shards::{Shards, META_SHARD};
+use crate::shards::Shards;
+use crate::topology::META_SHARD;
 
 /// One index as the catalog holds it.
 #[derive(Debug, Clone)]

@@ -14,8 +14,8 @@ use schemas::index::{IndexSpec, PropType};
 use sqlx::{MySqlExecutor, Row};
 use std::collections::BTreeMap;
 
-use crate::entities::marks;
 use crate::error::{OnShard, Result};
+use crate::rows::marks;
 
 /// One logical shard's rows of one table, summed up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,16 +69,17 @@ pub async fn entities(shard: usize, conn: impl MySqlExecutor<'_>, logicals: &[u1
     checksums(shard, conn, "entities", ENTITY_ROW, logicals, "").await
 }
 
-/// Checksums of the rows of an index table in `logicals`: each row's key,
-/// entity and version (what [`crate::index_rows::row_fingerprint`] compares).
+/// Checksums of the live rows of an index table in `logicals`: each
+/// row's key, entity and version (what a move compares row by row where
+/// checksums differ).
 pub async fn index_rows(
     shard: usize,
     conn: impl MySqlExecutor<'_>,
     spec: &IndexSpec,
     logicals: &[u16],
 ) -> Result<Checksums> {
-    // Live rows only: a move carries no tombstones (`crate::index_rows`).
-    let live = format!(" AND {}", crate::index_rows::LIVE);
+    // Live rows only: a move carries no tombstones.
+    let live = format!(" AND {}", crate::ddl::LIVE);
     checksums(shard, conn, &spec.table, &index_row(spec), logicals, &live).await
 }
 

@@ -121,30 +121,35 @@ pub fn index_table(spec: &IndexSpec) -> String {
     )
 }
 
-/// The column an index table gained after its first release; see
-/// [`crate::migrate::create_index_table`], which adds it to older tables.
 /// The expiry column of `entities` (NULL: never expires).
 pub const EXPIRES_COLUMN: &str = "expires_us BIGINT NULL";
 
-/// The version floor of a logical shard (on its `bagstore_owned` row):
-/// every version a purged tombstone had is at or below it, so an id
-/// created from nothing starts above it.
 /// An idempotency record's refusal: what a guarded write that the write
 /// path refused answered (JSON, the writer's), NULL when it wrote. Added
 /// to tables made before refusals were recorded.
 pub const REFUSAL_COLUMN: &str = "refusal TEXT NULL";
 
+/// The version floor of a logical shard (on its `bagstore_owned` row):
+/// every version a purged tombstone had is at or below it, so an id
+/// created from nothing starts above it.
 pub const FLOOR_COLUMN: &str = "version_floor BIGINT UNSIGNED NOT NULL DEFAULT 0";
 
+/// Where an index row's entity is (its `added_id`; NULL: unknown). The
+/// column an index table gained after its first release: `migrate` adds
+/// it to older tables.
 pub const LOCATION_COLUMN: &str = "entity_added_id BIGINT UNSIGNED NULL";
 
-/// When an index row was removed (a tombstone, see
-/// `crate::index_rows`); NULL: a live row. Added to older tables by
-/// [`crate::migrate::create_index_table`].
+/// When an index row was removed: the row stays as a tombstone, so an
+/// older event arriving later cannot write its key back; NULL: a live row
+/// ([`LIVE`]). `migrate` adds it to older tables.
 pub const REMOVED_COLUMN: &str = "removed_us BIGINT NULL";
 
+/// The condition a live index row meets (not a tombstone, see
+/// [`REMOVED_COLUMN`]): every read of live rows adds it.
+pub const LIVE: &str = "removed_us IS NULL";
+
 /// The logical-shard column of entities and index rows. Tables made before
-/// it existed get it from [`crate::migrate`] with the placeholder default
+/// it existed get it from `migrate` with the placeholder default
 /// [`LOGICAL_UNKNOWN`], and their rows are filled in.
 pub const LOGICAL_COLUMN: &str = "logical SMALLINT UNSIGNED NOT NULL";
 

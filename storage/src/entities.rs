@@ -13,6 +13,7 @@ use sqlx::{MySql, MySqlConnection, Row};
 use std::collections::HashMap;
 
 use crate::error::{id_column, OnShard, Result};
+use crate::rows::{marks, Rows, KEYS_PER_STATEMENT};
 
 /// One row of `entities` as stored.
 #[derive(Debug, Clone, PartialEq)]
@@ -72,11 +73,6 @@ pub(crate) fn record(shard: usize, r: &MySqlRow) -> Result<EntityRecord> {
     })
 }
 
-/// `?, ?, …` for `n` parameters.
-pub(crate) fn marks(n: usize) -> String {
-    vec!["?"; n].join(", ")
-}
-
 /// `SELECT … FOR UPDATE` of many ids in one statement: the rows present are
 /// locked, and so are the gaps where absent ones would go, until the
 /// transaction ends, so writes to one id serialize. Ids are sent sorted, so
@@ -91,12 +87,10 @@ pub async fn lock_entities(
     let mut sorted: Vec<&EntityId> = ids.iter().collect();
     sorted.sort();
     sorted.dedup();
-    for chunk in sorted.chunks(1000) {
-        let sql = format!("SELECT {COLUMNS} FROM entities WHERE id IN ({}) FOR UPDATE", marks(chunk.len()));
-        let mut q = sqlx::query(&sql);
-        for id in chunk {
-            q = q.bind(&id.0[..]);
-        }
+    let lock = Rows::new(format!("SELECT {COLUMNS} FROM entities WHERE id IN ("), "?", ") FOR UPDATE")
+        .at_most(KEYS_PER_STATEMENT);
+    for st in lock.statements(&sorted) {
+        let q = st.bind(sqlx::query(&st.sql), |q, id| q.bind(&id.0[..]));
         for r in q.fetch_all(&mut *conn).await.on(shard)? {
             let rec = record(shard, &r)?;
             out.insert(rec.id, rec);
@@ -110,9 +104,9 @@ pub async fn lock_entities(
 /// transaction's to overwrite.
 #[tracing::instrument(level = "debug", skip_all, fields(shard))]
 pub async fn update_entities(shard: usize, conn: &mut MySqlConnection, rows: &[EntityWrite]) -> Result<()> {
-    for chunk in rows.chunks(500) {
-        let sql = entities_sql(chunk.len(), true);
-        bind_entities(sqlx::query(&sql), chunk).execute(&mut *conn).await.on(shard)?;
+    let upsert = entity_rows(true);
+    for st in upsert.statements(rows) {
+        st.bind(sqlx::query(&st.sql), bind_entity).execute(&mut *conn).await.on(shard)?;
     }
     Ok(())
 }
@@ -137,32 +131,35 @@ pub async fn insert_entities(
     rows: &[EntityWrite],
     consecutive: bool,
 ) -> Result<Vec<Option<u64>>> {
+    let insert = entity_rows(false);
+    // Reads back the rows of one insert statement: as many as it had.
+    let read_back = Rows::new("SELECT id, added_id FROM entities WHERE id IN (", "?", ")");
     let mut added = Vec::with_capacity(rows.len());
-    for chunk in rows.chunks(500) {
-        let sql = entities_sql(chunk.len(), false);
-        let done = bind_entities(sqlx::query(&sql), chunk).execute(&mut *conn).await.on(shard)?;
+    for st in insert.statements(rows) {
+        let done = st.bind(sqlx::query(&st.sql), bind_entity).execute(&mut *conn).await.on(shard)?;
         let first = done.last_insert_id();
-        if chunk.len() == 1 || consecutive {
-            added.extend((0..chunk.len() as u64).map(|i| Some(first + i)));
+        if st.rows.len() == 1 || consecutive {
+            added.extend((0..st.rows.len() as u64).map(|i| Some(first + i)));
             continue;
         }
-        let sql = format!("SELECT id, added_id FROM entities WHERE id IN ({})", marks(chunk.len()));
-        let mut q = sqlx::query(&sql);
-        for row in chunk {
-            q = q.bind(&row.id.0[..]);
-        }
-        let mut at = HashMap::with_capacity(chunk.len());
+        let back = read_back.statement(st.rows);
+        let q = back.bind(sqlx::query(&back.sql), |q, row| q.bind(&row.id.0[..]));
+        let mut at = HashMap::with_capacity(st.rows.len());
         for r in q.fetch_all(&mut *conn).await.on(shard)? {
             at.insert(id_column(shard, &r, "id")?, r.try_get::<u64, _>("added_id").on(shard)?);
         }
-        added.extend(chunk.iter().map(|row| at.get(&row.id).copied()));
+        added.extend(st.rows.iter().map(|row| at.get(&row.id).copied()));
     }
     Ok(added)
 }
 
-/// `INSERT INTO entities` of `n` rows; `overwrite` makes it an upsert.
-fn entities_sql(n: usize, overwrite: bool) -> String {
-    let tuple = "(?, ?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?, ?)";
+/// The row template of an entity write: `(id, logical, version, updated,
+/// body, expires_us)`, bound by [`bind_entity`] (or [`bind_record`]).
+const ENTITY_ROW: &str = "(?, ?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?, ?)";
+
+/// `INSERT INTO entities` of [`EntityWrite`]s; `overwrite` makes it an
+/// upsert.
+fn entity_rows(overwrite: bool) -> Rows {
     let tail = match overwrite {
         true => {
             " ON DUPLICATE KEY UPDATE version = VALUES(version), updated = VALUES(updated), body = VALUES(body), \
@@ -170,27 +167,38 @@ fn entities_sql(n: usize, overwrite: bool) -> String {
         }
         false => "",
     };
-    format!(
-        "INSERT INTO entities (id, logical, version, updated, body, expires_us) VALUES {}{tail}",
-        vec![tuple; n].join(", ")
+    Rows::new(
+        "INSERT INTO entities (id, logical, version, updated, body, expires_us) VALUES ",
+        ENTITY_ROW,
+        tail,
     )
 }
 
-/// Binds `rows` to an [`entities_sql`] statement.
-fn bind_entities<'q>(
-    mut q: Query<'q, MySql, MySqlArguments>,
-    rows: &'q [EntityWrite],
+/// Binds one [`EntityWrite`] to an [`entity_rows`] statement.
+fn bind_entity<'q>(
+    q: Query<'q, MySql, MySqlArguments>,
+    row: &'q EntityWrite,
 ) -> Query<'q, MySql, MySqlArguments> {
-    for row in rows {
-        q = q
-            .bind(&row.id.0[..])
-            .bind(row.logical)
-            .bind(row.version)
-            .bind(row.updated_us)
-            .bind(row.body.as_deref())
-            .bind(row.expires_us);
-    }
-    q
+    q.bind(&row.id.0[..])
+        .bind(row.logical)
+        .bind(row.version)
+        .bind(row.updated_us)
+        .bind(row.body.as_deref())
+        .bind(row.expires_us)
+}
+
+/// Binds one [`EntityRecord`] (a copied row) to a statement of
+/// [`ENTITY_ROW`]s.
+fn bind_record<'q>(
+    q: Query<'q, MySql, MySqlArguments>,
+    r: &'q EntityRecord,
+) -> Query<'q, MySql, MySqlArguments> {
+    q.bind(&r.id.0[..])
+        .bind(r.logical)
+        .bind(r.version)
+        .bind(r.updated_us)
+        .bind(r.body.as_deref())
+        .bind(r.expires_us)
 }
 
 /// Whether a multi-row `INSERT` on this server numbers its rows one after
@@ -453,29 +461,18 @@ pub async fn scan_logicals(
 /// cleaner rewrites them).
 #[tracing::instrument(level = "debug", skip_all, fields(shard))]
 pub async fn copy_entities(shard: usize, conn: &mut MySqlConnection, rows: &[EntityRecord]) -> Result<()> {
-    for chunk in rows.chunks(500) {
-        let tuple = "(?, ?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?, ?)";
-        // Columns are assigned left to right: `version` last, so the
-        // others compare with the row's version before the copy.
-        let sql = format!(
-            "INSERT INTO entities (id, logical, version, updated, body, expires_us) VALUES {} \
-             ON DUPLICATE KEY UPDATE body = IF(VALUES(version) >= version, VALUES(body), body), \
-             updated = IF(VALUES(version) >= version, VALUES(updated), updated), \
-             expires_us = IF(VALUES(version) >= version, VALUES(expires_us), expires_us), \
-             version = GREATEST(version, VALUES(version))",
-            vec![tuple; chunk.len()].join(", ")
-        );
-        let mut q = sqlx::query(&sql);
-        for r in chunk {
-            q = q
-                .bind(&r.id.0[..])
-                .bind(r.logical)
-                .bind(r.version)
-                .bind(r.updated_us)
-                .bind(r.body.as_deref())
-                .bind(r.expires_us);
-        }
-        q.execute(&mut *conn).await.on(shard)?;
+    // Columns are assigned left to right: `version` last, so the others
+    // compare with the row's version before the copy.
+    let copy = Rows::new(
+        "INSERT INTO entities (id, logical, version, updated, body, expires_us) VALUES ",
+        ENTITY_ROW,
+        " ON DUPLICATE KEY UPDATE body = IF(VALUES(version) >= version, VALUES(body), body), \
+         updated = IF(VALUES(version) >= version, VALUES(updated), updated), \
+         expires_us = IF(VALUES(version) >= version, VALUES(expires_us), expires_us), \
+         version = GREATEST(version, VALUES(version))",
+    );
+    for st in copy.statements(rows) {
+        st.bind(sqlx::query(&st.sql), bind_record).execute(&mut *conn).await.on(shard)?;
     }
     Ok(())
 }

@@ -36,12 +36,12 @@ pub enum StoreError {
     #[error("{0}")]
     BadTopology(String),
     /// A mover run found its token replaced on the target: it lost the
-    /// mover lock, and another run took the move over (`crate::moves`).
+    /// mover lock, and another run took the move over.
     #[error("another run of the mover took this move over (physical shard {shard} no longer accepts this run's copy)")]
     MoveTakenOver { shard: usize },
     /// The move's phase is no longer the one this run last saw: a run that
     /// lost the mover lock without knowing, while another took the move
-    /// over and moved it on (`crate::moves::set_phase`).
+    /// over and moved it on (a phase changes only from the one last seen).
     #[error("another run of the mover took move {id} over (its phase is no longer {expected})")]
     MovePhaseMoved { id: u64, expected: &'static str },
     #[error(transparent)]

@@ -22,8 +22,8 @@
 use sqlx::{MySqlConnection, MySqlPool, Row};
 use std::collections::BTreeMap;
 
-use crate::entities::marks;
 use crate::error::{OnShard, Result, StoreError};
+use crate::rows::marks;
 use crate::{Shards, META_SHARD};
 
 /// A consumer's claim on one partition.

@@ -8,6 +8,7 @@ use sqlx::{MySqlPool, Row};
 use std::collections::HashMap;
 
 use crate::error::{id_column, OnShard, Result};
+use crate::rows::Rows;
 
 /// What a guarded write answered.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,16 +51,14 @@ async fn select_records(
     lock: &str,
 ) -> Result<HashMap<[u8; 16], Record>> {
     let mut out = HashMap::new();
-    for chunk in keys.chunks(500) {
-        let sql = format!(
-            "SELECT key_hash, request_hash, entity_id, version, created, refusal, recorded_us FROM bagstore_idempotency \
-             WHERE key_hash IN ({}){lock}",
-            vec!["?"; chunk.len()].join(", ")
-        );
-        let mut q = sqlx::query(&sql);
-        for k in chunk {
-            q = q.bind(&k[..]);
-        }
+    let select = Rows::new(
+        "SELECT key_hash, request_hash, entity_id, version, created, refusal, recorded_us FROM bagstore_idempotency \
+         WHERE key_hash IN (",
+        "?",
+        format!("){lock}"),
+    );
+    for st in select.statements(keys) {
+        let q = st.bind(sqlx::query(&st.sql), |q, k| q.bind(&k[..]));
         for r in q.fetch_all(&mut *conn).await.on(shard)? {
             let key: Vec<u8> = r.try_get("key_hash").on(shard)?;
             let request: Vec<u8> = r.try_get("request_hash").on(shard)?;
@@ -118,19 +117,23 @@ async fn write_records(
     records: &[([u8; 16], u16, Record)],
     on_duplicate: &str,
 ) -> Result<()> {
-    for chunk in records.chunks(500) {
-        let sql = format!(
-            "INSERT INTO bagstore_idempotency \
-             (key_hash, logical, request_hash, entity_id, version, created, refusal, recorded_us) VALUES {}{on_duplicate}",
-            vec!["(?, ?, ?, ?, ?, ?, ?, ?)"; chunk.len()].join(", ")
-        );
-        let mut q = sqlx::query(&sql);
-        for (key, logical, r) in chunk {
-            q = bind_record(q, key, *logical, r);
-        }
+    let write = record_rows(on_duplicate);
+    for st in write.statements(records) {
+        let q = st.bind(sqlx::query(&st.sql), |q, (key, logical, r)| bind_record(q, key, *logical, r));
         q.execute(&mut *conn).await.on(shard)?;
     }
     Ok(())
+}
+
+/// `INSERT INTO bagstore_idempotency` of whole records, bound by
+/// [`bind_record`], ending with `tail`.
+pub(crate) fn record_rows(tail: &str) -> Rows {
+    Rows::new(
+        "INSERT INTO bagstore_idempotency \
+         (key_hash, logical, request_hash, entity_id, version, created, refusal, recorded_us) VALUES ",
+        "(?, ?, ?, ?, ?, ?, ?, ?)",
+        tail,
+    )
 }
 
 /// Binds one record's eight columns, in the order `(key_hash, logical,

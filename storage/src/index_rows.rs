@@ -19,8 +19,9 @@ use sqlx::mysql::{MySqlArguments, MySqlPool, MySqlRow};
 use sqlx::query::Query;
 use sqlx::{MySql, MySqlConnection, Row};
 
-use crate::entities::marks;
+use crate::ddl::LIVE;
 use crate::error::{id_column, OnShard, Result};
+use crate::rows::{marks, Rows};
 
 /// One index row: as stored, or as the indexer and the cleaner write it.
 #[derive(Debug, Clone, PartialEq)]
@@ -45,9 +46,6 @@ pub struct IndexRowDelete {
     pub logical: u16,
     pub below_version: u64,
 }
-
-/// The condition every read of live rows adds.
-pub const LIVE: &str = "removed_us IS NULL";
 
 /// Where an existing row's entity lives: its `added_id`.
 #[derive(Debug, Clone, PartialEq)]
@@ -74,6 +72,25 @@ pub(crate) fn bind_key<'q>(
     q
 }
 
+/// `INSERT INTO` the index table of rows of its key columns and then
+/// `columns` (`?` each), ending with `tail`.
+fn insert_rows(spec: &IndexSpec, columns: &[&str], tail: &str) -> Rows {
+    let mut cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
+    let row = format!("({})", marks(cols.len() + columns.len()));
+    cols.extend(columns.iter().map(|c| c.to_string()));
+    Rows::new(format!("INSERT INTO `{}` ({}) VALUES ", spec.table, cols.join(", ")), row, tail)
+}
+
+/// Binds one [`IndexRow`] to an [`insert_rows`] statement of the columns
+/// `entity_id, version, entity_added_id, logical`.
+fn bind_row<'q>(q: Query<'q, MySql, MySqlArguments>, row: &'q IndexRow) -> Query<'q, MySql, MySqlArguments> {
+    bind_key(q, &row.key)
+        .bind(&row.entity.0[..])
+        .bind(row.version)
+        .bind(row.entity_added_id)
+        .bind(row.logical)
+}
+
 fn key_equals(spec: &IndexSpec) -> String {
     spec.properties.iter().map(|p| format!("`{}` = ?", p.name)).collect::<Vec<_>>().join(" AND ")
 }
@@ -91,27 +108,15 @@ pub async fn upsert_index_rows(
     spec: &IndexSpec,
     rows: &[IndexRow],
 ) -> Result<()> {
-    let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
-    let tuple = format!("({}, ?, ?, ?, ?)", marks(cols.len()));
-    for chunk in rows.chunks(500) {
-        let sql = format!(
-            "INSERT INTO `{}` ({}, entity_id, version, entity_added_id, logical) VALUES {} \
-             ON DUPLICATE KEY UPDATE removed_us = IF(VALUES(version) > version, NULL, removed_us), \
-             entity_added_id = COALESCE(VALUES(entity_added_id), entity_added_id), \
-             version = GREATEST(version, VALUES(version))",
-            spec.table,
-            cols.join(", "),
-            vec![tuple.as_str(); chunk.len()].join(", ")
-        );
-        let mut q = sqlx::query(&sql);
-        for row in chunk {
-            q = bind_key(q, &row.key)
-                .bind(&row.entity.0[..])
-                .bind(row.version)
-                .bind(row.entity_added_id)
-                .bind(row.logical);
-        }
-        q.execute(&mut *conn).await.on(shard)?;
+    let upsert = insert_rows(
+        spec,
+        &["entity_id", "version", "entity_added_id", "logical"],
+        " ON DUPLICATE KEY UPDATE removed_us = IF(VALUES(version) > version, NULL, removed_us), \
+         entity_added_id = COALESCE(VALUES(entity_added_id), entity_added_id), \
+         version = GREATEST(version, VALUES(version))",
+    );
+    for st in upsert.statements(rows) {
+        st.bind(sqlx::query(&st.sql), bind_row).execute(&mut *conn).await.on(shard)?;
     }
     Ok(())
 }
@@ -151,25 +156,20 @@ pub async fn remove_index_rows_before(
     rows: &[IndexRowDelete],
     now_us: i64,
 ) -> Result<()> {
-    let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
-    let tuple = format!("({}, ?, ?, ?, ?)", marks(cols.len()));
-    for chunk in rows.chunks(500) {
-        let sql = format!(
-            "INSERT INTO `{}` ({}, entity_id, version, logical, removed_us) VALUES {} \
-             ON DUPLICATE KEY UPDATE removed_us = IF(VALUES(version) > version, VALUES(removed_us), removed_us), \
-             version = GREATEST(version, VALUES(version))",
-            spec.table,
-            cols.join(", "),
-            vec![tuple.as_str(); chunk.len()].join(", ")
-        );
-        let mut q = sqlx::query(&sql);
-        for row in chunk {
-            q = bind_key(q, &row.key)
+    let remove = insert_rows(
+        spec,
+        &["entity_id", "version", "logical", "removed_us"],
+        " ON DUPLICATE KEY UPDATE removed_us = IF(VALUES(version) > version, VALUES(removed_us), removed_us), \
+         version = GREATEST(version, VALUES(version))",
+    );
+    for st in remove.statements(rows) {
+        let q = st.bind(sqlx::query(&st.sql), |q, row| {
+            bind_key(q, &row.key)
                 .bind(&row.entity.0[..])
                 .bind(row.below_version)
                 .bind(row.logical)
-                .bind(now_us);
-        }
+                .bind(now_us)
+        });
         q.execute(&mut *conn).await.on(shard)?;
     }
     Ok(())
@@ -427,26 +427,14 @@ pub async fn copy_rows(
     spec: &IndexSpec,
     rows: &[IndexRow],
 ) -> Result<()> {
-    let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
-    let tuple = format!("({}, ?, ?, ?, ?)", marks(cols.len()));
-    for chunk in rows.chunks(500) {
-        let sql = format!(
-            "INSERT INTO `{}` ({}, entity_id, version, entity_added_id, logical) VALUES {} \
-             ON DUPLICATE KEY UPDATE version = VALUES(version), entity_added_id = VALUES(entity_added_id), \
-             removed_us = NULL",
-            spec.table,
-            cols.join(", "),
-            vec![tuple.as_str(); chunk.len()].join(", ")
-        );
-        let mut q = sqlx::query(&sql);
-        for row in chunk {
-            q = bind_key(q, &row.key)
-                .bind(&row.entity.0[..])
-                .bind(row.version)
-                .bind(row.entity_added_id)
-                .bind(row.logical);
-        }
-        q.execute(&mut *conn).await.on(shard)?;
+    let copy = insert_rows(
+        spec,
+        &["entity_id", "version", "entity_added_id", "logical"],
+        " ON DUPLICATE KEY UPDATE version = VALUES(version), entity_added_id = VALUES(entity_added_id), \
+         removed_us = NULL",
+    );
+    for st in copy.statements(rows) {
+        st.bind(sqlx::query(&st.sql), bind_row).execute(&mut *conn).await.on(shard)?;
     }
     Ok(())
 }
@@ -462,21 +450,14 @@ pub async fn replace_rows_of(
     entities: &[EntityId],
     rows: &[IndexRow],
 ) -> Result<()> {
-    for chunk in entities.chunks(500) {
-        let sql = format!(
-            "DELETE FROM `{}` WHERE entity_id IN ({}) AND logical IN ({})",
-            spec.table,
-            marks(chunk.len()),
-            marks(logicals.len())
-        );
-        let mut q = sqlx::query(&sql);
-        for id in chunk {
-            q = q.bind(&id.0[..]);
-        }
-        for k in logicals {
-            q = q.bind(*k);
-        }
-        q.execute(&mut *conn).await.on(shard)?;
+    let delete = Rows::new(
+        format!("DELETE FROM `{}` WHERE entity_id IN (", spec.table),
+        "?",
+        format!(") AND logical IN ({})", marks(logicals.len())),
+    );
+    for st in delete.statements(entities) {
+        let q = st.bind(sqlx::query(&st.sql), |q, id| q.bind(&id.0[..]));
+        logicals.iter().fold(q, |q, k| q.bind(*k)).execute(&mut *conn).await.on(shard)?;
     }
     copy_rows(shard, conn, spec, rows).await
 }

@@ -17,8 +17,8 @@ use sqlx::mysql::MySqlPool;
 use sqlx::{Executor, Row};
 use std::collections::BTreeMap;
 
-use crate::entities::marks;
 use crate::error::{id_column, OnShard, Result};
+use crate::rows::{Rows, KEYS_PER_STATEMENT};
 
 /// The name of one of the journal triggers of `table`: short and fixed
 /// whatever the table's name (a trigger name has 64 characters at most).
@@ -43,16 +43,10 @@ pub async fn start_journal(
     logicals: &[u16],
     indexes: &[IndexSpec],
 ) -> Result<()> {
-    for chunk in logicals.chunks(1000) {
-        let sql = format!(
-            "INSERT IGNORE INTO bagstore_moving (logical) VALUES {}",
-            vec!["(?)"; chunk.len()].join(", ")
-        );
-        let mut q = sqlx::query(&sql);
-        for k in chunk {
-            q = q.bind(*k);
-        }
-        q.execute(pool).await.on(shard)?;
+    let moving = Rows::new("INSERT IGNORE INTO bagstore_moving (logical) VALUES ", "(?)", "")
+        .at_most(KEYS_PER_STATEMENT);
+    for st in moving.statements(logicals) {
+        st.bind(sqlx::query(&st.sql), |q, k| q.bind(*k)).execute(pool).await.on(shard)?;
     }
     for (table, id_col) in journaled(indexes) {
         for (op, event, row) in [('i', "INSERT", "NEW"), ('u', "UPDATE", "NEW"), ('d', "DELETE", "OLD")] {
@@ -131,13 +125,9 @@ pub async fn read_journal(shard: usize, pool: &MySqlPool, limit: usize) -> Resul
 /// range would drop it unapplied (the verification then found the entity
 /// differing, and the move copied it again at the cutover).
 pub async fn trim_journal(shard: usize, pool: &MySqlPool, applied: &[JournalEntry]) -> Result<()> {
-    for chunk in applied.chunks(1000) {
-        let sql = format!("DELETE FROM bagstore_journal WHERE seq IN ({})", marks(chunk.len()));
-        let mut q = sqlx::query(&sql);
-        for e in chunk {
-            q = q.bind(e.seq);
-        }
-        q.execute(pool).await.on(shard)?;
+    let trim = Rows::new("DELETE FROM bagstore_journal WHERE seq IN (", "?", ")").at_most(KEYS_PER_STATEMENT);
+    for st in trim.statements(applied) {
+        st.bind(sqlx::query(&st.sql), |q, e| q.bind(e.seq)).execute(pool).await.on(shard)?;
     }
     Ok(())
 }

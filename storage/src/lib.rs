@@ -32,6 +32,8 @@
 //! - [`server`]: statements about a server itself (private dev servers).
 //! - [`replication`]: a server's role and position in MariaDB replication;
 //!   what semi-sync needs of it; pointing, fencing and promoting servers.
+//! - `rows`: statements over many rows (`VALUES` and `IN` lists), cut to
+//!   fit; every module above builds its multi-row statements with it.
 //!
 //! Timestamps cross as integer microseconds since the Unix epoch; sqlx sets
 //! each session's `time_zone` to UTC, so `TIMESTAMPADD` / `TIMESTAMPDIFF`
@@ -57,6 +59,7 @@ pub mod moves;
 pub mod outbox;
 pub mod purge;
 pub mod replication;
+mod rows;
 pub mod server;
 pub mod shards;
 pub mod snapshots;
@@ -66,4 +69,5 @@ pub use catalog::IndexMeta;
 pub use entities::{EntityRecord, EntityWrite};
 pub use error::{OnShard, Result, StoreError};
 pub use index_rows::IndexRow;
-pub use shards::{Shards, META_SHARD};
+pub use shards::Shards;
+pub use topology::META_SHARD;

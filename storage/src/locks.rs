@@ -7,7 +7,7 @@
 use sqlx::{MySqlConnection, Row};
 
 use crate::error::{OnShard, Result};
-use crate::shards::META_SHARD;
+use crate::topology::META_SHARD;
 
 /// "The relay of this database".
 const RELAY_LOCK: &str = "CONCAT('bagstore.relay.', DATABASE())";

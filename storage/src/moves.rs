@@ -20,9 +20,14 @@ use sqlx::mysql::MySqlPool;
 use sqlx::{Executor, MySqlConnection, Row};
 use std::collections::BTreeMap;
 
-use crate::entities::marks;
 use crate::error::{id_column, OnShard, Result, StoreError};
-use crate::shards::META_SHARD;
+use crate::rows::{marks, Rows, KEYS_PER_STATEMENT};
+use crate::topology::META_SHARD;
+
+/// `head`, an `IN (…)` list of logical shards, `tail`.
+fn logicals_in(head: &str, tail: &str) -> Rows {
+    Rows::new(format!("{head} IN ("), "?", format!("){tail}")).at_most(KEYS_PER_STATEMENT)
+}
 
 /// Where a move is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -268,13 +273,9 @@ impl Fence {
     /// and reads see the epoch move. Ends the fence.
     pub async fn release(mut self, epoch: u64) -> Result<()> {
         let s = self.shard;
-        for chunk in self.logicals.chunks(1000) {
-            let sql = format!("DELETE FROM bagstore_owned WHERE logical IN ({})", marks(chunk.len()));
-            let mut q = sqlx::query(&sql);
-            for k in chunk {
-                q = q.bind(*k);
-            }
-            q.execute(&mut self.conn).await.on(s)?;
+        let release = logicals_in("DELETE FROM bagstore_owned WHERE logical", "");
+        for st in release.statements(&self.logicals) {
+            st.bind(sqlx::query(&st.sql), |q, k| q.bind(*k)).execute(&mut self.conn).await.on(s)?;
         }
         sqlx::query("UPDATE bagstore_shard SET epoch = GREATEST(epoch, ?) WHERE id = 1")
             .bind(epoch)
@@ -319,13 +320,9 @@ pub async fn outbox_pending_in(
 /// that did not happen (nothing can have written there: no map routed to
 /// it).
 pub async fn revoke(shard: usize, pool: &MySqlPool, logicals: &[u16]) -> Result<()> {
-    for chunk in logicals.chunks(1000) {
-        let sql = format!("DELETE FROM bagstore_owned WHERE logical IN ({})", marks(chunk.len()));
-        let mut q = sqlx::query(&sql);
-        for k in chunk {
-            q = q.bind(*k);
-        }
-        q.execute(pool).await.on(shard)?;
+    let revoke = logicals_in("DELETE FROM bagstore_owned WHERE logical", "");
+    for st in revoke.statements(logicals) {
+        st.bind(sqlx::query(&st.sql), |q, k| q.bind(*k)).execute(pool).await.on(shard)?;
     }
     Ok(())
 }
@@ -334,16 +331,14 @@ pub async fn revoke(shard: usize, pool: &MySqlPool, logicals: &[u16]) -> Result<
 /// (target) shard. Waits for copy transactions of an earlier run in flight;
 /// their later ones fail ([`begin_incoming`]).
 pub async fn claim_incoming(shard: usize, pool: &MySqlPool, logicals: &[u16], token: u64) -> Result<()> {
-    for chunk in logicals.chunks(1000) {
-        let sql = format!(
-            "INSERT INTO bagstore_incoming (logical, token) VALUES {} ON DUPLICATE KEY UPDATE token = VALUES(token)",
-            vec!["(?, ?)"; chunk.len()].join(", ")
-        );
-        let mut q = sqlx::query(&sql);
-        for k in chunk {
-            q = q.bind(*k).bind(token);
-        }
-        q.execute(pool).await.on(shard)?;
+    let claim = Rows::new(
+        "INSERT INTO bagstore_incoming (logical, token) VALUES ",
+        "(?, ?)",
+        " ON DUPLICATE KEY UPDATE token = VALUES(token)",
+    )
+    .at_most(KEYS_PER_STATEMENT);
+    for st in claim.statements(logicals) {
+        st.bind(sqlx::query(&st.sql), |q, k| q.bind(*k).bind(token)).execute(pool).await.on(shard)?;
     }
     Ok(())
 }
@@ -358,15 +353,10 @@ async fn check_incoming(
     lock: &str,
 ) -> Result<()> {
     let mut held = 0;
-    for chunk in logicals.chunks(1000) {
-        let sql = format!(
-            "SELECT logical FROM bagstore_incoming WHERE logical IN ({}) AND token = ? {lock}",
-            marks(chunk.len())
-        );
-        let mut q = sqlx::query(&sql);
-        for k in chunk {
-            q = q.bind(*k);
-        }
+    let check =
+        logicals_in("SELECT logical FROM bagstore_incoming WHERE logical", &format!(" AND token = ? {lock}"));
+    for st in check.statements(logicals) {
+        let q = st.bind(sqlx::query(&st.sql), |q, k| q.bind(*k));
         held += q.bind(token).fetch_all(&mut *conn).await.on(shard)?.len();
     }
     if held == logicals.len() {
@@ -403,22 +393,19 @@ pub async fn take_over(
 ) -> Result<()> {
     let mut tx = pool.begin().await.on(shard)?;
     check_incoming(shard, &mut tx, logicals, token, "FOR UPDATE").await?;
-    for chunk in logicals.chunks(1000) {
-        let sql = format!("DELETE FROM bagstore_incoming WHERE logical IN ({})", marks(chunk.len()));
-        let mut q = sqlx::query(&sql);
-        for k in chunk {
-            q = q.bind(*k);
-        }
-        q.execute(&mut *tx).await.on(shard)?;
-        let sql = format!(
-            "INSERT INTO bagstore_owned (logical, version_floor) VALUES {} \
-             ON DUPLICATE KEY UPDATE version_floor = GREATEST(version_floor, VALUES(version_floor))",
-            vec!["(?, ?)"; chunk.len()].join(", ")
-        );
-        let mut q = sqlx::query(&sql);
-        for k in chunk {
-            q = q.bind(*k).bind(floors.get(k).copied().unwrap_or(0));
-        }
+    let forget = logicals_in("DELETE FROM bagstore_incoming WHERE logical", "");
+    let own = Rows::new(
+        "INSERT INTO bagstore_owned (logical, version_floor) VALUES ",
+        "(?, ?)",
+        " ON DUPLICATE KEY UPDATE version_floor = GREATEST(version_floor, VALUES(version_floor))",
+    )
+    .at_most(KEYS_PER_STATEMENT);
+    // Each statement's logical shards leave incoming and become owned
+    // before the next statement's.
+    for st in forget.statements(logicals) {
+        st.bind(sqlx::query(&st.sql), |q, k| q.bind(*k)).execute(&mut *tx).await.on(shard)?;
+        let st = own.statement(st.rows);
+        let q = st.bind(sqlx::query(&st.sql), |q, k| q.bind(*k).bind(floors.get(k).copied().unwrap_or(0)));
         q.execute(&mut *tx).await.on(shard)?;
     }
     tx.commit().await.on(shard)
@@ -426,13 +413,9 @@ pub async fn take_over(
 
 /// Forgets the incoming rows of `logicals` (a rolled-back move).
 pub async fn drop_incoming(shard: usize, pool: &MySqlPool, logicals: &[u16]) -> Result<()> {
-    for chunk in logicals.chunks(1000) {
-        let sql = format!("DELETE FROM bagstore_incoming WHERE logical IN ({})", marks(chunk.len()));
-        let mut q = sqlx::query(&sql);
-        for k in chunk {
-            q = q.bind(*k);
-        }
-        q.execute(pool).await.on(shard)?;
+    let forget = logicals_in("DELETE FROM bagstore_incoming WHERE logical", "");
+    for st in forget.statements(logicals) {
+        st.bind(sqlx::query(&st.sql), |q, k| q.bind(*k)).execute(pool).await.on(shard)?;
     }
     Ok(())
 }
@@ -443,15 +426,9 @@ pub async fn owns(shard: usize, pool: &MySqlPool, logicals: &[u16]) -> Result<Ve
         return Ok(Vec::new());
     }
     let mut out = Vec::new();
-    for chunk in logicals.chunks(1000) {
-        let sql = format!(
-            "SELECT logical FROM bagstore_owned WHERE logical IN ({}) ORDER BY logical",
-            marks(chunk.len())
-        );
-        let mut q = sqlx::query_as::<_, (u16,)>(&sql);
-        for k in chunk {
-            q = q.bind(*k);
-        }
+    let owned = logicals_in("SELECT logical FROM bagstore_owned WHERE logical", " ORDER BY logical");
+    for st in owned.statements(logicals) {
+        let q = st.bind(sqlx::query_as::<_, (u16,)>(&st.sql), |q, k| q.bind(*k));
         out.extend(q.fetch_all(pool).await.on(shard)?.into_iter().map(|r| r.0));
     }
     Ok(out)
@@ -476,13 +453,9 @@ pub async fn flip(
         .await
         .on(s)?;
     let new_epoch = epoch.max(source_epoch) + 1;
-    for chunk in logicals.chunks(1000) {
-        let sql = format!("UPDATE bagstore_map SET physical = ? WHERE logical IN ({})", marks(chunk.len()));
-        let mut q = sqlx::query(&sql).bind(target);
-        for k in chunk {
-            q = q.bind(*k);
-        }
-        q.execute(&mut *tx).await.on(s)?;
+    let remap = logicals_in("UPDATE bagstore_map SET physical = ? WHERE logical", "");
+    for st in remap.statements(logicals) {
+        st.bind(sqlx::query(&st.sql).bind(target), |q, k| q.bind(*k)).execute(&mut *tx).await.on(s)?;
     }
     sqlx::query("UPDATE bagstore_physical SET epoch = ? WHERE id = ?")
         .bind(source_epoch)

@@ -7,8 +7,8 @@ use schemas::EntityId;
 use sqlx::mysql::MySqlPool;
 use sqlx::{MySqlConnection, Row};
 
-use crate::entities::marks;
 use crate::error::{id_column, OnShard, Result};
+use crate::rows::{Rows, KEYS_PER_STATEMENT};
 
 /// One change event to insert, committed with its write.
 #[derive(Debug, Clone, PartialEq)]
@@ -76,15 +76,17 @@ pub async fn insert_outbox_rows(
     rows: &[OutboxInsert],
 ) -> Result<()> {
     let table = schemas::names::tables::OUTBOX;
-    for chunk in rows.chunks(500) {
-        let sql = format!(
-            "INSERT INTO {table} (entity_id, version, committed, event) VALUES {}",
-            vec!["(?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)"; chunk.len()].join(", ")
-        );
-        let mut q = sqlx::query(&sql);
-        for row in chunk {
-            q = q.bind(&row.entity_id.0[..]).bind(row.version).bind(row.committed_us).bind(&row.event[..]);
-        }
+    let insert = Rows::new(
+        format!("INSERT INTO {table} (entity_id, version, committed, event) VALUES "),
+        "(?, ?, TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00'), ?)",
+        "",
+    );
+    // One statement after another, rows in order within each: `seq`
+    // follows the order given.
+    for st in insert.statements(rows) {
+        let q = st.bind(sqlx::query(&st.sql), |q, row| {
+            q.bind(&row.entity_id.0[..]).bind(row.version).bind(row.committed_us).bind(&row.event[..])
+        });
         q.execute(&mut *conn).await.on(shard)?;
     }
     Ok(())
@@ -114,13 +116,9 @@ pub async fn read_outbox(shard: usize, conn: &mut MySqlConnection, limit: usize)
 /// late is not in the list and so survives to be published next round.
 #[tracing::instrument(level = "debug", skip_all, fields(shard))]
 pub async fn delete_outbox(shard: usize, conn: &mut MySqlConnection, seqs: &[u64]) -> Result<()> {
-    for chunk in seqs.chunks(1000) {
-        let sql = format!("DELETE FROM outbox WHERE seq IN ({})", marks(chunk.len()));
-        let mut q = sqlx::query(&sql);
-        for s in chunk {
-            q = q.bind(*s);
-        }
-        q.execute(&mut *conn).await.on(shard)?;
+    let delete = Rows::new("DELETE FROM outbox WHERE seq IN (", "?", ")").at_most(KEYS_PER_STATEMENT);
+    for st in delete.statements(seqs) {
+        st.bind(sqlx::query(&st.sql), |q, s| q.bind(*s)).execute(&mut *conn).await.on(shard)?;
     }
     Ok(())
 }

@@ -16,8 +16,8 @@ use sqlx::mysql::MySqlPool;
 use sqlx::Row;
 use std::collections::BTreeMap;
 
-use crate::entities::marks;
 use crate::error::{id_column, OnShard, Result};
+use crate::rows::marks;
 
 /// A position in a shard's `(expires_us, added_id)` order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

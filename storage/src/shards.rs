@@ -26,11 +26,7 @@ use std::time::{Duration, Instant};
 
 use crate::conns::Conns;
 use crate::error::{OnShard, Result, StoreError};
-use crate::topology;
-
-/// The metadata shard: physical shard 0, the first of the cluster. It holds
-/// the map and the index catalog ([`Shards::meta`]) and is never removed.
-pub const META_SHARD: usize = 0;
+use crate::topology::{self, META_SHARD};
 
 /// The most physical shards a cluster can ever have registered.
 pub const MAX_PHYSICAL: usize = 1024;

@@ -23,9 +23,12 @@ use sqlx::mysql::MySqlPool;
 use sqlx::{MySqlConnection, Row};
 use std::collections::HashMap;
 
-use crate::entities::marks;
 use crate::error::{OnShard, Result, StoreError};
-use crate::shards::META_SHARD;
+use crate::rows::{marks, Rows, KEYS_PER_STATEMENT};
+
+/// The metadata shard: physical shard 0, the first of the cluster. It holds
+/// the map (and the index catalog) and is never removed.
+pub const META_SHARD: usize = 0;
 
 /// Who a physical shard's database says it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -129,16 +132,11 @@ pub async fn create(meta: &MySqlPool, t: &Topology) -> Result<()> {
     for p in &t.shards {
         insert_physical(&mut tx, p).await?;
     }
-    for chunk in (0..t.logical_shards).collect::<Vec<u16>>().chunks(1000) {
-        let sql = format!(
-            "INSERT INTO bagstore_map (logical, physical) VALUES {}",
-            vec!["(?, ?)"; chunk.len()].join(", ")
-        );
-        let mut q = sqlx::query(&sql);
-        for k in chunk {
-            q = q.bind(*k).bind(t.owner(*k));
-        }
-        q.execute(&mut *tx).await.on(s)?;
+    let logicals: Vec<u16> = (0..t.logical_shards).collect();
+    let map = Rows::new("INSERT INTO bagstore_map (logical, physical) VALUES ", "(?, ?)", "")
+        .at_most(KEYS_PER_STATEMENT);
+    for st in map.statements(&logicals) {
+        st.bind(sqlx::query(&st.sql), |q, k| q.bind(*k).bind(t.owner(*k))).execute(&mut *tx).await.on(s)?;
     }
     tx.commit().await.on(s)
 }
@@ -244,16 +242,10 @@ pub async fn forget_identity(shard: usize, pool: &MySqlPool) -> Result<()> {
 /// epoch, in one transaction.
 pub async fn grant(shard: usize, pool: &MySqlPool, logicals: &[u16], epoch: u64) -> Result<()> {
     let mut tx = pool.begin().await.on(shard)?;
-    for chunk in logicals.chunks(1000) {
-        let sql = format!(
-            "INSERT IGNORE INTO bagstore_owned (logical) VALUES {}",
-            vec!["(?)"; chunk.len()].join(", ")
-        );
-        let mut q = sqlx::query(&sql);
-        for k in chunk {
-            q = q.bind(*k);
-        }
-        q.execute(&mut *tx).await.on(shard)?;
+    let own = Rows::new("INSERT IGNORE INTO bagstore_owned (logical) VALUES ", "(?)", "")
+        .at_most(KEYS_PER_STATEMENT);
+    for st in own.statements(logicals) {
+        st.bind(sqlx::query(&st.sql), |q, k| q.bind(*k)).execute(&mut *tx).await.on(shard)?;
     }
     sqlx::query("UPDATE bagstore_shard SET epoch = GREATEST(epoch, ?) WHERE id = 1")
         .bind(epoch)

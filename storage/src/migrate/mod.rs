@@ -8,7 +8,8 @@ use sqlx::mysql::MySqlPool;
 
 use crate::ddl;
 use crate::error::{OnShard, Result};
-use crate::shards::{dedicated_connection, split_database, META_SHARD};
+use crate::shards::{dedicated_connection, split_database};
+use crate::topology::META_SHARD;
 
 pub mod upgrade;
 

@@ -40,6 +40,9 @@
 //! - `upgrade`: what removed features left, dropped by `migrate` once it
 //!   loses nothing; removed settings refused.
 //! - `docs`: every repository path the docs name exists (no servers).
+//! - `layout`: the workspace's layout rules (no two modules of a crate
+//!   referring to each other, service crates on schemas, storage and
+//!   service only, file and function sizes); reads sources, no server.
 
 mod auth;
 mod backpressure;
@@ -59,6 +62,7 @@ mod group_commit;
 mod health;
 mod idempotency;
 mod ingest;
+mod layout;
 mod limits;
 mod membership;
 mod observability;
