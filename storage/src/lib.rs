@@ -30,6 +30,10 @@
 //! - [`topology`]: the map in the database; the ownership a write proves,
 //!   the epoch a read checks.
 //! - [`server`]: statements about a server itself (private dev servers).
+//! - [`stale`]: [`StaleMapRetry`], what every caller does when its map
+//!   turned out stale.
+//! - [`write`]: the write transaction (lock, decide, entity and outbox
+//!   rows, commit), shared by the writer and the cleaner's expiry.
 //!
 //! Timestamps cross as integer microseconds since the Unix epoch; sqlx sets
 //! each session's `time_zone` to UTC, so `TIMESTAMPADD` / `TIMESTAMPDIFF`
@@ -57,10 +61,13 @@ pub mod purge;
 pub mod server;
 pub mod shards;
 pub mod snapshots;
+pub mod stale;
 pub mod topology;
+pub mod write;
 
 pub use catalog::IndexMeta;
 pub use entities::{EntityRecord, EntityWrite};
 pub use error::{OnShard, Result, StoreError};
 pub use index_rows::IndexRow;
 pub use shards::{Shards, META_SHARD};
+pub use stale::StaleMapRetry;
