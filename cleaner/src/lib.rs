@@ -22,8 +22,8 @@
 //! - [`reconcile`]: per-entity drift judgment and repair.
 //! - [`backfill`]: a new index's online backfill, resumable, throttled.
 //! - [`pace`]: the backfill's pace, fixed or following the shards' health.
-//! - [`expiry`]: deleting expired entities (through the writer) and
-//!   purging old tombstones.
+//! - [`expiry`]: deleting expired entities (through the write transaction,
+//!   `storage::write`) and purging old tombstones.
 //! - [`lag`]: index lag and the settled time (before which drift is drift,
 //!   not lag), measured for every index, live consumer or not.
 //! - [`metrics`]: the series this crate exports.
@@ -44,6 +44,7 @@ use std::time::{Duration, Instant};
 use storage::entities::{self, EntityRecord, Fetched, UpdatedCursor};
 use storage::index_rows;
 use storage::shards::Routing;
+use storage::write::{Rules, WriteContext};
 use storage::{catalog, topology, IndexMeta, Shards, StaleMapRetry, StoreError};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -52,9 +53,9 @@ use tokio_util::task::TaskTracker;
 /// gives up with [`StoreError::StaleMap`] (a move per reload is rare).
 const READ_STALE_MAP_WAIT: Duration = Duration::from_secs(1);
 
-/// How long the sweep goes on after its map turned out stale (a move's
-/// cutover pauses writes for much less) before it fails like any other
-/// error.
+/// How long the sweep, and an expiry's delete, go on after their map
+/// turned out stale (a move's cutover pauses writes for much less) before
+/// they fail like any other error.
 const STALE_MAP_WAIT: Duration = Duration::from_secs(10);
 
 pub use metrics::CleanerMetrics;
@@ -94,6 +95,8 @@ struct Inner {
     backfilling: Mutex<HashSet<String>>,
     /// Per index: up to when every event is applied (see [`lag`]).
     settled: Mutex<HashMap<String, lag::Settled>>,
+    /// What the expiry's deletes need (they are write transactions).
+    write: WriteContext,
 }
 
 /// Where each pass of the sweep stands.
@@ -121,6 +124,7 @@ impl Cleaner {
     pub fn new(settings: Settings, shards: Shards, metrics: CleanerMetrics, health: Health) -> Cleaner {
         Cleaner {
             inner: Arc::new(Inner {
+                write: WriteContext::new(shards.clone(), Rules::from_settings(&settings)),
                 settings,
                 shards,
                 metrics,
@@ -141,6 +145,10 @@ impl Cleaner {
 
     pub fn metrics(&self) -> &CleanerMetrics {
         &self.inner.metrics
+    }
+
+    pub(crate) fn write_context(&self) -> &WriteContext {
+        &self.inner.write
     }
 
     /// Commit time before which every event of `table` has been applied;
