@@ -32,7 +32,7 @@
 //! - [`server`]: statements about a server itself (private dev servers).
 //! - [`stale`]: [`StaleMapRetry`], what every caller does when its map
 //!   turned out stale.
-//! - [`write`]: the write transaction (lock, decide, entity and outbox
+//! - [`write`](mod@write): the write transaction (lock, decide, entity and outbox
 //!   rows, commit), shared by the writer and the cleaner's expiry.
 //!
 //! Timestamps cross as integer microseconds since the Unix epoch; sqlx sets

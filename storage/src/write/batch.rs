@@ -58,7 +58,7 @@ async fn commit_by_shard(ctx: &WriteContext, items: &[Item], todo: &[usize]) -> 
         .collect()
 }
 
-/// Commits `items` (see [`commit_by_shard`]), and again those that found
+/// Commits `items` (see `commit_by_shard`), and again those that found
 /// their map stale, until none does or `stale` gives up (they then answer
 /// the stale map). Answers in input order. `each` sees every shard's part,
 /// committed or not, before its answers are taken: what the caller counts

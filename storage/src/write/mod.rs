@@ -17,9 +17,9 @@
 //!
 //! Layout:
 //! - this file: the types every caller shares, and the context.
-//! - [`decide`]: the pure decision per item, and per transaction (items in
+//! - `decide`: the pure decision per item, and per transaction (items in
 //!   order, each seeing the ones before it).
-//! - [`refusal`]: how a guarded write records its refusal, and replays it.
+//! - `refusal`: how a guarded write records its refusal, and replays it.
 //! - [`transaction`]: the transaction and its retries (deadlocks, a dead
 //!   connection at `BEGIN`).
 //! - [`batch`]: many items split by the shard that owns each, one

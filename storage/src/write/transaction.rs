@@ -1,7 +1,7 @@
 //! The write transaction on one shard, and its retries.
 //!
 //! At most five statements whatever the number of items: one locking read
-//! of every id, then the decisions in memory ([`super::decide`]), one
+//! of every id, then the decisions in memory (`super::decide`), one
 //! multi-row write of the rows that existed and one insert of the new ones
 //! (a concurrent creator of the same id makes it fail, and the whole
 //! transaction is retried), one multi-row outbox insert, commit (up to 500
@@ -30,7 +30,7 @@ const CONFLICT_RETRIES: usize = 8;
 
 /// Runs `items` in one transaction on `shard`, on one of the shard's
 /// ping-free connections, run again after a deadlock or a lost race to
-/// create an id. Items are decided in their order (see [`super::decide`]).
+/// create an id. Items are decided in their order (see `super::decide`).
 /// The caller wakes whoever publishes the shard's outbox.
 pub async fn commit(ctx: &WriteContext, shard: usize, items: &[Item]) -> Result<Committed, StoreError> {
     let conns = ctx.shards().conns(shard);

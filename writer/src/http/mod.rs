@@ -10,8 +10,8 @@
 //! - `DELETE /v1/entities/{id}`
 //! - `POST /v1/entities/batch` — `{"entities": [...]}`, one transaction per shard
 //!
-//! Layout: this file, the routes; [`parse`], reading a request;
-//! [`problem`], the answers and the problem documents.
+//! Layout: this file, the routes; `parse`, reading a request;
+//! `problem`, the answers and the problem documents.
 
 use axum::body::Body;
 use axum::extract::{Path, RawQuery, State};
