@@ -30,15 +30,17 @@ const MAX_PAUSE: Duration = Duration::from_millis(200);
 /// little (longer each time), and go again until the budget is spent.
 #[derive(Debug)]
 pub struct StaleMapRetry {
-    until: Instant,
+    /// None: a budget too long to reach (a caller that retries until done).
+    until: Option<Instant>,
     pause: Duration,
     tries: u32,
 }
 
 impl StaleMapRetry {
-    /// A retry that goes on for `budget` from now.
+    /// A retry that goes on for `budget` from now (`Duration::MAX`: for
+    /// as long as the map keeps being stale).
     pub fn new(budget: Duration) -> StaleMapRetry {
-        StaleMapRetry { until: Instant::now() + budget, pause: FIRST_PAUSE, tries: 0 }
+        StaleMapRetry { until: Instant::now().checked_add(budget), pause: FIRST_PAUSE, tries: 0 }
     }
 
     /// Reloads the map and waits; false (at once, reloading nothing) once
@@ -46,7 +48,7 @@ impl StaleMapRetry {
     /// and the wait goes on: the metadata shard may be back by the next
     /// try, and the budget bounds how long that is hoped for.
     pub async fn again(&mut self, shards: &Shards) -> bool {
-        if Instant::now() >= self.until {
+        if self.until.is_some_and(|until| Instant::now() >= until) {
             return false;
         }
         if let Err(e) = shards.reload().await {
@@ -79,7 +81,7 @@ mod tests {
     #[tokio::test]
     async fn it_waits_longer_each_time_and_stops_for_good_at_its_budget() {
         let shards = unreachable();
-        let mut retry = StaleMapRetry::new(Duration::from_secs(60));
+        let mut retry = StaleMapRetry::new(Duration::MAX);
         let mut pauses = Vec::new();
         for _ in 0..7 {
             pauses.push(retry.pause);
