@@ -51,9 +51,8 @@ pub struct Running {
 }
 
 /// Every route this process serves, each with its role: the services'
-/// for `roles`, and the ops routes every process has. Also the write path
-/// when a role writes (the writer's routes, the cleaner's expiry deletes);
-/// the relays that publish what it commits run with the writer role.
+/// for `roles`, and the ops routes every process has. The writer role also
+/// starts the relays that publish what it commits, and the Kafka ingest.
 pub fn routes(
     settings: &Settings,
     shards: &Shards,
@@ -61,22 +60,19 @@ pub fn routes(
     registry: &Registry,
     pipeline: &Pipeline,
     health: &Health,
-) -> anyhow::Result<(Routes, Option<writer::Writer>)> {
+) -> anyhow::Result<Routes> {
     let mut routes = http::ops::routes(registry.clone(), health.clone());
-    let mut write_path = None;
-    if roles.writer || roles.cleaner {
-        write_path = Some(writer::Writer::new(settings.clone(), shards.clone(), registry, health.clone())?);
-    }
-    if let (true, Some(w)) = (roles.writer, &write_path) {
+    if roles.writer {
+        let w = writer::Writer::new(settings.clone(), shards.clone(), registry, health.clone())?;
         w.spawn_relays(&pipeline.tracker, pipeline.stop.clone())?;
         w.spawn_ingest(&pipeline.tracker, pipeline.stop.clone());
-        routes = routes.merge(writer::http::routes(w.clone()));
+        routes = routes.merge(writer::http::routes(w));
     }
     if roles.reader {
         let r = reader::Reader::new(settings.clone(), shards.clone(), registry)?;
         routes = routes.merge(reader::http::routes(r));
     }
-    Ok((routes, write_path))
+    Ok(routes)
 }
 
 pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running> {
@@ -87,7 +83,7 @@ pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running>
     let uses_kafka = roles.writer || roles.cleaner || !roles.indexes.is_empty();
     let kafka_only = !roles.indexes.is_empty() && !roles.writer && !roles.reader && !roles.cleaner;
     let health = Health::new(shards.clone(), uses_kafka.then(|| settings.kafka.clone()), kafka_only);
-    let (routes, write_path) = routes(settings, &shards, &roles, &registry, &pipeline, &health)?;
+    let routes = routes(settings, &shards, &roles, &registry, &pipeline, &health)?;
     let role_names = roles.names();
     if !roles.indexes.is_empty() {
         let metrics = indexer::Metrics::register(&registry)?;
@@ -132,10 +128,8 @@ pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running>
         pipeline.tracker.spawn(async move { purge.purge_idempotency_keys(purge_stop).await });
         let (tombstones, tombstones_stop) = (c.clone(), stop.clone());
         pipeline.tracker.spawn(async move { tombstones.purge_tombstones(tombstones_stop).await });
-        if let Some(w) = write_path {
-            let (expire, expire_stop) = (c.clone(), stop.clone());
-            pipeline.tracker.spawn(async move { expire.expire_entities(w, expire_stop).await });
-        }
+        let (expire, expire_stop) = (c.clone(), stop.clone());
+        pipeline.tracker.spawn(async move { expire.expire_entities(expire_stop).await });
         pipeline.tracker.spawn(async move { c.run(&backfills, stop).await });
         pipeline.tracker.spawn(async move { lag.report_lag(lag_stop).await });
     }
@@ -216,7 +210,7 @@ mod tests {
         let roles = Roles { writer: true, reader: true, ..Default::default() };
         let pipeline = Pipeline::new();
         let health = Health::new(shards.clone(), None, false);
-        let (routes, _) = routes(&settings, &shards, &roles, &Registry::new(), &pipeline, &health).unwrap();
+        let routes = routes(&settings, &shards, &roles, &Registry::new(), &pipeline, &health).unwrap();
         pipeline.stop.cancel();
         let mut declared: Vec<(String, &str, Role)> =
             routes.roles().iter().map(|r| (r.method.to_string(), r.path, r.role)).collect();

@@ -1,29 +1,31 @@
 //! Expiry and tombstone purge: the two ways rows leave `entities`.
 //!
 //! - Expired entities ([`Cleaner::expire_entities`]): each shard is searched
-//!   every `cleaner.expiry_interval_ms` along the `expires_us` key, and each
-//!   entity found is deleted by the writer's write path
-//!   ([`writer::Writer::expire`]): its own transaction checks under the row
-//!   lock that the entity is still expired, and commits a delete event, so
-//!   indexes and every consumer of the change topic follow. Reads hide the
-//!   entity from its expiry instant on, before the delete.
+//!   every `cleaner.expiry_interval_ms` along the `expires_us` key, and the
+//!   entities found are deleted by the write transaction every write goes
+//!   through (`storage::write`, as [`Change::Expire`]): it checks under the
+//!   row lock that each entity is still expired, and commits a delete
+//!   event, so indexes and every consumer of the change topic follow. Reads
+//!   hide the entity from its expiry instant on, before the delete.
 //! - Tombstones ([`Cleaner::purge_tombstones`]): rows of deleted entities
 //!   older than `cleaner.tombstone_retention_secs` and settled in every
 //!   index, removed under a version floor (see `storage::purge`).
 
-use futures::StreamExt;
 use schemas::clock::now_micros;
 use std::time::Duration;
 use storage::purge::{self, ExpiryCursor, PurgeCursor};
+use storage::write::{self, Change, Item, Precondition, WriteError};
+use storage::StaleMapRetry;
 use tokio_util::sync::CancellationToken;
-use writer::{WriteError, Writer};
 
-use crate::Cleaner;
+use crate::{Cleaner, STALE_MAP_WAIT};
 
 /// Expired entities looked up per statement.
 const EXPIRY_BATCH: usize = 500;
-/// Expiry deletes in flight per shard (the writer commits them in groups).
-const EXPIRY_CONCURRENCY: usize = 64;
+/// Expiry deletes per transaction: few enough that the locks they hold
+/// and the delete events (each carries its entity's last bag, for the
+/// indexes) stay small.
+const EXPIRY_PER_TRANSACTION: usize = 64;
 /// Rows the purge walks per statement, and statements per round.
 const PURGE_BATCH: usize = 1000;
 const PURGE_STEPS_PER_ROUND: usize = 20;
@@ -31,7 +33,7 @@ const PURGE_STEPS_PER_ROUND: usize = 20;
 impl Cleaner {
     /// Deletes expired entities until `shutdown` (nothing when
     /// `expiry.property` is unset).
-    pub async fn expire_entities(&self, writer: Writer, shutdown: CancellationToken) {
+    pub async fn expire_entities(&self, shutdown: CancellationToken) {
         // Every shard's series exist from the start (at 0).
         for shard in self.shards().ids() {
             self.metrics().expired.with_label_values(&[&shard.to_string()]);
@@ -42,7 +44,7 @@ impl Cleaner {
         let every = Duration::from_millis(self.settings().cleaner.expiry_interval_ms);
         while !shutdown.is_cancelled() {
             for shard in self.shards().ids() {
-                if let Err(e) = self.expire_on(&writer, shard, &shutdown).await {
+                if let Err(e) = self.expire_on(shard, &shutdown).await {
                     tracing::warn!(shard, error = %e, "expiring entities failed; next round retries");
                 }
             }
@@ -56,12 +58,7 @@ impl Cleaner {
     /// One round on one shard: every entity expired by now, oldest expiry
     /// first. One that will not go (rewritten meanwhile, or failing) is
     /// passed, not retried in this round.
-    async fn expire_on(
-        &self,
-        writer: &Writer,
-        shard: usize,
-        shutdown: &CancellationToken,
-    ) -> Result<(), storage::StoreError> {
+    async fn expire_on(&self, shard: usize, shutdown: &CancellationToken) -> Result<(), storage::StoreError> {
         let now = now_micros();
         let label = shard.to_string();
         let mut after: Option<ExpiryCursor> = None;
@@ -71,21 +68,27 @@ impl Cleaner {
             let Some(last) = found.last() else { break };
             after = Some(last.at);
             let full = found.len() == EXPIRY_BATCH;
-            let deletes = futures::stream::iter(found)
-                .map(|e| async move { (e, writer.expire(e.id).await) })
-                .buffer_unordered(EXPIRY_CONCURRENCY);
-            let mut deletes = std::pin::pin!(deletes);
-            while let Some((e, result)) = deletes.next().await {
-                match result {
-                    Ok(_) => {
-                        self.metrics().expired.with_label_values(&[&label]).inc();
-                        let late = (now_micros() - e.at.expires_us).max(0) as f64 / 1e6;
-                        self.metrics().expiry_delay.with_label_values(&[&label]).observe(late);
-                    }
-                    // Rewritten since (a new expiry or none), or deleted.
-                    Err(WriteError::NotExpired) => {}
-                    Err(err) => {
-                        tracing::warn!(shard, id = %e.id, error = %err, "could not delete an expired entity")
+            for chunk in found.chunks(EXPIRY_PER_TRANSACTION) {
+                // Each goes to the shard that owns it now (the one searched,
+                // unless a move took it since), there in one transaction.
+                let items: Vec<Item> = chunk
+                    .iter()
+                    .map(|e| Item { id: e.id, change: Change::Expire, pre: Precondition::default() })
+                    .collect();
+                let mut stale = StaleMapRetry::new(STALE_MAP_WAIT);
+                let results = write::commit_all(self.write_context(), &items, &mut stale, |_| {}).await;
+                for (e, result) in chunk.iter().zip(results) {
+                    match result {
+                        Ok(_) => {
+                            self.metrics().expired.with_label_values(&[&label]).inc();
+                            let late = (now_micros() - e.at.expires_us).max(0) as f64 / 1e6;
+                            self.metrics().expiry_delay.with_label_values(&[&label]).observe(late);
+                        }
+                        // Rewritten since (a new expiry or none), or deleted.
+                        Err(WriteError::NotExpired) => {}
+                        Err(err) => {
+                            tracing::warn!(shard, id = %e.id, error = %err, "could not delete an expired entity")
+                        }
                     }
                 }
             }

@@ -22,8 +22,8 @@
 //! - [`reconcile`]: per-entity drift judgment and repair.
 //! - [`backfill`]: a new index's online backfill, resumable, throttled.
 //! - [`pace`]: the backfill's pace, fixed or following the shards' health.
-//! - [`expiry`]: deleting expired entities (through the writer) and
-//!   purging old tombstones.
+//! - [`expiry`]: deleting expired entities (through the write transaction,
+//!   `storage::write`) and purging old tombstones.
 //! - [`lag`]: index lag and the settled time (before which drift is drift,
 //!   not lag), measured for every index, live consumer or not.
 //! - [`metrics`]: the series this crate exports.
@@ -44,13 +44,19 @@ use std::time::{Duration, Instant};
 use storage::entities::{self, EntityRecord, Fetched, UpdatedCursor};
 use storage::index_rows;
 use storage::shards::Routing;
-use storage::{catalog, topology, IndexMeta, Shards, StoreError};
+use storage::write::{Rules, WriteContext};
+use storage::{catalog, topology, IndexMeta, Shards, StaleMapRetry, StoreError};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-/// How many times [`Cleaner::read_any`] reloads a map found stale before
-/// it gives up with [`StoreError::StaleMap`] (a move per reload is rare).
-const STALE_MAP_RETRIES: u32 = 5;
+/// How long [`Cleaner::read_any`] reloads a map found stale before it
+/// gives up with [`StoreError::StaleMap`] (a move per reload is rare).
+const READ_STALE_MAP_WAIT: Duration = Duration::from_secs(1);
+
+/// How long the sweep, and an expiry's delete, go on after their map
+/// turned out stale (a move's cutover pauses writes for much less) before
+/// they fail like any other error.
+const STALE_MAP_WAIT: Duration = Duration::from_secs(10);
 
 pub use metrics::CleanerMetrics;
 
@@ -89,6 +95,8 @@ struct Inner {
     backfilling: Mutex<HashSet<String>>,
     /// Per index: up to when every event is applied (see [`lag`]).
     settled: Mutex<HashMap<String, lag::Settled>>,
+    /// What the expiry's deletes need (they are write transactions).
+    write: WriteContext,
 }
 
 /// Where each pass of the sweep stands.
@@ -140,6 +148,7 @@ impl Cleaner {
     pub fn new(settings: Settings, shards: Shards, metrics: CleanerMetrics, health: Health) -> Cleaner {
         Cleaner {
             inner: Arc::new(Inner {
+                write: WriteContext::new(shards.clone(), Rules::from_settings(&settings)),
                 settings,
                 shards,
                 metrics,
@@ -160,6 +169,10 @@ impl Cleaner {
 
     pub fn metrics(&self) -> &CleanerMetrics {
         &self.inner.metrics
+    }
+
+    pub(crate) fn write_context(&self) -> &WriteContext {
+        &self.inner.write
     }
 
     /// Commit time before which every event of `table` has been applied;
@@ -203,16 +216,17 @@ impl Cleaner {
     pub async fn run(&self, tracker: &TaskTracker, shutdown: CancellationToken) {
         let interval = Duration::from_millis(self.settings().cleaner.interval_ms);
         let mut state = SweepState::default();
+        let mut stale = StaleMapRetry::new(STALE_MAP_WAIT);
         while !shutdown.is_cancelled() {
             let outcome = self.cycle(&mut state, tracker, &shutdown).await;
             let report = outcome.as_ref().map(|_| ()).map_err(|e| format!("sweep failed: {e}"));
             self.inner.health.report("sweep", report);
             if let Err(e) = outcome {
-                if matches!(&e, CleanerError::Store(s) if s.is_stale_map()) {
-                    // A move changed the map: reload and sweep again at once.
-                    if let Err(e) = self.shards().reload().await {
-                        tracing::warn!(error = %e, "cannot reload the shard map");
-                    }
+                // A move changed the map: reload and sweep again, after a
+                // short wait (longer if it happens again) while a cutover ends.
+                if matches!(&e, CleanerError::Store(s) if s.is_stale_map())
+                    && stale.again(self.shards()).await
+                {
                     continue;
                 }
                 tracing::warn!(error = %e, source = ?std::error::Error::source(&e).map(|s| s.to_string()),
@@ -221,8 +235,10 @@ impl Cleaner {
                     _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                     _ = shutdown.cancelled() => break,
                 }
+                stale = StaleMapRetry::new(STALE_MAP_WAIT);
                 continue;
             }
+            stale = StaleMapRetry::new(STALE_MAP_WAIT);
             if interval.is_zero() {
                 tokio::task::yield_now().await;
                 continue;
@@ -396,47 +412,48 @@ impl Cleaner {
     /// tombstones included. Each attempt routes with one map and checks
     /// every shard it read against that map's epoch for it (rows or none:
     /// a moved-away copy, or its absence once removed, must not pass for
-    /// the entity); a stale map is reloaded and the read run again, up to
-    /// [`STALE_MAP_RETRIES`] times, then [`StoreError::StaleMap`].
+    /// the entity); a stale map is reloaded and the read run again, for up
+    /// to [`READ_STALE_MAP_WAIT`], then [`StoreError::StaleMap`].
     pub async fn read_any(&self, ids: &[EntityId]) -> Result<Vec<EntityRecord>, StoreError> {
         let shards = self.shards();
-        let mut tries = 0;
+        let mut stale = StaleMapRetry::new(READ_STALE_MAP_WAIT);
         loop {
-            let map = shards.routing();
-            let per_shard = map.by_shard(ids);
-            let map = &map;
-            let found = shards
-                .each_with(&per_shard, |shard, pool, ids| async move {
-                    let f = entities::read_entities_any(shard, pool, ids).await?;
-                    let epoch = match f.shard_epoch {
-                        Some(e) => e,
-                        None => topology::shard_epoch(shard, pool).await?,
-                    };
-                    if epoch != map.epoch_of(shard) {
-                        return Err(StoreError::StaleMap { shard });
-                    }
-                    Ok(f.records)
-                })
-                .await;
-            let mut out = Vec::new();
-            let mut stale = None;
-            for (_, r) in found {
-                match r {
-                    Ok(r) => out.extend(r),
-                    Err(e) if e.is_stale_map() => stale = Some(e),
-                    Err(e) => return Err(e),
-                }
-            }
-            match stale {
-                None => return Ok(out),
-                Some(e) if tries >= STALE_MAP_RETRIES => return Err(e),
-                Some(_) => {
-                    tries += 1;
-                    shards.reload().await?;
-                    tokio::time::sleep(Duration::from_millis(20 * tries as u64)).await;
-                }
+            match self.read_any_once(ids).await {
+                Err(e) if e.is_stale_map() && stale.again(shards).await => {}
+                other => return other,
             }
         }
+    }
+
+    /// One attempt of [`Cleaner::read_any`], with the current map.
+    async fn read_any_once(&self, ids: &[EntityId]) -> Result<Vec<EntityRecord>, StoreError> {
+        let shards = self.shards();
+        let map = shards.routing();
+        let per_shard = map.by_shard(ids);
+        let map = &map;
+        let found = shards
+            .each_with(&per_shard, |shard, pool, ids| async move {
+                let f = entities::read_entities_any(shard, pool, ids).await?;
+                let epoch = match f.shard_epoch {
+                    Some(e) => e,
+                    None => topology::shard_epoch(shard, pool).await?,
+                };
+                if epoch != map.epoch_of(shard) {
+                    return Err(StoreError::StaleMap { shard });
+                }
+                Ok(f.records)
+            })
+            .await;
+        let mut out = Vec::new();
+        let mut stale = None;
+        for (_, r) in found {
+            match r {
+                Ok(r) => out.extend(r),
+                Err(e) if e.is_stale_map() => stale = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        stale.map_or(Ok(out), Err)
     }
 
     fn start_backfill(&self, spec: IndexSpec, tracker: &TaskTracker, shutdown: CancellationToken) {

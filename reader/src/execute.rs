@@ -27,7 +27,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use storage::entities::{self, EntityRecord};
 use storage::index_scan::{self, IndexScan, Local, ScannedRow};
 use storage::shards::Routing;
-use storage::{topology, StoreError};
+use storage::{topology, StaleMapRetry, StoreError};
 
 use crate::{ReadError, Reader};
 
@@ -165,16 +165,12 @@ impl Reader {
         F: Fn() -> Fut,
         Fut: std::future::Future<Output = Result<T, ReadError>>,
     {
-        let until = tokio::time::Instant::now()
-            + std::time::Duration::from_millis(self.settings().reader.query_timeout_ms);
-        let mut pause = std::time::Duration::from_millis(5);
+        let budget = std::time::Duration::from_millis(self.settings().reader.query_timeout_ms);
+        let mut stale = StaleMapRetry::new(budget);
         loop {
             match read().await {
-                Err(ReadError::Store(e)) if e.is_stale_map() && tokio::time::Instant::now() < until => {
+                Err(ReadError::Store(e)) if e.is_stale_map() && stale.again(self.shards()).await => {
                     self.inner.metrics.stale_map_retries.inc();
-                    self.shards().reload().await?;
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(std::time::Duration::from_millis(200));
                 }
                 other => return other,
             }

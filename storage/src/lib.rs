@@ -34,6 +34,10 @@
 //!   what semi-sync needs of it; pointing, fencing and promoting servers.
 //! - `rows`: statements over many rows (`VALUES` and `IN` lists), cut to
 //!   fit; every module above builds its multi-row statements with it.
+//! - [`stale`]: [`StaleMapRetry`], what every caller does when its map
+//!   turned out stale.
+//! - [`write`](mod@write): the write transaction (lock, decide, entity and outbox
+//!   rows, commit), shared by the writer and the cleaner's expiry.
 //!
 //! Timestamps cross as integer microseconds since the Unix epoch; sqlx sets
 //! each session's `time_zone` to UTC, so `TIMESTAMPADD` / `TIMESTAMPDIFF`
@@ -63,11 +67,14 @@ mod rows;
 pub mod server;
 pub mod shards;
 pub mod snapshots;
+pub mod stale;
 pub mod topology;
+pub mod write;
 
 pub use catalog::IndexMeta;
 pub use entities::{EntityRecord, EntityWrite};
 pub use error::{OnShard, Result, StoreError};
 pub use index_rows::IndexRow;
 pub use shards::Shards;
+pub use stale::StaleMapRetry;
 pub use topology::META_SHARD;

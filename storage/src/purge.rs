@@ -1,5 +1,6 @@
 //! What the cleaner removes from `entities`: expired entities (found here,
-//! deleted through the writer) and old tombstones (purged here).
+//! deleted through the write transaction, [`crate::write`]) and old
+//! tombstones (purged here).
 //!
 //! A tombstone keeps a deleted id's version, so a re-created entity
 //! continues above it. Purging one would lose that, so the purge raises

@@ -16,50 +16,110 @@
 //! Answers are sent only after the commit, so an acknowledged write is as
 //! durable as before. A write whose client went away is still committed (its
 //! outcome was unknown to that client either way).
+//!
+//! A write whose shard turned out not to own it (a move completed since
+//! the map was loaded, or is in its cutover) is queued again on the owner
+//! the reloaded map names: it waits, it does not fail.
 
 use schemas::EntityId;
-use std::sync::{Arc, Weak};
+use schemas::Settings;
+use std::sync::{Arc, OnceLock};
+use storage::shards::MAX_PHYSICAL;
+use storage::write::{Change, Item, Outcome, Precondition, WriteError};
+use storage::{Shards, StaleMapRetry};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
-use crate::write::{per_item, Change, Outcome, Precondition, WriteError};
-use crate::{Inner, Writer};
+use crate::commit::{Commit, STALE_MAP_WAIT};
+use crate::metrics::Metrics;
 
 /// A single write waiting for its shard's next transaction.
 #[derive(Debug)]
-pub(crate) struct Pending {
-    pub id: EntityId,
-    pub change: Change,
-    pub pre: Precondition,
-    pub answer: oneshot::Sender<Result<Outcome, WriteError>>,
+struct Pending {
+    item: Item,
+    answer: oneshot::Sender<Result<Outcome, WriteError>>,
 }
 
 /// The sending side of one shard's queue.
-pub(crate) type Queue = mpsc::UnboundedSender<Pending>;
+type Queue = mpsc::UnboundedSender<Pending>;
 
-/// The queue of physical shard `shard`, made (with its dispatcher task)
-/// the first time a write goes there: shards added online get theirs
-/// without a restart. A dispatcher holds only a weak reference to the
-/// writer, and ends once the writer (and with it the queue's sender) is
-/// dropped.
-pub(crate) fn queue(inner: &Arc<Inner>, shard: usize) -> &Queue {
-    inner.queues[shard].get_or_init(|| {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let slots = inner.settings.writer.commit_slots;
-        let max = inner.settings.writer.max_batch;
-        tokio::spawn(dispatch(shard, Arc::downgrade(inner), rx, Arc::new(Semaphore::new(slots)), max));
-        tx
-    })
+/// Every shard's queue of single writes.
+#[derive(Debug)]
+pub(crate) struct Group {
+    shards: Shards,
+    commit: Arc<Commit>,
+    metrics: Metrics,
+    /// By physical id: single writes waiting for a commit slot (made when
+    /// first used, see [`Group::queue`]).
+    queues: Vec<OnceLock<Queue>>,
+    /// `writer.commit_slots`: transactions in flight per shard.
+    slots: usize,
+    /// `writer.max_batch`: the most writes one transaction takes.
+    max: usize,
+}
+
+impl Group {
+    pub(crate) fn new(settings: &Settings, commit: Arc<Commit>, metrics: Metrics) -> Group {
+        Group {
+            shards: commit.context().shards().clone(),
+            commit,
+            metrics,
+            queues: (0..MAX_PHYSICAL).map(|_| OnceLock::new()).collect(),
+            slots: settings.writer.commit_slots,
+            max: settings.writer.max_batch,
+        }
+    }
+
+    /// Queues one write on the shard that owns it and waits for its answer;
+    /// after a stale map, on the new owner, for up to [`STALE_MAP_WAIT`].
+    pub(crate) async fn write(
+        &self,
+        id: EntityId,
+        change: Change,
+        pre: Precondition,
+    ) -> Result<Outcome, WriteError> {
+        let mut stale = StaleMapRetry::new(STALE_MAP_WAIT);
+        loop {
+            let shard = self.shards.of_id(&id);
+            let (answer, rx) = oneshot::channel();
+            self.metrics.queued.with_label_values(&[&shard.to_string()]).inc();
+            let item = Item { id, change: change.clone(), pre };
+            self.queue(shard)
+                .send(Pending { item, answer })
+                .expect("a shard's dispatcher lives as long as its queue");
+            match rx.await.expect("every queued write is answered") {
+                Err(e) if e.is_stale_map() && stale.again(&self.shards).await => {
+                    self.metrics.stale_map_retries.inc();
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// The queue of physical shard `shard`, made (with its dispatcher task)
+    /// the first time a write goes there: shards added online get theirs
+    /// without a restart. A dispatcher ends once its queue's sender is
+    /// dropped with the writer.
+    fn queue(&self, shard: usize) -> &Queue {
+        self.queues[shard].get_or_init(|| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let slots = Arc::new(Semaphore::new(self.slots));
+            tokio::spawn(dispatch(shard, self.commit.clone(), self.metrics.clone(), rx, slots, self.max));
+            tx
+        })
+    }
 }
 
 /// Waits for a write, then for a free slot, then takes everything queued
 /// meanwhile into one transaction run in its own task.
 async fn dispatch(
     shard: usize,
-    writer: Weak<Inner>,
+    commit: Arc<Commit>,
+    metrics: Metrics,
     mut rx: mpsc::UnboundedReceiver<Pending>,
     slots: Arc<Semaphore>,
     max: usize,
 ) {
+    let label = shard.to_string();
     while let Some(first) = rx.recv().await {
         let Ok(slot) = slots.clone().acquire_owned().await else { return };
         let mut group = vec![first];
@@ -69,51 +129,16 @@ async fn dispatch(
                 Err(_) => break,
             }
         }
-        let Some(inner) = writer.upgrade() else { return };
-        let w = Writer { inner };
-        w.inner.metrics.queued.with_label_values(&[&shard.to_string()]).sub(group.len() as i64);
+        metrics.queued.with_label_values(&[&label]).sub(group.len() as i64);
+        metrics.group_size.with_label_values(&[&label]).observe(group.len() as f64);
+        let commit = commit.clone();
         tokio::spawn(async move {
-            w.commit_group(shard, group).await;
+            let (items, answers): (Vec<_>, Vec<_>) = group.into_iter().map(|p| (p.item, p.answer)).unzip();
+            for (answer, r) in answers.into_iter().zip(commit.on_shard(shard, &items).await) {
+                // A closed receiver is a client that went away.
+                let _ = answer.send(r);
+            }
             drop(slot);
         });
-    }
-}
-
-impl Writer {
-    /// Queues one write on the shard that owns it and waits for its answer.
-    /// When that shard turns out not to own it any more (a move completed
-    /// since the map was loaded, or is in its cutover), the map is reloaded
-    /// and the write goes to the new owner: it waits, it does not fail.
-    pub(crate) async fn write_one(
-        &self,
-        id: EntityId,
-        change: Change,
-        pre: Precondition,
-    ) -> Result<Outcome, WriteError> {
-        let mut stale = crate::StaleMapRetry::new();
-        loop {
-            let shard = self.shards().of_id(&id);
-            let (answer, rx) = oneshot::channel();
-            self.inner.metrics.queued.with_label_values(&[&shard.to_string()]).inc();
-            queue(&self.inner, shard)
-                .send(Pending { id, change: change.clone(), pre, answer })
-                .expect("a shard's dispatcher lives as long as the writer");
-            let result = rx.await.expect("every queued write is answered");
-            match result {
-                Err(e) if e.is_stale_map() && stale.again(self.shards(), &self.inner.metrics).await => {}
-                other => return other,
-            }
-        }
-    }
-
-    async fn commit_group(&self, shard: usize, group: Vec<Pending>) {
-        self.inner.metrics.group_size.with_label_values(&[&shard.to_string()]).observe(group.len() as f64);
-        let (items, answers): (Vec<_>, Vec<_>) =
-            group.into_iter().map(|p| ((p.id, p.change, p.pre), p.answer)).unzip();
-        let result = self.transaction_with_retries(shard, &items).await;
-        for (answer, r) in answers.into_iter().zip(per_item(shard, result, items.len())) {
-            // A closed receiver is a client that went away.
-            let _ = answer.send(r);
-        }
     }
 }

@@ -73,8 +73,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::http::{entity_body, write_problem};
-use crate::write::{Change, Precondition};
-use crate::{Outcome, WriteError, Writer};
+use crate::{Change, Guard, Outcome, Precondition, WriteError, Writer};
 
 /// How often the ingest group's lag is read for the gauge.
 const LAG_EVERY: Duration = Duration::from_secs(2);
@@ -253,7 +252,7 @@ fn action(
     // The request under the key: the command without its correlation id
     // (a producer's resend may carry a new one), in canonical JSON.
     let body = serde_json::to_vec(map).unwrap_or_default();
-    pre.guard = Some(crate::write::Guard {
+    pre.guard = Some(Guard {
         key: idempotency::key_hash(&format!("kafka ingest {key}")),
         request: idempotency::request_hash("INGEST", &body),
     });

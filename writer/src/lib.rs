@@ -1,15 +1,33 @@
-//! The writer: accepts entity writes over HTTP, commits each to its shard
-//! together with a change event in the same InnoDB transaction (the
-//! transactional outbox), and relays outbox rows to Kafka.
+//! The writer: accepts entity writes over HTTP (and from the Kafka ingest
+//! topic), commits each to its shard together with a change event in the
+//! same InnoDB transaction (the transactional outbox), and relays outbox
+//! rows to Kafka.
 //!
-//! In: `POST/PUT/DELETE /v1/entities…` requests. Out: rows in `entities` and
-//! `outbox`, then events on the change topic (key = entity id).
+//! In: `POST/PUT/PATCH/DELETE /v1/entities…` requests, ingest commands.
+//! Out: rows in `entities` and `outbox` (through `storage::write`, the one
+//! write transaction), then events on the change topic (key = entity id).
+//!
+//! A write goes one way down, stage by stage:
+//!
+//! ```text
+//! http, ingest (parse, validate)
+//!   ├─▶ Writer::put/patch/delete ─▶ group (per-shard queue) ─┐
+//!   └─▶ Writer::put_batch ───────────────────────────────────┤
+//!                                                            ▼
+//!              commit (storage::write, then count, wake the relay)
+//!                                                            │
+//!              relay (one leader per shard) ◀── woken ───────┘
+//! ```
 //!
 //! Layout:
-//! - [`http`]: routes, request parsing and validation, status codes.
-//! - [`write`]: the write transaction (lock, check, version+1, outbox row).
-//! - [`group`]: group commit, concurrent single writes share a transaction.
-//! - [`relay`]: one publisher per shard, elected by a MySQL named lock.
+//! - this file: the [`Writer`] (what the routes, the ingest and the binary
+//!   hold) and admission.
+//! - [`http`]: routes, request parsing and validation, problem documents.
+//! - `group`: group commit, concurrent single writes share a transaction.
+//! - `commit`: runs `storage::write` transactions and does what follows a
+//!   commit here (writes counted, the relay woken); batches by shard.
+//! - `relay`: one publisher per shard, elected by a MySQL named lock; its
+//!   publish round and its backlog gauges.
 //! - [`ingest`]: Kafka ingest, commands from a topic through the write path.
 //! - [`metrics`]: the series this crate exports.
 //!
@@ -18,25 +36,28 @@
 //! atomically with the write, and a row leaves the outbox only after Kafka
 //! acknowledged it.
 
+mod commit;
 mod group;
 pub mod http;
 pub mod ingest;
 pub mod metrics;
-pub mod relay;
-pub mod write;
+mod relay;
 
 use prometheus::Registry;
-use schemas::Settings;
+use schemas::patch::Patch;
+use schemas::{Bag, EntityId, Settings};
 use service::health::Health;
-use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
-use storage::shards::MAX_PHYSICAL;
-use storage::Shards;
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use std::sync::Arc;
+use storage::write::{Rules, WriteContext};
+use storage::{Shards, StoreError};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
-pub use write::{Outcome, Precondition, WriteError};
+pub use storage::write::{Change, Guard, Outcome, Precondition, WriteError};
 
-/// The writer service: cheap to clone, shared by the HTTP handlers and the relays.
+/// The writer service: cheap to clone, shared by the HTTP handlers, the
+/// ingest and the relays.
 #[derive(Debug, Clone)]
 pub struct Writer {
     inner: Arc<Inner>,
@@ -47,19 +68,17 @@ struct Inner {
     settings: Settings,
     shards: Shards,
     metrics: metrics::Metrics,
-    /// By physical id: a commit wakes that shard's relay at once instead of
-    /// waiting for the next poll.
-    wake: Vec<Notify>,
-    /// By physical id: single writes waiting for a commit slot (made when
-    /// first used, see `group::queue`).
-    queues: Vec<OnceLock<group::Queue>>,
-    /// By physical id, asked once: whether a multi-row insert's new rows are
-    /// numbered consecutively (see `storage::entities::autoinc_is_consecutive`).
-    consecutive: Vec<tokio::sync::OnceCell<bool>>,
-    /// Where the relays report how they are doing (`/health/ready`).
+    /// Where the relays and the ingest report how they are doing
+    /// (`/health/ready`).
     health: Health,
     /// Admission: one permit per write in hand (writer.max_pending_writes).
     admission: Arc<Semaphore>,
+    /// Single writes: each shard's queue and its group commit.
+    group: group::Group,
+    /// Transactions: what the group and a batch commit through.
+    commit: Arc<commit::Commit>,
+    /// The outbox relays, woken by `commit`.
+    relays: Arc<relay::Relays>,
 }
 
 /// Writes admitted by [`Writer::admit`]; the permits go back on drop.
@@ -76,42 +95,11 @@ impl Drop for Admitted {
     }
 }
 
-/// How long a write keeps going after its map turned out stale (a move's
-/// cutover in progress, or completed since the map was loaded) before it
-/// fails: a cutover pauses a logical shard's writes for much less.
-const STALE_MAP_WAIT: Duration = Duration::from_secs(10);
-
-/// The retry loop of a write whose map was stale: reload, wait a little
-/// (longer each time), and go again until [`STALE_MAP_WAIT`].
-#[derive(Debug)]
-pub(crate) struct StaleMapRetry {
-    until: Instant,
-    pause: Duration,
-}
-
-impl StaleMapRetry {
-    pub(crate) fn new() -> StaleMapRetry {
-        StaleMapRetry { until: Instant::now() + STALE_MAP_WAIT, pause: Duration::from_millis(5) }
-    }
-
-    /// Reloads the map and waits; false once the time is up.
-    pub(crate) async fn again(&mut self, shards: &Shards, metrics: &metrics::Metrics) -> bool {
-        if Instant::now() >= self.until {
-            return false;
-        }
-        metrics.stale_map_retries.inc();
-        if let Err(e) = shards.reload().await {
-            tracing::warn!(error = %e, "cannot reload the shard map");
-        }
-        tokio::time::sleep(self.pause).await;
-        self.pause = (self.pause * 2).min(Duration::from_millis(200));
-        true
-    }
-}
-
 impl Writer {
-    /// Must be called inside a Tokio runtime: it starts each shard's group
-    /// commit task.
+    /// The writer of `shards`: its series go in `registry`, how its relays
+    /// and ingest are doing in `health`. Nothing starts yet: a shard's group
+    /// commit task starts (on the Tokio runtime of the write) with the
+    /// first write there, the relays with [`Writer::spawn_relays`].
     pub fn new(
         settings: Settings,
         shards: Shards,
@@ -119,29 +107,29 @@ impl Writer {
         health: Health,
     ) -> prometheus::Result<Writer> {
         let metrics = metrics::Metrics::register(registry)?;
-        // Every shard's series exist from the start (at 0), so dashboards and
-        // increase() see the first failure.
-        for shard in shards.ids() {
-            let s = shard.to_string();
-            metrics.published.with_label_values(&[&s]);
-            metrics.publish_failures.with_label_values(&[&s]);
-            metrics.relay_leader.with_label_values(&[&s]);
-            metrics.queued.with_label_values(&[&s]);
-            for kind in ["put", "delete", "patch", "expire"] {
-                metrics.writes.with_label_values(&[&s, kind]);
-            }
-        }
-        let wake = (0..MAX_PHYSICAL).map(|_| Notify::new()).collect();
-        let queues = (0..MAX_PHYSICAL).map(|_| OnceLock::new()).collect();
-        let consecutive = (0..MAX_PHYSICAL).map(|_| tokio::sync::OnceCell::new()).collect();
+        metrics.start_at_zero(&shards.ids());
+        let wake = Arc::new(relay::Wake::new());
+        let ctx = WriteContext::new(shards.clone(), Rules::from_settings(&settings));
+        let commit = Arc::new(commit::Commit::new(ctx, &settings, metrics.clone(), wake.clone()));
+        let group = group::Group::new(&settings, commit.clone(), metrics.clone());
+        let relays = Arc::new(relay::Relays::new(
+            settings.clone(),
+            shards.clone(),
+            metrics.clone(),
+            health.clone(),
+            wake,
+        ));
         let admission = Arc::new(Semaphore::new(settings.writer.max_pending_writes));
-        let inner =
-            Arc::new(Inner { settings, shards, metrics, wake, queues, consecutive, health, admission });
-        Ok(Writer { inner })
+        let inner = Inner { settings, shards, metrics, health, admission, group, commit, relays };
+        Ok(Writer { inner: Arc::new(inner) })
     }
 
     pub fn settings(&self) -> &Settings {
         &self.inner.settings
+    }
+
+    pub fn shards(&self) -> &Shards {
+        &self.inner.shards
     }
 
     /// Takes `n` of the writer.max_pending_writes permits, or None when
@@ -158,7 +146,69 @@ impl Writer {
         Some(Admitted { _permits: permits, gauge, n: n as i64 })
     }
 
-    pub fn shards(&self) -> &Shards {
-        &self.inner.shards
+    pub async fn put(&self, id: EntityId, bag: Bag, pre: Precondition) -> Result<Outcome, WriteError> {
+        self.write_one(id, Change::Put(bag), pre).await
+    }
+
+    pub async fn delete(&self, id: EntityId, pre: Precondition) -> Result<Outcome, WriteError> {
+        self.write_one(id, Change::Delete, pre).await
+    }
+
+    /// Applies `patch` to the entity inside the write transaction (the
+    /// same group commit as a put), so concurrent patches never lose each
+    /// other's changes.
+    pub async fn patch(
+        &self,
+        id: EntityId,
+        patch: Patch,
+        upsert: bool,
+        pre: Precondition,
+    ) -> Result<Outcome, WriteError> {
+        self.write_one(id, Change::Patch { patch: Arc::new(patch), upsert }, pre).await
+    }
+
+    /// One write through its shard's group commit (see `group`); it waits
+    /// through a move's cutover rather than failing.
+    pub(crate) async fn write_one(
+        &self,
+        id: EntityId,
+        change: Change,
+        pre: Precondition,
+    ) -> Result<Outcome, WriteError> {
+        self.inner.group.write(id, change, pre).await
+    }
+
+    /// Puts many entities; those on one shard commit in one transaction.
+    /// Results come back in input order. Items whose shard turned out not to
+    /// own them (a stale map) go again to the new owner.
+    pub async fn put_batch(
+        &self,
+        items: Vec<(EntityId, Bag, Precondition)>,
+    ) -> Vec<Result<Outcome, WriteError>> {
+        let items = items
+            .into_iter()
+            .map(|(id, bag, pre)| storage::write::Item { id, change: Change::Put(bag), pre })
+            .collect();
+        self.inner.commit.batch(items).await
+    }
+
+    /// Whether a keyed item's key was used within the window for another
+    /// request: a keyed batch that would be a 422 is refused whole before
+    /// anything is written (its transactions check each key again, locked).
+    pub async fn keys_reused(&self, items: &[(EntityId, Bag, Precondition)]) -> Result<bool, StoreError> {
+        let guarded: Vec<(EntityId, Guard)> =
+            items.iter().filter_map(|(id, _, pre)| pre.guard.map(|g| (*id, g))).collect();
+        storage::write::keys_reused(self.inner.commit.context(), &guarded).await
+    }
+
+    /// Starts one relay task per physical shard on `tracker`, and one for
+    /// every shard added online later (checked every second); they stop at
+    /// `shutdown` after finishing the round in hand.
+    pub fn spawn_relays(
+        &self,
+        tracker: &TaskTracker,
+        shutdown: CancellationToken,
+    ) -> Result<(), rdkafka::error::KafkaError> {
+        self.inner.relays.spawn(tracker, shutdown)
     }
 }

@@ -4,7 +4,7 @@ use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, 
 
 #[derive(Debug, Clone)]
 pub struct Metrics {
-    /// Committed writes by kind (`put`, `delete`).
+    /// Committed writes by kind (`put`, `delete`, `patch`).
     pub writes: IntCounterVec,
     /// Events acknowledged by Kafka and removed from the outbox.
     pub published: IntCounterVec,
@@ -124,5 +124,20 @@ impl Metrics {
         r.register(Box::new(m.group_size.clone()))?;
         r.register(Box::new(m.queued.clone()))?;
         Ok(m)
+    }
+
+    /// Every shard's series at 0 from the start, so dashboards and
+    /// increase() see the first failure.
+    pub fn start_at_zero(&self, shards: &[usize]) {
+        for shard in shards {
+            let s = shard.to_string();
+            self.published.with_label_values(&[&s]);
+            self.publish_failures.with_label_values(&[&s]);
+            self.relay_leader.with_label_values(&[&s]);
+            self.queued.with_label_values(&[&s]);
+            for kind in ["put", "delete", "patch"] {
+                self.writes.with_label_values(&[&s, kind]);
+            }
+        }
     }
 }

@@ -9,23 +9,32 @@
 //!   `?upsert=true` creates a missing entity
 //! - `DELETE /v1/entities/{id}`
 //! - `POST /v1/entities/batch` — `{"entities": [...]}`, one transaction per shard
+//!
+//! Layout: this file, the routes; `parse`, reading a request;
+//! `problem`, the answers and the problem documents.
 
 use axum::body::Body;
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use schemas::value::{bag_from_json_map, Bag};
 use schemas::EntityId;
 use schemas::{idempotency, patch};
 use serde_json::{json, Value as JsonValue};
 use service::http::{parse_id, read_json, Problem, Role, Routes};
+use storage::write::{Guard, Precondition, WriteError};
 
-use crate::write::{Guard, Outcome, Precondition, WriteError};
-use crate::Writer;
+use crate::{Admitted, Writer};
 
-/// Longest accepted top-level property name, bytes.
-pub const MAX_PROPERTY_NAME_BYTES: usize = 255;
+mod parse;
+mod problem;
+
+pub(crate) use parse::entity_body;
+pub use parse::MAX_PROPERTY_NAME_BYTES;
+use parse::{guard, idempotency_key, precondition, upsert_param};
+pub(crate) use problem::write_problem;
+use problem::{answer, outcome_json};
+
 /// A batch body may be this many times the single-entity limit.
 pub const BATCH_BODY_FACTOR: usize = 16;
 
@@ -40,158 +49,9 @@ pub fn routes(writer: Writer) -> Routes {
         .with_state(writer)
 }
 
-/// `If-Match: "3"` (or `3`, or `W/"3"`), `If-Match: *` (must exist) and
-/// `If-None-Match: *`.
-fn precondition(headers: &HeaderMap) -> Result<Precondition, Problem> {
-    let mut pre = Precondition::default();
-    if let Some(v) = headers.get(header::IF_MATCH) {
-        let text = v.to_str().unwrap_or("").trim();
-        if text == "*" {
-            pre.if_exists = true;
-            return if_none_match(headers, pre);
-        }
-        let text = text.strip_prefix("W/").unwrap_or(text).trim_matches('"');
-        pre.if_version = Some(text.parse().map_err(|_| {
-            Problem::bad_request("bad-precondition", "If-Match must be a version number such as \"3\", or *")
-        })?);
-    }
-    if_none_match(headers, pre)
-}
-
-fn if_none_match(headers: &HeaderMap, mut pre: Precondition) -> Result<Precondition, Problem> {
-    if let Some(v) = headers.get(header::IF_NONE_MATCH) {
-        if v.to_str().map(str::trim).ok() != Some("*") {
-            return Err(Problem::bad_request("bad-precondition", "If-None-Match supports only *"));
-        }
-        pre.if_absent = true;
-    }
-    Ok(pre)
-}
-
-/// Turns a JSON body into `(id from the body, properties without "id")`.
-/// `max_bytes` is the entity limit to check, for a batch item; a single
-/// entity's request body was already held to that limit as it was read.
-pub(crate) fn entity_body(
-    v: JsonValue,
-    max_bytes: Option<usize>,
-) -> Result<(Option<EntityId>, Bag), Problem> {
-    let JsonValue::Object(mut map) = v else {
-        return Err(Problem::bad_request("not-an-object", "an entity must be a JSON object of properties"));
-    };
-    let id = match map.remove("id") {
-        None => None,
-        Some(JsonValue::String(s)) => Some(parse_id(&s)?),
-        Some(_) => {
-            return Err(Problem::bad_request("bad-id", "\"id\" must be a string of 32 hex digits or a UUID"))
-        }
-    };
-    for name in map.keys() {
-        if name.is_empty() || name.len() > MAX_PROPERTY_NAME_BYTES || name.chars().any(char::is_control) {
-            return Err(Problem::bad_request(
-                "bad-property-name",
-                format!(
-                    "property name {:?} must be 1 to {MAX_PROPERTY_NAME_BYTES} bytes without control characters",
-                    name.chars().take(80).collect::<String>()
-                ),
-            ));
-        }
-    }
-    // The single-entity limit also applies inside a batch.
-    if let Some(max_bytes) = max_bytes {
-        let size = serde_json::to_vec(&map).map(|b| b.len()).unwrap_or(usize::MAX);
-        if size > max_bytes {
-            return Err(Problem::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "entity-too-large",
-                "Entity too large",
-                format!("the entity takes {size} bytes of JSON, over the {max_bytes} byte limit"),
-            ));
-        }
-    }
-    let bag = bag_from_json_map(&map).map_err(|e| Problem::bad_request("bad-value", e.to_string()))?;
-    Ok((id, bag))
-}
-
-/// `write_token` is what a query passes in `consistent_with` to see this
-/// write through an index (read-your-writes).
-fn outcome_json(o: &Outcome) -> JsonValue {
-    json!({"id": o.id.to_hex(), "version": o.version, "write_token": format!("{}.{}", o.id.to_hex(), o.version)})
-}
-
-/// The answer to a write: `ETag` always, `Location` when it created.
-fn answer(o: Outcome, status: StatusCode) -> Response {
-    let etag = format!("\"{}\"", o.version);
-    let mut r = (status, [(header::ETAG, etag)], Json(outcome_json(&o))).into_response();
-    if status == StatusCode::CREATED {
-        let location = format!("/v1/entities/{}", o.id.to_hex());
-        r.headers_mut().insert(header::LOCATION, location.parse().expect("hex is a valid header value"));
-    }
-    r
-}
-
-pub(crate) fn write_problem(e: WriteError) -> Problem {
-    match e {
-        WriteError::VersionConflict { expected, actual } => Problem::new(
-            StatusCode::PRECONDITION_FAILED,
-            "version-conflict",
-            "Version conflict",
-            format!("If-Match asked for version {expected}"),
-        )
-        .with("current_version", actual.map_or(JsonValue::Null, JsonValue::from)),
-        WriteError::AlreadyExists { current } => Problem::new(
-            StatusCode::PRECONDITION_FAILED,
-            "already-exists",
-            "Entity exists",
-            "If-None-Match: * was given and the entity exists",
-        )
-        .with("current_version", current),
-        WriteError::NotFound | WriteError::NotExpired => Problem::not_found("no entity with this id"),
-        WriteError::BadExpiry(b) => {
-            Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "bad-expiry", "Bad expiry time", b.to_string())
-                .with("property", b.property)
-        }
-        WriteError::KeyReused => Problem::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "idempotency-key-reused",
-            "Idempotency-Key reused",
-            "this Idempotency-Key was used within the window for a request with another body",
-        ),
-        WriteError::PatchClash(c) => Problem::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "patch-conflict",
-            "The patch does not fit the entity",
-            c.to_string(),
-        )
-        .with("property", c.property),
-        WriteError::TooLarge { .. } => {
-            Problem::new(StatusCode::PAYLOAD_TOO_LARGE, "entity-too-large", "Entity too large", e.to_string())
-        }
-        WriteError::Store(ref s) if s.is_transient() => Problem::unavailable(&e),
-        WriteError::ShardFailed { ref source, .. } if source.is_transient() => Problem::unavailable(&e),
-        WriteError::Store(_) | WriteError::ShardFailed { .. } => Problem::internal(&e),
-    }
-}
-
 /// One admission permit per write, or 429 (see [`Writer::admit`]).
-fn admit(w: &Writer, n: usize) -> Result<crate::Admitted, Problem> {
+fn admit(w: &Writer, n: usize) -> Result<Admitted, Problem> {
     w.admit(n).ok_or_else(|| Problem::overloaded("writes", w.settings().writer.max_pending_writes))
-}
-
-/// The `Idempotency-Key` header, checked; None when absent.
-fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, Problem> {
-    let Some(v) = headers.get("idempotency-key") else { return Ok(None) };
-    let key = v
-        .to_str()
-        .map_err(|_| Problem::bad_request("bad-idempotency-key", "Idempotency-Key must be ASCII"))?;
-    idempotency::check_key(key).map_err(|e| Problem::bad_request("bad-idempotency-key", e))?;
-    Ok(Some(key.to_string()))
-}
-
-/// The guard of a keyed request: the key's hash and the request's (its
-/// route and the canonical JSON of its body).
-fn guard(key: &str, route: &str, doc: &JsonValue) -> Guard {
-    let body = serde_json::to_vec(doc).unwrap_or_default();
-    Guard { key: idempotency::key_hash(key), request: idempotency::request_hash(route, &body) }
 }
 
 async fn create(State(w): State<Writer>, headers: HeaderMap, body: Body) -> Result<Response, Problem> {
@@ -260,24 +120,6 @@ async fn patch(
     }
     let o = w.patch(id, parsed, upsert, pre).await.map_err(write_problem)?;
     Ok(answer(o, if o.created { StatusCode::CREATED } else { StatusCode::OK }))
-}
-
-/// `upsert=true` or `upsert=false` in the query string; nothing else.
-fn upsert_param(query: Option<&str>) -> Result<bool, Problem> {
-    let mut upsert = false;
-    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-        match pair {
-            "upsert=true" => upsert = true,
-            "upsert=false" => upsert = false,
-            _ => {
-                return Err(Problem::bad_request(
-                    "bad-parameter",
-                    format!("unknown query parameter {pair:?}: PATCH takes only upsert=true or upsert=false"),
-                ))
-            }
-        }
-    }
-    Ok(upsert)
 }
 
 async fn remove(
