@@ -258,53 +258,7 @@ fn render_from(mod_rs: &str, sections_rs: &str, defaults: &toml::Value) -> Resul
         }
         let table = defaults.get(key).and_then(toml::Value::as_table);
         let _ = write!(out, "\n## `[{key}]`\n\n{}\n\n", plain_links(&docs.join("\n")));
-        out.push_str("| Key | Type | Default | Environment variable | Meaning |\n|---|---|---|---|---|\n");
-        for field in fields {
-            let name = &field.name;
-            if field.docs.is_empty() {
-                errors.push(format!("{key}.{name}: no doc comment (every setting is documented)"));
-            }
-            let (ty, secret) = match config_type(field, &sections.enums) {
-                Ok(t) => t,
-                Err(e) => {
-                    errors.push(format!("{key}.{e}"));
-                    continue;
-                }
-            };
-            let value = table.and_then(|t| t.get(name));
-            if value.is_none() && !field.ty.starts_with("Option<") {
-                errors.push(format!("{key}.{name}: not in the serialized defaults (renamed or skipped?)"));
-            }
-            let mut meaning = cell(&field.docs);
-            let bare =
-                field.ty.strip_prefix("Option<").and_then(|t| t.strip_suffix('>')).unwrap_or(&field.ty);
-            if let Some((_, variants)) = sections.enums.get(bare) {
-                for v in variants {
-                    if v.docs.is_empty() {
-                        errors.push(format!("{bare}::{}: no doc comment", v.name));
-                    }
-                    let _ = write!(meaning, "<br>`\"{}\"`: {}", v.name.to_lowercase(), cell(&v.docs));
-                }
-            }
-            let env = if ty.starts_with("table") {
-                format!("`BAGSTORE_{}__{}__<NAME>`", key.to_uppercase(), name.to_uppercase())
-            } else {
-                format!("`BAGSTORE_{}__{}`", key.to_uppercase(), name.to_uppercase())
-            };
-            let _ = writeln!(
-                out,
-                "| `{key}.{name}` | {} | {} | {env} | {meaning} |",
-                ty.replace('|', "\\|"),
-                default_text(value, secret)
-            );
-        }
-        // A key the defaults have and the parse did not find: a field the
-        // parser misread would otherwise vanish from the page unnoticed.
-        for name in table.map(|t| t.keys().cloned().collect::<Vec<_>>()).unwrap_or_default() {
-            if !fields.iter().any(|f| f.name == name) {
-                errors.push(format!("{key}.{name}: in the defaults but not found in sections.rs"));
-            }
-        }
+        section_table(&mut out, key, fields, table, &sections.enums, &mut errors);
     }
     out.push_str(
         "\n## Removed keys\n\nKeys of earlier releases. Setting one, in the file or the environment, \
@@ -319,6 +273,64 @@ fn render_from(mod_rs: &str, sections_rs: &str, defaults: &toml::Value) -> Resul
         Ok(out)
     } else {
         Err(format!("cannot document every setting:\n  {}", errors.join("\n  ")))
+    }
+}
+
+/// One section's table: a row per key (type, default, environment
+/// variable, meaning), and an error for whatever cannot be documented.
+fn section_table(
+    out: &mut String,
+    key: &str,
+    fields: &[Item],
+    table: Option<&toml::map::Map<String, toml::Value>>,
+    enums: &BTreeMap<String, (Vec<String>, Vec<Item>)>,
+    errors: &mut Vec<String>,
+) {
+    out.push_str("| Key | Type | Default | Environment variable | Meaning |\n|---|---|---|---|---|\n");
+    for field in fields {
+        let name = &field.name;
+        if field.docs.is_empty() {
+            errors.push(format!("{key}.{name}: no doc comment (every setting is documented)"));
+        }
+        let (ty, secret) = match config_type(field, enums) {
+            Ok(t) => t,
+            Err(e) => {
+                errors.push(format!("{key}.{e}"));
+                continue;
+            }
+        };
+        let value = table.and_then(|t| t.get(name));
+        if value.is_none() && !field.ty.starts_with("Option<") {
+            errors.push(format!("{key}.{name}: not in the serialized defaults (renamed or skipped?)"));
+        }
+        let mut meaning = cell(&field.docs);
+        let bare = field.ty.strip_prefix("Option<").and_then(|t| t.strip_suffix('>')).unwrap_or(&field.ty);
+        if let Some((_, variants)) = enums.get(bare) {
+            for v in variants {
+                if v.docs.is_empty() {
+                    errors.push(format!("{bare}::{}: no doc comment", v.name));
+                }
+                let _ = write!(meaning, "<br>`\"{}\"`: {}", v.name.to_lowercase(), cell(&v.docs));
+            }
+        }
+        let env = if ty.starts_with("table") {
+            format!("`BAGSTORE_{}__{}__<NAME>`", key.to_uppercase(), name.to_uppercase())
+        } else {
+            format!("`BAGSTORE_{}__{}`", key.to_uppercase(), name.to_uppercase())
+        };
+        let _ = writeln!(
+            out,
+            "| `{key}.{name}` | {} | {} | {env} | {meaning} |",
+            ty.replace('|', "\\|"),
+            default_text(value, secret)
+        );
+    }
+    // A key the defaults have and the parse did not find: a field the
+    // parser misread would otherwise vanish from the page unnoticed.
+    for name in table.map(|t| t.keys().cloned().collect::<Vec<_>>()).unwrap_or_default() {
+        if !fields.iter().any(|f| f.name == name) {
+            errors.push(format!("{key}.{name}: in the defaults but not found in sections.rs"));
+        }
     }
 }
 
