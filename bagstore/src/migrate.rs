@@ -126,8 +126,9 @@ async fn create_cluster(settings: &Settings, probe: &Shards) -> anyhow::Result<(
         .map(|(i, dsn)| PhysicalShard {
             id: i as PhysicalId,
             name: format!("s{i}"),
-            address: storage::shards::address_of(dsn),
+            address: storage::dsn::address_of(dsn),
             epoch: 1,
+            failovers: 0,
         })
         .collect();
     let t = Topology::even(l, physical);

@@ -102,7 +102,7 @@ pub async fn add_shard(
 ) -> anyhow::Result<PhysicalShard> {
     anyhow::ensure!(is_valid_identifier(name), "{name:?} is not a valid shard name (use [a-z][a-z0-9_]*)");
     let t = shards.topology();
-    let address = storage::shards::address_of(dsn);
+    let address = storage::dsn::address_of(dsn);
     if let Some(p) = t.by_name(name) {
         anyhow::ensure!(
             p.address == address,
@@ -113,7 +113,7 @@ pub async fn add_shard(
     // Running processes reach a shard added online at its address with the
     // metadata shard's account: prove that works before registering.
     let reachable =
-        Dsn(storage::shards::with_credentials_of(&address, shards.dsn(storage::META_SHARD).expose()));
+        Dsn(storage::dsn::with_credentials_of(&address, shards.dsn(storage::META_SHARD).expose()));
     // Labels the new shard in errors (and is never the metadata shard's 0).
     let label = t.shards.iter().map(|p| p.id as usize + 1).max().unwrap_or(1);
     migrate::create_database(label, dsn)

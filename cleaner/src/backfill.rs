@@ -177,7 +177,7 @@ impl Cleaner {
     /// The index's backfill lock, on a connection of its own: held until
     /// the connection closes.
     async fn backfill_lock(&self, table: &str) -> Result<sqlx::MySqlConnection, CleanerError> {
-        let mut lock = storage::shards::dedicated_connection(self.shards().dsn(META_SHARD))
+        let mut lock = storage::dsn::dedicated_connection(self.shards().dsn(META_SHARD))
             .await
             .map_err(|source| StoreError::Shard { shard: META_SHARD, source })?;
         if !locks::try_backfill_lock(&mut lock, table).await? {

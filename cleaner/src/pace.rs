@@ -186,7 +186,7 @@ impl Probe {
         }
         if self.conn.is_none() {
             let dsn = shards.dsn(self.shard);
-            match tokio::time::timeout(PROBE_TIMEOUT, storage::shards::dedicated_connection(dsn)).await {
+            match tokio::time::timeout(PROBE_TIMEOUT, storage::dsn::dedicated_connection(dsn)).await {
                 Ok(Ok(c)) => self.conn = Some(c),
                 Ok(Err(_)) => return None,
                 Err(_) => return gave_up,
@@ -225,7 +225,7 @@ pub async fn follow_health(
 ) -> Result<(std::sync::Arc<Pace>, tokio::task::JoinHandle<()>), StoreError> {
     let mut probes = Vec::new();
     for shard in shards.ids().into_iter().filter(|s| *s < shards.slots_len()) {
-        let conn = storage::shards::dedicated_connection(shards.dsn(shard)).await.on(shard)?;
+        let conn = storage::dsn::dedicated_connection(shards.dsn(shard)).await.on(shard)?;
         probes.push(Probe::new(shard, conn));
     }
     // The baselines: all shards probed together, as while running.

@@ -55,9 +55,11 @@ pub struct MariaDbOptions {
 /// mode and `log_slave_updates`, semi-sync acknowledgements as a replica,
 /// semi-sync's wait point `AFTER_SYNC` with a timeout that never passes,
 /// and replication started only when bagstore says so
-/// (`--skip-slave-start`). Only a primary waits for acknowledgements
-/// (`rpl_semi_sync_master_enabled`): a replica that did would wait, for
-/// every transaction it applies, on replicas of its own it does not have.
+/// (`--skip-slave-start`). Whether its commits wait for acknowledgements
+/// (`rpl_semi_sync_master_enabled`) bagstore sets with its role: a
+/// replica that waited would wait, for every transaction it applies, on
+/// replicas of its own it does not have, and a primary whose replicas are
+/// not connected yet would take no write at all.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Replicated {
     /// Distinct among the shard's servers (MariaDB ignores events of its own id).
@@ -77,7 +79,7 @@ impl Replicated {
             format!("--server-id={}", self.server_id),
             "--log-slave-updates=1".into(),
             "--gtid-strict-mode=1".into(),
-            format!("--rpl-semi-sync-master-enabled={}", u8::from(!self.as_replica)),
+            "--rpl-semi-sync-master-enabled=0".into(),
             "--rpl-semi-sync-slave-enabled=1".into(),
             "--rpl-semi-sync-master-wait-point=AFTER_SYNC".into(),
             "--rpl-semi-sync-master-timeout=18446744073709551615".into(),

@@ -31,7 +31,7 @@ impl Mover {
         let (source, target) = (run.rec.source as usize, run.rec.target as usize);
         let (src, dst) = (shards.pool(source), shards.pool(target));
         let logicals = run.rec.logicals.clone();
-        let conn = storage::shards::dedicated_connection(shards.dsn(source))
+        let conn = storage::dsn::dedicated_connection(shards.dsn(source))
             .await
             .map_err(|e| StoreError::Shard { shard: source, source: e })?;
         let wait_secs = self.settings().fence_wait_ms.div_ceil(1000) as u32;
@@ -143,7 +143,7 @@ impl Mover {
         let (source, target) = (run.rec.source as usize, run.rec.target as usize);
         let (src, dst) = (shards.pool(source), shards.pool(target));
         let logicals = run.rec.logicals.clone();
-        let conn = storage::shards::dedicated_connection(shards.dsn(source))
+        let conn = storage::dsn::dedicated_connection(shards.dsn(source))
             .await
             .map_err(|e| StoreError::Shard { shard: source, source: e })?;
         let wait_secs = self.settings().fence_wait_ms.div_ceil(1000) as u32;

@@ -35,6 +35,9 @@ pub mod tables {
     pub const MOVES: &str = "bagstore_moves";
     /// The processes and the map epoch each routes with (metadata shard).
     pub const PROCESSES: &str = "bagstore_processes";
+    /// The replicas of each physical shard (metadata shard); a shard's
+    /// primary is its `bagstore_physical` address.
+    pub const REPLICAS: &str = "bagstore_replicas";
     /// `Idempotency-Key`s and the answers they were given, on every shard.
     pub const IDEMPOTENCY: &str = "bagstore_idempotency";
     /// Per consumer group and partition, the newest claim's generation, on
@@ -70,6 +73,7 @@ pub const RESERVED_TABLES: &[&str] = &[
     tables::MAP,
     tables::MOVES,
     tables::PROCESSES,
+    tables::REPLICAS,
     tables::PARTITION_CLAIMS,
     tables::GROUP_MEMBERS,
     tables::SNAPSHOTS,

@@ -26,17 +26,35 @@ pub struct PhysicalShard {
     /// from this shard. A read checks it to know its map is current for
     /// this shard.
     pub epoch: u64,
+    /// How many times the shard's primary changed (failovers and
+    /// switchovers): a process whose connection to the shard predates the
+    /// last change follows `address`; otherwise the server it was
+    /// configured with stays its way in (a `dev` restart moves ports, not
+    /// primaries).
+    pub failovers: u64,
 }
 
-/// The map: who owns which logical shard.
+/// A replica of a physical shard: a server that replicates from the
+/// shard's primary, which reads may use and a failover may promote.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Replica {
+    pub physical: PhysicalId,
+    /// Its DSN without the password, as [`PhysicalShard::address`].
+    pub address: String,
+}
+
+/// The map: who owns which logical shard, and which servers each physical
+/// shard has.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Topology {
     pub logical_shards: u16,
     pub epoch: u64,
-    /// Registered physical shards, by id.
+    /// Registered physical shards, by id; each one's address is its primary's.
     pub shards: Vec<PhysicalShard>,
     /// `owners[k]`: the physical shard owning logical shard `k`.
     pub owners: Vec<PhysicalId>,
+    /// The physical shards' replicas, by physical id.
+    pub replicas: Vec<Replica>,
 }
 
 /// Moving `logicals` from one physical shard to another.
@@ -76,7 +94,7 @@ impl Topology {
         assert!(!shards.is_empty() && logical_shards > 0);
         let n = shards.len();
         let owners = (0..logical_shards).map(|k| shards[k as usize % n].id).collect();
-        Topology { logical_shards, epoch: 1, shards, owners }
+        Topology { logical_shards, epoch: 1, shards, owners, replicas: Vec::new() }
     }
 
     pub fn owner(&self, logical: u16) -> PhysicalId {
@@ -85,6 +103,18 @@ impl Topology {
 
     pub fn shard(&self, id: PhysicalId) -> Option<&PhysicalShard> {
         self.shards.iter().find(|s| s.id == id)
+    }
+
+    /// The replicas of physical shard `id`.
+    pub fn replicas_of(&self, id: PhysicalId) -> impl Iterator<Item = &Replica> {
+        self.replicas.iter().filter(move |r| r.physical == id)
+    }
+
+    /// The addresses of physical shard `id`'s servers: its primary first,
+    /// then its replicas.
+    pub fn servers_of(&self, id: PhysicalId) -> Vec<&str> {
+        let primary = self.shard(id).map(|p| p.address.as_str());
+        primary.into_iter().chain(self.replicas_of(id).map(|r| r.address.as_str())).collect()
     }
 
     pub fn by_name(&self, name: &str) -> Option<&PhysicalShard> {
@@ -217,6 +247,7 @@ mod tests {
                 name: format!("s{id}"),
                 address: format!("mysql://h{id}/db"),
                 epoch: 1,
+                failovers: 0,
             })
             .collect()
     }
@@ -245,7 +276,13 @@ mod tests {
     #[test]
     fn rebalancing_onto_a_new_shard_moves_only_its_share() {
         let mut t = Topology::even(4096, shards(2));
-        t.shards.push(PhysicalShard { id: 2, name: "s2".into(), address: "x".into(), epoch: 1 });
+        t.shards.push(PhysicalShard {
+            id: 2,
+            name: "s2".into(),
+            address: "x".into(),
+            epoch: 1,
+            failovers: 0,
+        });
         let plan = t.rebalance_plan(&[0, 1, 2]);
         let moved: usize = plan.iter().map(|m| m.logicals.len()).sum();
         assert_eq!(moved, 1365, "a third, no more: {plan:?}");

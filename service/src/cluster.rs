@@ -95,7 +95,17 @@ async fn refresh(
     metrics: &MapMetrics,
     rows: bool,
 ) -> storage::Result<()> {
-    if moves::cluster_epoch(shards.meta()).await? != shards.epoch() {
+    // A metadata shard that does not answer may have failed over: the
+    // reload looks for its primary among its servers, then reads again.
+    let epoch = match moves::cluster_epoch(shards.meta()).await {
+        Ok(epoch) => epoch,
+        Err(e) => {
+            tracing::debug!(error = %e, "the metadata shard did not answer; looking for its primary");
+            shards.reload().await?;
+            moves::cluster_epoch(shards.meta()).await?
+        }
+    };
+    if epoch != shards.epoch() {
         shards.reload().await?;
     }
     let t = shards.topology();

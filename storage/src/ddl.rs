@@ -252,12 +252,33 @@ pub fn physical() -> String {
     name VARCHAR(64) NOT NULL,
     address TEXT NOT NULL,
     epoch BIGINT UNSIGNED NOT NULL,
+    {FAILOVERS_COLUMN},
     PRIMARY KEY (id),
     UNIQUE KEY bagstore_physical_name (name)
 ) ENGINE=InnoDB",
         tables::PHYSICAL
     )
 }
+
+/// The replicas of each physical shard (metadata shard): what a process
+/// reads from and fails over to. A shard's primary is its address in
+/// `bagstore_physical`.
+pub fn replicas() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    physical INT UNSIGNED NOT NULL,
+    address VARCHAR(1024) CHARACTER SET ascii NOT NULL,
+    added TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    PRIMARY KEY (physical, address)
+) ENGINE=InnoDB",
+        tables::REPLICAS
+    )
+}
+
+/// `bagstore_physical.failovers`: how many times a shard's primary changed
+/// (see `schemas::topology::PhysicalShard::failovers`); 0 for shards
+/// registered before failover existed.
+pub const FAILOVERS_COLUMN: &str = "failovers BIGINT UNSIGNED NOT NULL DEFAULT 0";
 
 /// The map (metadata shard): logical shard → physical shard.
 pub fn map() -> String {
@@ -346,12 +367,13 @@ pub fn idempotency() -> String {
 }
 
 /// What only the metadata shard has.
-pub fn meta_tables() -> [String; 10] {
+pub fn meta_tables() -> [String; 11] {
     [
         index_catalog(),
         index_progress(),
         cluster(),
         physical(),
+        replicas(),
         map(),
         moves(),
         processes(),

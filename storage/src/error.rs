@@ -26,6 +26,16 @@ pub enum StoreError {
     /// shard the write touches (any more). Reload the map and route again.
     #[error("physical shard {shard} does not own logical shard {logical}")]
     NotOwner { shard: usize, logical: u16 },
+    /// The write reached a server that is not its shard's primary (a
+    /// replica, or a primary a failover fenced): its map is stale.
+    #[error("the server of physical shard {shard} is read-only: it is not the shard's primary (any more)")]
+    NotPrimary { shard: usize },
+    /// None of a shard's known servers takes writes: a failover is under
+    /// way (or stuck); the operation may be tried again.
+    #[error(
+        "no server of physical shard {shard} takes writes ({servers} known): a failover may be under way"
+    )]
+    NoPrimary { shard: usize, servers: usize },
     /// A read found a shard's epoch moved: its map is stale.
     #[error("physical shard {shard} changed ownership since the map was loaded")]
     StaleMap { shard: usize },
@@ -68,7 +78,10 @@ impl StoreError {
     /// The map this operation routed with is out of date: reload it and run
     /// the operation again (on the new owner).
     pub fn is_stale_map(&self) -> bool {
-        matches!(self, StoreError::NotOwner { .. } | StoreError::StaleMap { .. })
+        matches!(
+            self,
+            StoreError::NotOwner { .. } | StoreError::NotPrimary { .. } | StoreError::StaleMap { .. }
+        )
     }
 
     /// Deadlocks, lock wait timeouts and a lost race to insert the same new

@@ -7,6 +7,7 @@
 //! Layout, one module per aggregate:
 //! - [`shards`]: a cluster's shards: pools, the metadata shard, fan-out.
 //! - [`conns`]: ping-free connections for the hot paths.
+//! - [`dsn`]: DSNs: addresses without passwords, credentials added back.
 //! - [`error`]: `StoreError`, naming its shard and whether to retry.
 //! - [`ddl`] and [`migrate`]: table definitions; creating what is missing.
 //! - [`entities`]: the entity rows ([`EntityRecord`]): the writer's locking
@@ -49,6 +50,7 @@ pub mod catalog;
 pub mod checksums;
 pub mod conns;
 pub mod ddl;
+pub mod dsn;
 pub mod entities;
 pub mod error;
 pub mod fences;

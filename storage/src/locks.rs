@@ -49,7 +49,7 @@ pub struct HeldLock {
 /// Makes this process the one running the cluster's moves, if no one else
 /// is: `None` when another process holds the lock.
 pub async fn take_mover_lock(meta: &schemas::settings::Dsn) -> Result<Option<HeldLock>> {
-    let mut conn = crate::shards::dedicated_connection(meta).await.on(META_SHARD)?;
+    let mut conn = crate::dsn::dedicated_connection(meta).await.on(META_SHARD)?;
     let row = sqlx::query("SELECT GET_LOCK(CONCAT('bagstore.mover.', DATABASE()), 0) AS got")
         .fetch_one(&mut conn)
         .await

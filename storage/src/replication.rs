@@ -146,12 +146,13 @@ pub enum Role {
 /// What is wrong with the server for replication without loss, one
 /// sentence each naming the setting and what to set it to (empty: all
 /// is well). `server_id` uniqueness across a shard's servers is the
-/// caller's to compare.
+/// caller's to compare. Whether the server waits for acknowledgements
+/// (`rpl_semi_sync_master_enabled`) is not checked: bagstore sets it with
+/// the server's role ([`replicate_from`], [`promote`], [`require_acks`]).
 pub async fn check_server(shard: usize, conn: &mut MySqlConnection, role: Role) -> Result<Vec<String>> {
     let row = sqlx::query(
         "SELECT CAST(@@log_bin AS CHAR) AS log_bin, CAST(@@binlog_format AS CHAR) AS format, \
          CAST(@@gtid_strict_mode AS CHAR) AS strict, CAST(@@log_slave_updates AS CHAR) AS slave_updates, \
-         CAST(@@rpl_semi_sync_master_enabled AS CHAR) AS master_on, \
          CAST(@@rpl_semi_sync_slave_enabled AS CHAR) AS slave_on, \
          CAST(@@rpl_semi_sync_master_wait_point AS CHAR) AS wait_point, \
          CAST(@@rpl_semi_sync_master_timeout AS CHAR) AS timeout, \
@@ -172,17 +173,6 @@ pub async fn check_server(shard: usize, conn: &mut MySqlConnection, role: Role) 
     want(get("format") == "ROW", "binlog_format must be ROW");
     want(is_on(&get("strict")), "gtid_strict_mode must be ON");
     want(is_on(&get("slave_updates")), "log_slave_updates must be ON (a promoted replica serves the others)");
-    match role {
-        Role::Primary => want(
-            is_on(&get("master_on")),
-            "rpl_semi_sync_master_enabled must be ON on a primary (its commits wait for a replica)",
-        ),
-        Role::Replica => want(
-            !is_on(&get("master_on")),
-            "rpl_semi_sync_master_enabled must be OFF on a replica (else what it applies waits for \
-             replicas of its own)",
-        ),
-    }
     want(is_on(&get("slave_on")), "rpl_semi_sync_slave_enabled must be ON (a replica acknowledges commits)");
     want(
         get("wait_point").eq_ignore_ascii_case("AFTER_SYNC"),
@@ -328,6 +318,18 @@ pub async fn promote(shard: usize, conn: &mut MySqlConnection) -> Result<()> {
     sqlx::query("RESET SLAVE ALL").execute(&mut *conn).await.on(shard)?;
     sqlx::query("SET GLOBAL rpl_semi_sync_master_enabled = 1").execute(&mut *conn).await.on(shard)?;
     sqlx::query("SET GLOBAL read_only = 0").execute(&mut *conn).await.on(shard)?;
+    Ok(())
+}
+
+/// Makes the server's commits wait for a replica's acknowledgement (a
+/// primary of a shard with replicas), or not (a shard without).
+pub async fn require_acks(shard: usize, conn: &mut MySqlConnection, on: bool) -> Result<()> {
+    let sql = if on {
+        "SET GLOBAL rpl_semi_sync_master_enabled = 1"
+    } else {
+        "SET GLOBAL rpl_semi_sync_master_enabled = 0"
+    };
+    sqlx::query(sql).execute(&mut *conn).await.on(shard)?;
     Ok(())
 }
 

@@ -18,7 +18,7 @@
 //! ([`shard_epoch`]) against its map instead: a mismatch means the map it
 //! routed with is out of date.
 
-use schemas::topology::{PhysicalId, PhysicalShard, Topology};
+use schemas::topology::{PhysicalId, PhysicalShard, Replica, Topology};
 use sqlx::mysql::MySqlPool;
 use sqlx::{MySqlConnection, Row};
 use std::collections::HashMap;
@@ -41,17 +41,24 @@ pub struct Identity {
 /// The identity recorded in a shard's database; `None` for a database that
 /// is not (yet) part of a cluster.
 pub async fn identity(shard: usize, pool: &MySqlPool) -> Result<Option<Identity>> {
+    let mut conn = pool.acquire().await.on(shard)?;
+    identity_on(shard, &mut conn).await
+}
+
+/// [`identity`] on a connection of its own (a server probed outside the
+/// pools, see `crate::shards`).
+pub async fn identity_on(shard: usize, conn: &mut MySqlConnection) -> Result<Option<Identity>> {
     let exists: (i64,) = sqlx::query_as(
         "SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'bagstore_shard'",
     )
-    .fetch_one(pool)
+    .fetch_one(&mut *conn)
     .await
     .on(shard)?;
     if exists.0 == 0 {
         return Ok(None);
     }
     let row = sqlx::query("SELECT name, physical, epoch FROM bagstore_shard WHERE id = 1")
-        .fetch_optional(pool)
+        .fetch_optional(&mut *conn)
         .await
         .on(shard)?;
     row.map(|r| {
@@ -92,20 +99,7 @@ pub async fn load(meta: &MySqlPool) -> Result<Option<Topology>> {
     };
     let logical_shards: u16 = cluster.try_get("logical_shards").on(s)?;
     let epoch: u64 = cluster.try_get("epoch").on(s)?;
-    let shards = sqlx::query("SELECT id, name, address, epoch FROM bagstore_physical ORDER BY id")
-        .fetch_all(meta)
-        .await
-        .on(s)?
-        .iter()
-        .map(|r| {
-            Ok(PhysicalShard {
-                id: r.try_get("id").on(s)?,
-                name: r.try_get("name").on(s)?,
-                address: r.try_get("address").on(s)?,
-                epoch: r.try_get("epoch").on(s)?,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let shards = load_physical(meta).await?;
     let mut owners = vec![PhysicalId::MAX; logical_shards as usize];
     for r in sqlx::query("SELECT logical, physical FROM bagstore_map").fetch_all(meta).await.on(s)? {
         let k: u16 = r.try_get("logical").on(s)?;
@@ -116,7 +110,61 @@ pub async fn load(meta: &MySqlPool) -> Result<Option<Topology>> {
     if owners.contains(&PhysicalId::MAX) {
         return Err(StoreError::BadTopology("the map lacks some logical shards".into()));
     }
-    Ok(Some(Topology { logical_shards, epoch, shards, owners }))
+    let replicas = load_replicas(meta).await?;
+    Ok(Some(Topology { logical_shards, epoch, shards, owners, replicas }))
+}
+
+/// The registered physical shards.
+async fn load_physical(meta: &MySqlPool) -> Result<Vec<PhysicalShard>> {
+    let s = META_SHARD;
+    // A metadata shard `migrate` has not given `failovers` yet reads as
+    // none happened (until it runs, nothing can fail over).
+    let rows = match sqlx::query("SELECT id, name, address, epoch, failovers FROM bagstore_physical ORDER BY id")
+        .fetch_all(meta)
+        .await
+        .on(s)
+    {
+        Err(e) if e.mysql_number() == Some(1054) => sqlx::query(
+            "SELECT id, name, address, epoch, CAST(0 AS UNSIGNED) AS failovers FROM bagstore_physical ORDER BY id",
+        )
+        .fetch_all(meta)
+        .await
+        .on(s)?,
+        other => other?,
+    };
+    rows.iter()
+        .map(|r| {
+            Ok(PhysicalShard {
+                id: r.try_get("id").on(s)?,
+                name: r.try_get("name").on(s)?,
+                address: r.try_get("address").on(s)?,
+                epoch: r.try_get("epoch").on(s)?,
+                failovers: r.try_get("failovers").on(s)?,
+            })
+        })
+        .collect()
+}
+
+/// The registered replicas; none on a metadata shard `migrate` has not
+/// given the table yet.
+async fn load_replicas(meta: &MySqlPool) -> Result<Vec<Replica>> {
+    let rows =
+        sqlx::query("SELECT physical, address FROM bagstore_replicas ORDER BY physical, added, address")
+            .fetch_all(meta)
+            .await;
+    let rows = match rows.on(META_SHARD) {
+        Ok(rows) => rows,
+        Err(e) if e.mysql_number() == Some(1146) => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    rows.iter()
+        .map(|r| {
+            Ok(Replica {
+                physical: r.try_get("physical").on(META_SHARD)?,
+                address: r.try_get("address").on(META_SHARD)?,
+            })
+        })
+        .collect()
 }
 
 /// Records a new cluster's map on the metadata shard (in one transaction).
@@ -167,8 +215,13 @@ pub async fn register(meta: &MySqlPool, name: &str, address: &str) -> Result<Phy
             .fetch_one(&mut *tx)
             .await
             .on(s)?;
-    let p =
-        PhysicalShard { id: next, name: name.to_string(), address: address.to_string(), epoch: epoch + 1 };
+    let p = PhysicalShard {
+        id: next,
+        name: name.to_string(),
+        address: address.to_string(),
+        epoch: epoch + 1,
+        failovers: 0,
+    };
     insert_physical(&mut tx, &p).await?;
     sqlx::query("UPDATE bagstore_cluster SET epoch = ? WHERE id = 1")
         .bind(epoch + 1)
@@ -177,6 +230,47 @@ pub async fn register(meta: &MySqlPool, name: &str, address: &str) -> Result<Phy
         .on(s)?;
     tx.commit().await.on(s)?;
     Ok(p)
+}
+
+/// Registers a replica of physical shard `physical` (an address without
+/// password) and raises the map's epoch, so running processes reload the
+/// map and see it. Idempotent.
+pub async fn add_replica(meta: &MySqlPool, physical: PhysicalId, address: &str) -> Result<()> {
+    let s = META_SHARD;
+    let mut tx = meta.begin().await.on(s)?;
+    sqlx::query("INSERT IGNORE INTO bagstore_replicas (physical, address) VALUES (?, ?)")
+        .bind(physical)
+        .bind(address)
+        .execute(&mut *tx)
+        .await
+        .on(s)?;
+    sqlx::query("UPDATE bagstore_cluster SET epoch = epoch + 1 WHERE id = 1")
+        .execute(&mut *tx)
+        .await
+        .on(s)?;
+    tx.commit().await.on(s)
+}
+
+/// Unregisters a replica (and raises the map's epoch); false if it was not
+/// registered.
+pub async fn remove_replica(meta: &MySqlPool, physical: PhysicalId, address: &str) -> Result<bool> {
+    let s = META_SHARD;
+    let mut tx = meta.begin().await.on(s)?;
+    let gone = sqlx::query("DELETE FROM bagstore_replicas WHERE physical = ? AND address = ?")
+        .bind(physical)
+        .bind(address)
+        .execute(&mut *tx)
+        .await
+        .on(s)?
+        .rows_affected();
+    if gone > 0 {
+        sqlx::query("UPDATE bagstore_cluster SET epoch = epoch + 1 WHERE id = 1")
+            .execute(&mut *tx)
+            .await
+            .on(s)?;
+    }
+    tx.commit().await.on(s)?;
+    Ok(gone > 0)
 }
 
 /// Unregisters a physical shard that owns nothing any more.
@@ -270,6 +364,12 @@ pub async fn owned(shard: usize, pool: &MySqlPool) -> Result<Vec<u16>> {
 /// meanwhile). Fails with [`StoreError::NotOwner`] if any is missing: the
 /// caller's map is stale. Returns each logical shard's version floor (see
 /// [`crate::ddl::FLOOR_COLUMN`]).
+///
+/// It proves the server's role too: the ownership rows replicate, so a
+/// replica (or a primary fenced by a failover) holds them as well, and
+/// only `read_only` tells it is not the shard's primary. Such a server
+/// fails the proof with [`StoreError::NotPrimary`], before anything is
+/// written, instead of on the first write (the map is stale then too).
 pub async fn check_owned(
     shard: usize,
     conn: &mut MySqlConnection,
@@ -282,14 +382,19 @@ pub async fn check_owned(
         return Ok(HashMap::new());
     }
     let sql = format!(
-        "SELECT logical, version_floor FROM bagstore_owned WHERE logical IN ({}) LOCK IN SHARE MODE",
+        "SELECT logical, version_floor, CAST(@@GLOBAL.read_only AS SIGNED) FROM bagstore_owned \
+         WHERE logical IN ({}) LOCK IN SHARE MODE",
         marks(wanted.len())
     );
-    let mut q = sqlx::query_as::<_, (u16, u64)>(&sql);
+    let mut q = sqlx::query_as::<_, (u16, u64, i64)>(&sql);
     for k in &wanted {
         q = q.bind(*k);
     }
-    let found: HashMap<u16, u64> = q.fetch_all(&mut *conn).await.on(shard)?.into_iter().collect();
+    let rows = q.fetch_all(&mut *conn).await.on(shard)?;
+    if rows.iter().any(|r| r.2 != 0) {
+        return Err(StoreError::NotPrimary { shard });
+    }
+    let found: HashMap<u16, u64> = rows.into_iter().map(|(k, floor, _)| (k, floor)).collect();
     if found.len() == wanted.len() {
         return Ok(found);
     }

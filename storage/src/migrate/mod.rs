@@ -7,8 +7,8 @@ use schemas::settings::Dsn;
 use sqlx::mysql::MySqlPool;
 
 use crate::ddl;
+use crate::dsn::{dedicated_connection, split_database};
 use crate::error::{OnShard, Result};
-use crate::shards::{dedicated_connection, split_database};
 use crate::topology::META_SHARD;
 
 pub mod upgrade;
@@ -49,6 +49,7 @@ pub async fn create_base_tables(shard: usize, pool: &MySqlPool) -> Result<()> {
             sqlx::query(&stmt).execute(pool).await.on(shard)?;
         }
         add_column(shard, pool, "bagstore_partition_claims", "gen", ddl::CLAIM_GEN_COLUMN).await?;
+        add_column(shard, pool, "bagstore_physical", "failovers", ddl::FAILOVERS_COLUMN).await?;
     }
     Ok(())
 }

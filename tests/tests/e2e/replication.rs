@@ -43,6 +43,9 @@ async fn a_commit_no_replica_acknowledged_is_lost_to_nobody_and_truncated_when_i
         replication::create_accounts(s).await.expect("accounts");
     }
     replication::replicate(&replica, &primary).await.expect("replicate");
+    // The primary's commits wait for acknowledgements from now on.
+    let mut root = connect(&primary.server_dsn()).await;
+    storage::replication::require_acks(0, &mut root, true).await.unwrap();
 
     // Both servers are what bagstore needs, seen from its service account.
     let mut p = connect(&replication::service_dsn(&primary, "")).await;
@@ -50,7 +53,6 @@ async fn a_commit_no_replica_acknowledged_is_lost_to_nobody_and_truncated_when_i
     assert_eq!(check_server(0, &mut p, Role::Primary).await.unwrap(), Vec::<String>::new());
     assert_eq!(check_server(1, &mut r, Role::Replica).await.unwrap(), Vec::<String>::new());
     // Root holds every privilege: read_only would not stop it.
-    let mut root = connect(&primary.server_dsn()).await;
     let wrong = check_server(0, &mut root, Role::Primary).await.unwrap();
     assert!(wrong.iter().any(|w| w.contains("read_only does not stop")), "{wrong:?}");
 

@@ -131,7 +131,7 @@ async fn a_configuration_that_disagrees_with_the_cluster_is_refused_before_anyth
         }
     }
     assert_eq!(snapshot(&pools).await, before, "a refused process wrote something");
-    let (db, server) = storage::shards::split_database(&schemas::settings::Dsn(stranger)).unwrap();
+    let (db, server) = storage::dsn::split_database(&schemas::settings::Dsn(stranger)).unwrap();
     let server = MySqlPool::connect(server.expose()).await.unwrap();
     let made: Vec<(String,)> =
         sqlx::query_as("SELECT SCHEMA_NAME FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = ?")

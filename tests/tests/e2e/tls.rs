@@ -23,7 +23,7 @@ use std::process::{Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
-use storage::shards::dedicated_connection;
+use storage::dsn::dedicated_connection;
 use storage::Shards;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::process::{Child, ChildStdin};

@@ -130,7 +130,7 @@ impl Relays {
         let leader_gauge = self.metrics.relay_leader.with_label_values(&[&label]);
         let part = format!("relay {}", self.shards.name(shard));
         while !shutdown.is_cancelled() {
-            let mut conn = match storage::shards::dedicated_connection(self.shards.dsn(shard)).await {
+            let mut conn = match storage::dsn::dedicated_connection(self.shards.dsn(shard)).await {
                 Ok(c) => c,
                 Err(e) => {
                     self.health.report(&part, Err(format!("cannot reach its shard: {e}")));

@@ -11,22 +11,27 @@
 //! configuration (one account for the whole cluster).
 //!
 //! Slots are indexed by physical id and never move, so pools and
-//! connections can be borrowed for as long as the `Shards` lives.
+//! connections can be borrowed for as long as the `Shards` lives; a slot
+//! follows its shard to another server when the map says the shard's
+//! primary moved (a failover, a switchover: see [`slot`]).
 
 use schemas::settings::{Dsn, MysqlSettings};
 use schemas::topology::{PhysicalId, Topology};
 use schemas::{logical_of, EntityId};
-use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
-use sqlx::{Connection, MySqlConnection};
-use std::collections::BTreeSet;
-use std::str::FromStr;
+use sqlx::mysql::MySqlPool;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::conns::Conns;
+use crate::dsn::with_credentials_of;
 use crate::error::{OnShard, Result, StoreError};
 use crate::topology::{self, META_SHARD};
+
+mod discovery;
+mod slot;
+use slot::{PoolSizes, Server, Slot};
 
 /// The most physical shards a cluster can ever have registered.
 pub const MAX_PHYSICAL: usize = 1024;
@@ -43,7 +48,8 @@ pub struct Shards {
 #[derive(Debug)]
 struct Inner {
     settings: MysqlSettings,
-    /// By physical id; set once, when the shard is first reached.
+    /// By physical id; set when the shard is first reached, moved to
+    /// another server when its primary moves.
     slots: Vec<OnceLock<Slot>>,
     routing: RwLock<Arc<Routing>>,
     /// When the map was last loaded; held while loading.
@@ -51,6 +57,9 @@ struct Inner {
     /// Map loads since the process started (a storm of them means maps
     /// keep going stale).
     reloads: AtomicU64,
+    /// The configured DSNs of the metadata shard's servers: where its
+    /// primary is looked for again when the one in use stops being it.
+    meta_seeds: RwLock<Vec<Dsn>>,
 }
 
 impl Routing {
@@ -97,15 +106,6 @@ impl Routing {
     }
 }
 
-/// How to reach one physical shard.
-#[derive(Debug)]
-struct Slot {
-    name: String,
-    dsn: Dsn,
-    pool: MySqlPool,
-    conns: Arc<Conns>,
-}
-
 /// What a process routes with: the map it loaded (none before `migrate`
 /// made the cluster), and the physical shards live in it.
 #[derive(Debug, Clone)]
@@ -115,18 +115,13 @@ pub struct Routing {
     pub live: Vec<usize>,
 }
 
-pub fn connect_options(dsn: &Dsn) -> Result<MySqlConnectOptions> {
-    MySqlConnectOptions::from_str(dsn.expose())
-        .map_err(|source| StoreError::BadDsn { dsn: dsn.redacted(), source })
-}
-
 impl Shards {
     /// The configured DSNs as shards `0..N` in configuration order, without
     /// a map: for `migrate` before the cluster exists. Pools connect lazily.
     pub fn configured(settings: &MysqlSettings) -> Result<Shards> {
         let shards = Shards::empty(settings);
         for (i, dsn) in settings.shards.iter().enumerate() {
-            shards.set_slot(i, &format!("s{i}"), dsn.clone())?;
+            shards.set_slot(i, &format!("s{i}"), dsn.clone(), 0)?;
         }
         let live = (0..settings.shards.len()).collect();
         *shards.inner.routing.write().expect("not poisoned") = Arc::new(Routing { topology: None, live });
@@ -141,37 +136,35 @@ impl Shards {
                 routing: RwLock::new(Arc::new(Routing { topology: None, live: Vec::new() })),
                 reloaded: tokio::sync::Mutex::new(None),
                 reloads: AtomicU64::new(0),
+                meta_seeds: RwLock::new(Vec::new()),
             }),
         }
     }
 
-    fn set_slot(&self, id: usize, name: &str, dsn: Dsn) -> Result<()> {
+    fn sizes(&self) -> PoolSizes {
+        let s = &self.inner.settings;
+        PoolSizes {
+            max_connections: s.max_connections,
+            connect_timeout: Duration::from_millis(s.connect_timeout_ms),
+        }
+    }
+
+    /// Reaches physical shard `id` at `dsn`, the server of its
+    /// `failovers`-th primary: its slot is made, or, when it was on another
+    /// server, moved there.
+    fn set_slot(&self, id: usize, name: &str, dsn: Dsn, failovers: u64) -> Result<()> {
         if id >= MAX_PHYSICAL {
             return Err(StoreError::BadTopology(format!(
                 "physical shard id {id} is over the limit of {MAX_PHYSICAL}"
             )));
         }
-        let s = &self.inner.settings;
-        let opts = connect_options(&dsn)?;
-        let conns = Arc::new(Conns::new(id, opts.clone(), s.max_connections));
-        let pool = MySqlPoolOptions::new()
-            .max_connections(s.max_connections)
-            .acquire_timeout(Duration::from_millis(s.connect_timeout_ms))
-            // READ COMMITTED: a locking read of an absent id takes no gap
-            // lock, so concurrent inserts of different new ids do not
-            // deadlock; two inserts of the same new id collide on the unique
-            // key instead, and the loser retries.
-            .after_connect(|conn, _| {
-                Box::pin(async move {
-                    sqlx::query("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
-                        .execute(&mut *conn)
-                        .await
-                        .map(|_| ())
-                })
-            })
-            .connect_lazy_with(opts);
-        let _ = self.inner.slots[id].set(Slot { name: name.to_string(), dsn, pool, conns });
-        Ok(())
+        match self.inner.slots[id].get() {
+            Some(slot) => slot.move_to(id, dsn, failovers, self.sizes()).map(|_| ()),
+            None => {
+                let _ = self.inner.slots[id].set(Slot::new(id, name, dsn, failovers, self.sizes())?);
+                Ok(())
+            }
+        }
     }
 
     /// The configured shards as the cluster knows them: asks each database
@@ -180,7 +173,9 @@ impl Shards {
     /// one, the cluster's number of logical shards). Waits up to
     /// `connect_timeout_ms` for the databases to answer.
     pub async fn connect(settings: &MysqlSettings) -> Result<Shards> {
-        let mut found = Vec::new();
+        // Several DSNs may name one physical shard: its servers (a primary
+        // and replicas, in any role: seeds to find the primary among).
+        let mut servers: BTreeMap<PhysicalId, Vec<(topology::Identity, Dsn)>> = BTreeMap::new();
         for (dsn, id) in settings.shards.iter().zip(Shards::identities(settings).await?) {
             let Some(id) = id else {
                 return Err(StoreError::BadTopology(format!(
@@ -189,28 +184,52 @@ impl Shards {
                     dsn.redacted()
                 )));
             };
-            found.push((id, dsn.clone()));
+            servers.entry(id.physical).or_default().push((id, dsn.clone()));
         }
         let shards = Shards::empty(settings);
-        for (id, dsn) in &found {
-            shards.set_slot(id.physical as usize, &id.name, dsn.clone())?;
-        }
-        if shards.inner.slots[META_SHARD].get().is_none() {
+        let Some(meta) = servers.get(&(META_SHARD as PhysicalId)) else {
             return Err(StoreError::BadTopology(
                 "the configuration lacks the metadata shard (physical shard 0, the first of the cluster)"
                     .into(),
             ));
+        };
+        *shards.inner.meta_seeds.write().expect("not poisoned") =
+            meta.iter().map(|(_, d)| d.clone()).collect();
+        for (physical, found) in &servers {
+            let (id, dsn) = discovery::primary_among(*physical as usize, found).await?;
+            // The failover count is the map's, once loaded (`install`).
+            shards.set_slot(*physical as usize, &id.name, dsn, 0)?;
         }
         let t = topology::load(shards.meta()).await?.ok_or_else(|| {
             StoreError::BadTopology("the metadata shard holds no cluster map (run `bagstore migrate`)".into())
         })?;
-        let names: BTreeSet<String> = found.iter().map(|(id, _)| id.name.clone()).collect();
-        if names.len() != found.len() {
-            return Err(StoreError::BadTopology("the configuration lists one shard twice".into()));
-        }
+        let names: BTreeSet<String> = servers.values().map(|found| found[0].0.name.clone()).collect();
         t.check_config(&names, settings.logical_shards).map_err(StoreError::Topology)?;
+        shards.settle_primaries(&t).await?;
         shards.install(t)?;
+        if !discovery::is_writable(META_SHARD, shards.meta()).await.unwrap_or(false) {
+            shards.follow_meta_primary().await?;
+        }
         Ok(shards)
+    }
+
+    /// A configured server that takes writes is its shard's primary, as of
+    /// the map's failover count; one that does not (a replica, or a primary
+    /// a failover fenced, listed in a configuration written before) gives
+    /// way to the primary the map names. The metadata shard's is found
+    /// among its servers instead ([`Shards::follow_meta_primary`]).
+    async fn settle_primaries(&self, t: &Topology) -> Result<()> {
+        for p in &t.shards {
+            let id = p.id as usize;
+            let Some(slot) = self.inner.slots.get(id).and_then(OnceLock::get) else { continue };
+            if discovery::is_writable(id, &slot.current().pool).await.unwrap_or(false) {
+                slot.adopt(p.failovers);
+            } else if id != META_SHARD {
+                let dsn = self.credentials_for(&p.address)?;
+                self.set_slot(id, &p.name, dsn, p.failovers)?;
+            }
+        }
+        Ok(())
     }
 
     /// Who each configured database says it is (`None`: not a shard, or no
@@ -240,14 +259,19 @@ impl Shards {
         Ok(out)
     }
 
-    /// Makes `t` the map routed with, reaching shards registered since with
-    /// the metadata shard's credentials.
+    /// Makes `t` the map routed with, reaching shards registered since, and
+    /// shards whose primary changed (a failover) since this process reached
+    /// them, at the map's address with the metadata shard's credentials.
+    /// (The metadata shard itself is found among its servers: the map is
+    /// read from it.)
     fn install(&self, t: Topology) -> Result<()> {
         for p in &t.shards {
             let id = p.id as usize;
-            if id < MAX_PHYSICAL && self.inner.slots[id].get().is_none() {
+            let known = self.inner.slots.get(id).and_then(OnceLock::get);
+            let moved = known.is_some_and(|s| id != META_SHARD && p.failovers > s.failovers());
+            if id < MAX_PHYSICAL && (known.is_none() || moved) {
                 let dsn = self.credentials_for(&p.address)?;
-                self.set_slot(id, &p.name, dsn)?;
+                self.set_slot(id, &p.name, dsn, p.failovers)?;
             }
         }
         let live = t.shards.iter().map(|p| p.id as usize).collect();
@@ -255,9 +279,10 @@ impl Shards {
         Ok(())
     }
 
-    /// `address` (a DSN without password) with the metadata shard's
-    /// user and password.
-    fn credentials_for(&self, address: &str) -> Result<Dsn> {
+    /// `address` (a DSN without password, as the map records servers) with
+    /// the metadata shard's user and password: how this process reaches
+    /// any server of the cluster.
+    pub fn credentials_for(&self, address: &str) -> Result<Dsn> {
         let meta = &self.slot(META_SHARD).dsn;
         Ok(Dsn(with_credentials_of(address, meta.expose())))
     }
@@ -270,6 +295,7 @@ impl Shards {
         if last.is_some_and(|t| t.elapsed() < RELOAD_EVERY) {
             return Ok(());
         }
+        self.follow_meta_primary().await?;
         let t = topology::load(self.meta()).await?;
         *last = Some(Instant::now());
         self.inner.reloads.fetch_add(1, Ordering::Relaxed);
@@ -277,6 +303,26 @@ impl Shards {
             Some(t) => self.install(t),
             None => Ok(()),
         }
+    }
+
+    /// Makes sure the metadata shard's slot is on its primary: when the
+    /// server in use no longer answers as a writable primary (dead, or
+    /// fenced by a failover), its primary is looked for among its
+    /// configured servers and the replicas the last map knew.
+    async fn follow_meta_primary(&self) -> Result<()> {
+        if discovery::is_writable(META_SHARD, self.meta()).await.unwrap_or(false) {
+            return Ok(());
+        }
+        let mut candidates: Vec<Dsn> = self.inner.meta_seeds.read().expect("not poisoned").clone();
+        if let Some(t) = self.routing().topology.as_ref() {
+            for address in t.servers_of(META_SHARD as PhysicalId) {
+                candidates.push(self.credentials_for(address)?);
+            }
+        }
+        let found = discovery::identify(META_SHARD, &candidates).await;
+        let (id, dsn) = discovery::primary_among(META_SHARD, &found).await?;
+        let failovers = self.inner.slots[META_SHARD].get().map_or(0, Slot::failovers);
+        self.set_slot(META_SHARD, &id.name, dsn, failovers)
     }
 
     /// Map loads since the process started.
@@ -316,8 +362,11 @@ impl Shards {
         self.routing().live.len()
     }
 
-    fn slot(&self, shard: usize) -> &Slot {
-        self.inner.slots[shard].get().unwrap_or_else(|| panic!("physical shard {shard} is not connected"))
+    fn slot(&self, shard: usize) -> &Server {
+        self.inner.slots[shard]
+            .get()
+            .unwrap_or_else(|| panic!("physical shard {shard} is not connected"))
+            .current()
     }
 
     pub fn pool(&self, shard: usize) -> &MySqlPool {
@@ -433,96 +482,9 @@ impl Shards {
 
     pub async fn close(&self) {
         for slot in self.inner.slots.iter().filter_map(OnceLock::get) {
-            slot.pool.close().await;
+            for server in slot.all() {
+                server.pool.close().await;
+            }
         }
-    }
-}
-
-/// `address` (a DSN whose password was left out) with the user and password
-/// of `from` (another DSN). Only the part before `@` changes.
-pub fn with_credentials_of(address: &str, from: &str) -> String {
-    let userinfo = |s: &str| -> Option<(usize, usize)> {
-        let start = s.find("://")? + 3;
-        let at = s[start..].find('@')? + start;
-        Some((start, at))
-    };
-    let Some((fs, fa)) = userinfo(from) else { return address.to_string() };
-    let creds = &from[fs..fa];
-    match (address.find("://"), userinfo(address)) {
-        (_, Some((s, a))) => format!("{}{creds}{}", &address[..s], &address[a..]),
-        (Some(p), None) => format!("{}{creds}@{}", &address[..p + 3], &address[p + 3..]),
-        (None, None) => address.to_string(),
-    }
-}
-
-/// `dsn` without its password: what the map records as a shard's address.
-pub fn address_of(dsn: &Dsn) -> String {
-    let s = dsn.expose();
-    let Some(start) = s.find("://").map(|p| p + 3) else { return s.to_string() };
-    let Some(at) = s[start..].find('@').map(|a| a + start) else { return s.to_string() };
-    let user = s[start..at].split(':').next().unwrap_or("");
-    // Query-string passwords go too.
-    let (base, query) = s.split_once('?').unwrap_or((s, ""));
-    let kept: Vec<&str> = query
-        .split('&')
-        .filter(|kv| !kv.is_empty() && !kv.to_ascii_lowercase().starts_with("password="))
-        .collect();
-    let base = format!("{}{user}{}", &base[..start], &base[at..]);
-    if kept.is_empty() {
-        base
-    } else {
-        format!("{base}?{}", kept.join("&"))
-    }
-}
-
-/// A dedicated connection outside any pool (relay leadership lives on one).
-pub async fn dedicated_connection(dsn: &Dsn) -> Result<MySqlConnection, sqlx::Error> {
-    MySqlConnection::connect_with(&MySqlConnectOptions::from_str(dsn.expose())?).await
-}
-
-/// The database named by a DSN, and the DSN without it (for `CREATE DATABASE`).
-pub fn split_database(dsn: &Dsn) -> Option<(String, Dsn)> {
-    let s = dsn.expose();
-    let (base, query) = match s.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (s, None),
-    };
-    let after_scheme = base.find("://")? + 3;
-    let slash = base[after_scheme..].find('/')? + after_scheme;
-    let db = &base[slash + 1..];
-    if db.is_empty() {
-        return None;
-    }
-    let server = match query {
-        Some(q) => format!("{}?{}", &base[..slash], q),
-        None => base[..slash].to_string(),
-    };
-    Some((db.to_string(), Dsn(server)))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn database_names_split_off_dsns() {
-        let (db, server) =
-            split_database(&Dsn("mysql://root:pw@127.0.0.1:3307/bagstore?ssl-mode=disabled".into())).unwrap();
-        assert_eq!(db, "bagstore");
-        assert_eq!(server.expose(), "mysql://root:pw@127.0.0.1:3307?ssl-mode=disabled");
-        assert!(split_database(&Dsn("mysql://root@host:1".into())).is_none());
-    }
-
-    #[test]
-    fn addresses_drop_passwords_and_take_credentials_back() {
-        let dsn = Dsn("mysql://app:hunter2@db3:3306/bagstore?ssl-mode=REQUIRED&password=x".into());
-        assert_eq!(address_of(&dsn), "mysql://app@db3:3306/bagstore?ssl-mode=REQUIRED");
-        assert_eq!(address_of(&Dsn("mysql://root@h:1/b".into())), "mysql://root@h:1/b");
-        let meta = "mysql://app:s3cret@db1:3306/bagstore";
-        assert_eq!(
-            with_credentials_of("mysql://app@db3:3306/bagstore?ssl-mode=REQUIRED", meta),
-            "mysql://app:s3cret@db3:3306/bagstore?ssl-mode=REQUIRED"
-        );
-        assert_eq!(with_credentials_of("mysql://db3/b", meta), "mysql://app:s3cret@db3/b");
     }
 }
