@@ -262,17 +262,17 @@ impl Membership {
     }
 
     /// Records claims on the partitions assigned since the last call (see
-    /// `storage::fences`); the partitions claimed. When the metadata shard
+    /// `storage::fences`); the claims made. When the metadata shard
     /// does not take them they are kept for the next call.
-    pub async fn record_claims(&self, shards: &Shards, group: &str) -> Result<Vec<i32>, StoreError> {
+    pub async fn record_claims(&self, shards: &Shards, group: &str) -> Result<Vec<Claim>, StoreError> {
         let new = self.take_claims();
         if new.is_empty() {
-            return Ok(new);
+            return Ok(Vec::new());
         }
         match fences::claim(shards, group, self.instance, &new).await {
             Ok(claims) => {
                 self.claimed(&claims);
-                Ok(new)
+                Ok(claims)
             }
             Err(e) => {
                 self.retry_claims(new);

@@ -15,10 +15,12 @@ pub struct Batch {
     /// The claims on the batch's partitions (`storage::fences`): every
     /// index write of the batch proves them in its own transaction.
     pub claims: Vec<Claim>,
-    /// Partitions claimed since the previous batch: newly given to this
-    /// consumer, so whatever the worker remembers of them is stale (a
-    /// predecessor may have worked on them meanwhile).
-    pub claimed: Vec<i32>,
+    /// The claims made since the previous batch: their partitions were
+    /// newly given to this consumer, so whatever the worker remembers of
+    /// them is stale (a predecessor may have worked on them meanwhile,
+    /// unless the claim's generation is right above the worker's own last
+    /// claim on that partition).
+    pub claimed: Vec<Claim>,
 }
 
 impl Batch {

@@ -51,7 +51,7 @@ mod spec;
 mod turn;
 
 pub use batch::{next_offsets, Batch};
-pub use spec::{Next, Observer, Options, Unobserved};
+pub use spec::{Next, Observer, Options, Ownership, Unobserved};
 
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
@@ -170,22 +170,23 @@ impl FencedConsumer {
     }
 
     /// Whether `partitions` are still this consumer's: librdkafka's signs,
-    /// and no newer claim by another member since (a metadata shard that
-    /// does not answer decides nothing). When they are not, why; the next
+    /// and no newer claim by another member since. Unlike the comparison
+    /// before a batch, a metadata shard that does not answer leaves it
+    /// [`Ownership::Unknown`]: a worker about to do what cannot be undone
+    /// (send answers) waits rather than guess. Once lost, the next
     /// [`FencedConsumer::next`] rebuilds the consumer.
-    pub async fn still_ours(&mut self, partitions: &BTreeSet<i32>) -> Result<(), String> {
-        let Some(live) = self.live.as_mut() else { return Err("the consumer is closed".into()) };
+    pub async fn still_ours(&mut self, partitions: &BTreeSet<i32>) -> Ownership {
+        let Some(live) = self.live.as_mut() else { return Ownership::Lost("the consumer is closed".into()) };
         let why = match live.lost.clone().or_else(|| live.consumer.context().lost(&live.consumer)) {
-            Some(why) => Some(why),
-            None => self.ctx.claimed_by_others(live, partitions).await,
+            Some(why) => why,
+            None => match self.ctx.compare_claims(live, partitions).await {
+                Ok(None) => return Ownership::Ours,
+                Ok(Some(why)) => why,
+                Err(e) => return Ownership::Unknown(format!("cannot compare partition claims: {e}")),
+            },
         };
-        match why {
-            None => Ok(()),
-            Some(why) => {
-                live.lost.get_or_insert(why.clone());
-                Err(why)
-            }
-        }
+        live.lost.get_or_insert(why.clone());
+        Ownership::Lost(why)
     }
 
     /// Stores `offsets` (partition → the next offset to read): the work

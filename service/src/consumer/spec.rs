@@ -61,3 +61,13 @@ pub enum Next {
     /// consumer holds nothing any more (why).
     Taken(String),
 }
+
+/// Whether partitions are still a consumer's (`FencedConsumer::still_ours`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ownership {
+    Ours,
+    /// Another member has them now (why); the consumer is rebuilt.
+    Lost(String),
+    /// Not known now (the metadata shard does not answer; why).
+    Unknown(String),
+}

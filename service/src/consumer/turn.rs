@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use storage::fences::Claim;
-use storage::Shards;
+use storage::{Shards, StoreError};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -62,8 +62,8 @@ pub(super) struct Live {
     /// Why the partitions are known lost, once the worker found them so
     /// (or `still_ours` did): the next turn rebuilds.
     pub(super) lost: Option<String>,
-    /// Partitions claimed since the last batch.
-    pub(super) claimed: Vec<i32>,
+    /// Claims made since the last batch.
+    pub(super) claimed: Vec<Claim>,
 }
 
 /// What one turn of the loop came to.
@@ -250,15 +250,25 @@ impl Ctx {
 
     /// Why `partitions` are another member's now, if one claimed them
     /// since (None too when the metadata shard does not answer).
-    pub(super) async fn claimed_by_others(&self, live: &Live, partitions: &BTreeSet<i32>) -> Option<String> {
-        let watch = live.consumer.context();
-        match watch.claimed_by_others(&self.shards, &self.options.group, partitions).await {
+    async fn claimed_by_others(&self, live: &Live, partitions: &BTreeSet<i32>) -> Option<String> {
+        match self.compare_claims(live, partitions).await {
             Ok(why) => why,
             Err(e) => {
                 tracing::debug!(consumer = %self.options.part, error = %e, "cannot compare partition claims");
                 None
             }
         }
+    }
+
+    /// Why `partitions` are another member's now, if one claimed them
+    /// since; an error when the metadata shard does not answer.
+    pub(super) async fn compare_claims(
+        &self,
+        live: &Live,
+        partitions: &BTreeSet<i32>,
+    ) -> Result<Option<String>, StoreError> {
+        let watch = live.consumer.context();
+        watch.claimed_by_others(&self.shards, &self.options.group, partitions).await
     }
 
     /// Records claims on the partitions assigned since the last call;

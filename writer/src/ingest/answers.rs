@@ -7,15 +7,17 @@ use futures::future::join_all;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
-use schemas::settings::KafkaSettings;
+use schemas::settings::{Assignment, KafkaSettings};
 use schemas::{EntityId, Settings};
 use serde_json::{json, Value as JsonValue};
+use service::consumer::{FencedConsumer, Ownership};
 use service::health::Health;
 use service::http::Problem;
 use service::kafka;
 use service::serve::sleep_or_stop;
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+use storage::fences::Claim;
 use tokio_util::sync::CancellationToken;
 
 use super::command::{Item, Place};
@@ -27,6 +29,23 @@ pub const SOURCE_HEADER: &str = "bagstore-ingest-source";
 
 /// How many offsets of an answer partition are read back at a time.
 const READ_BACK_WINDOW: i64 = 512;
+
+/// Beyond the producer's message timeout, how long a partition given anew
+/// by a member lease waits before it is read back: a produce request sent
+/// before its message timed out may still be on its way to the broker.
+const SETTLE_MARGIN: Duration = Duration::from_secs(1);
+
+/// What became of a round's answers.
+#[derive(Debug)]
+pub(crate) enum Sent {
+    /// Every answer the round owes is on its topic.
+    Done,
+    /// Stopped first.
+    Stopped,
+    /// The partitions are no longer this writer's (why): it answers
+    /// nothing more of them, and its successor answers the round.
+    Lost(String),
+}
 
 /// The reply to a command: its outcome, keyed by its correlation id. A
 /// replay answers exactly as the first apply did (a redelivered message
@@ -113,6 +132,14 @@ pub(crate) struct Answers {
     health: Health,
     /// Per ingest partition held: what its answer partitions already hold.
     answered: BTreeMap<i32, Answered>,
+    /// How long a partition given anew waits before it is read back (see
+    /// [`Answers::settled`]): zero with the group protocol.
+    settle: Duration,
+    /// Partitions given anew and not read back yet, since when.
+    taken: BTreeMap<i32, Instant>,
+    /// This process's last claim on each partition it was given (its
+    /// generation), kept across the consumers it rebuilds.
+    gens: BTreeMap<i32, u64>,
 }
 
 impl std::fmt::Debug for Answers {
@@ -146,14 +173,75 @@ impl Answers {
         .unwrap_or(Err(KafkaError::Canceled))?;
         let reader = format!("{}.read-back", k.ingest_group());
         let source = settings.ingest.topic.clone();
-        Ok(Answers { producer, outlets, kafka: k, source, reader, health, answered: BTreeMap::new() })
+        let settle = match settings.ingest.assignment {
+            Assignment::Group => Duration::ZERO,
+            Assignment::Leases => Duration::from_millis(k.message_timeout_ms) + SETTLE_MARGIN,
+        };
+        let (answered, taken, gens) = (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
+        Ok(Answers { producer, outlets, kafka: k, source, reader, health, answered, settle, taken, gens })
     }
 
-    /// Partitions given to this member anew: what it knew of their answer
-    /// partitions is stale, and they are read back before the next answer.
-    pub(crate) fn forget(&mut self, partitions: &[i32]) {
-        for p in partitions {
-            self.answered.remove(p);
+    /// Partitions given to this member anew (its claims on them): what it
+    /// knew of their answer partitions is stale, and they are read back
+    /// before the next answer. A claim right above this process's own last
+    /// one had no holder in between but this process, whose round in hand
+    /// ended before its consumer was replaced: nothing to wait out.
+    pub(crate) fn taken(&mut self, claims: &[Claim]) {
+        for c in claims {
+            self.answered.remove(&c.partition);
+            if !follows_own_claim(self.gens.insert(c.partition, c.gen), c) {
+                self.taken.insert(c.partition, Instant::now());
+            }
+        }
+    }
+
+    /// Waits until partition `p`, if given anew, may be read back (false
+    /// when stopped first). With the group protocol a partition moves only
+    /// once its previous holder revoked it, which waits for the round in
+    /// hand (librdkafka runs the rebalance inside `recv`, which a round
+    /// does not call). A member lease gives it at once, while its previous
+    /// holder may be sending the answers of a round it checked its claims
+    /// for just before this member claimed it. Those sends end (land or
+    /// fail) within the producer's message timeout, and a failed one is
+    /// not sent again without a new check, which the claim now fails; so a
+    /// read-back that waits that long after the claim sees every answer
+    /// the previous holder will ever send.
+    async fn settled(&mut self, p: i32, shutdown: &CancellationToken) -> bool {
+        let Some(since) = self.taken.remove(&p) else { return true };
+        let left = (since + self.settle).saturating_duration_since(Instant::now());
+        if !left.is_zero() {
+            tracing::info!(
+                partition = p,
+                wait_ms = left.as_millis() as u64,
+                "waiting out the previous holder's answers before reading back"
+            );
+        }
+        sleep_or_stop(shutdown, left).await
+    }
+
+    /// Whether `partitions` are still this member's, asked right before
+    /// answers are sent; while the claims cannot be compared, nothing is
+    /// sent (tried again).
+    async fn ours(
+        &self,
+        consumer: &mut FencedConsumer,
+        partitions: &BTreeSet<i32>,
+        shutdown: &CancellationToken,
+    ) -> Sent {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            match consumer.still_ours(partitions).await {
+                Ownership::Ours => return Sent::Done,
+                Ownership::Lost(why) => return Sent::Lost(why),
+                Ownership::Unknown(why) => {
+                    tracing::warn!(%why, "not answering until the partition claims can be compared");
+                    self.health.report("ingest", Err(why));
+                }
+            }
+            if !sleep_or_stop(shutdown, backoff).await {
+                return Sent::Stopped;
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(2));
         }
     }
 
@@ -167,9 +255,17 @@ impl Answers {
 
     /// Sends the round's dead letters and replies that are not on their
     /// topics yet, and waits for Kafka to acknowledge them all; after a
-    /// failed send, reads back which landed and sends the rest. None when
-    /// stopped first.
-    pub(crate) async fn send(&mut self, items: &[Item], shutdown: &CancellationToken) -> Option<()> {
+    /// failed send, reads back which landed and sends the rest. Each send
+    /// goes only while the round's partitions are still this member's
+    /// (`consumer`'s claims, compared right before it): a member the group
+    /// replaced without telling it, or whose lease's share moved, stops
+    /// here, and its successor, which claimed them first, answers.
+    pub(crate) async fn send(
+        &mut self,
+        items: &[Item],
+        consumer: &mut FencedConsumer,
+        shutdown: &CancellationToken,
+    ) -> Sent {
         // Where this round resumes each partition: answers from there on
         // may already be on the topics.
         let mut resumes: BTreeMap<i32, i64> = BTreeMap::new();
@@ -177,12 +273,16 @@ impl Answers {
             let e = resumes.entry(item.msg.partition()).or_insert(i64::MAX);
             *e = (*e).min(item.msg.offset());
         }
+        let partitions: BTreeSet<i32> = resumes.keys().copied().collect();
         let mut owed = self.owed(items);
         let mut backoff = Duration::from_millis(100);
         loop {
             for (&p, &from) in &resumes {
                 if !self.answered.contains_key(&p) {
-                    let found = self.read_back(p, from, shutdown).await?;
+                    if !self.settled(p, shutdown).await {
+                        return Sent::Stopped;
+                    }
+                    let Some(found) = self.read_back(p, from, shutdown).await else { return Sent::Stopped };
                     self.answered.insert(p, found);
                 }
             }
@@ -190,7 +290,11 @@ impl Answers {
             if owed.is_empty() {
                 break;
             }
-            let failed = self.send_owed(&owed, shutdown).await?;
+            match self.ours(consumer, &partitions, shutdown).await {
+                Sent::Done => {}
+                other => return other,
+            }
+            let Some(failed) = self.send_owed(&owed, shutdown).await else { return Sent::Stopped };
             if failed.is_empty() {
                 break;
             }
@@ -205,7 +309,7 @@ impl Answers {
             let why = format!("Kafka did not take the answers of ingest partitions {failed:?}");
             self.health.report("ingest", Err(why));
             if !sleep_or_stop(shutdown, backoff).await {
-                return None;
+                return Sent::Stopped;
             }
             backoff = (backoff * 2).min(Duration::from_secs(5));
         }
@@ -222,7 +326,7 @@ impl Answers {
                 a.at.retain(|(_, offset)| *offset > end);
             }
         }
-        Some(())
+        Sent::Done
     }
 
     /// Every answer a round owes: a dead letter per refused or malformed
@@ -327,6 +431,12 @@ impl Answers {
     }
 }
 
+/// Whether `claim` is the next claim after `last`, this process's own
+/// last claim on its partition (no other member claimed it in between).
+fn follows_own_claim(last: Option<u64>, claim: &Claim) -> bool {
+    last.is_some_and(|g| g + 1 == claim.gen)
+}
+
 /// The command an answer names in its [`SOURCE_HEADER`].
 fn source_of(msg: &OwnedMessage) -> Option<Place> {
     let headers = msg.headers()?;
@@ -336,6 +446,16 @@ fn source_of(msg: &OwnedMessage) -> Option<Place> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_claim_right_after_our_own_has_no_previous_holder_to_wait_out() {
+        let claim = Claim { partition: 2, gen: 8 };
+        assert!(follows_own_claim(Some(7), &claim));
+        // Someone claimed it between our claims, or we never held it.
+        assert!(!follows_own_claim(Some(6), &claim));
+        assert!(!follows_own_claim(None, &claim));
+        assert!(!follows_own_claim(Some(8), &claim));
+    }
 
     #[test]
     fn every_answer_partition_is_in_range_whatever_the_counts() {

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::answers::Answers;
+use super::answers::{Answers, Sent};
 use super::command::{parse, Item, Place};
 use crate::http::write_problem;
 use crate::write::{Change, Precondition};
@@ -111,19 +111,18 @@ async fn round(
     shutdown: &CancellationToken,
 ) -> bool {
     // Partitions given anew: their answer partitions are read back anew.
-    answers.forget(&batch.claimed);
-    let (offsets, partitions) = (batch.next_offsets(), batch.partitions());
+    answers.taken(&batch.claimed);
+    let offsets = batch.next_offsets();
     let Some(items) = apply_round(writer, batch.messages, shutdown).await else { return false };
-    // Applied (each command once, whoever else applies it: its guard).
-    // Answered only while the partitions are still ours: a member the
-    // group replaced without telling it stops here, and its successor,
-    // which claimed them first, answers.
-    if let Err(why) = consumer.still_ours(&partitions).await {
-        tracing::info!(%why, "the round's partitions are no longer this writer's; its successor answers");
-        return true;
-    }
-    if answers.send(&items, shutdown).await.is_none() {
-        return false;
+    // Applied (each command once, whoever else applies it: its guard);
+    // answered only while the partitions are still ours.
+    match answers.send(&items, consumer, shutdown).await {
+        Sent::Done => {}
+        Sent::Stopped => return false,
+        Sent::Lost(why) => {
+            tracing::info!(%why, "the round's partitions are no longer this writer's; its successor answers");
+            return true;
+        }
     }
     consumer.store(&offsets);
     // Committed now, not at the next auto-commit: a crash between a

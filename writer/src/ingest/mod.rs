@@ -51,16 +51,23 @@
 //! landed before its successor reads.
 //!
 //! One member the group replaced without telling it (a broker that goes on
-//! taking its heartbeats, see [`service::membership`]) would go on applying
-//! and answering beside its successor. Its applies are harmless (each
-//! command's guard: the second try finds the first's record), its answers
-//! are not. So each member records a claim on every partition it is given
-//! before it applies anything of it (`storage::fences`, the indexers'
-//! claims), and compares the claims after applying a round and before
-//! answering it: a member that finds a newer claim answers nothing more
-//! and rejoins as a new member. What is left is a race of milliseconds: an
-//! answer sent right after a comparison that a successor's claim and read
-//! back then overtake.
+//! taking its heartbeats, see [`service::membership`]), or whose lease's
+//! share moved while it was in a round, would go on applying and answering
+//! beside its successor. Its applies are harmless (each command's guard:
+//! the second try finds the first's record), its answers are not. So each
+//! member records a claim on every partition it is given before it applies
+//! anything of it (`storage::fences`, the indexers' claims), and compares
+//! the claims right before each send of answers (not at all while they
+//! cannot be compared): a member that finds a newer claim answers nothing
+//! more and is replaced by a new consumer. A member lease gives a
+//! partition at once, with no revocation to wait for, so a member given
+//! one by its lease waits out the previous holder's sends (the producer's
+//! message timeout) before it reads back: what passed a comparison before
+//! the claim has landed by then (measured: without the wait, a writer whose
+//! share moved mid-round answered some 500 commands twice on tansu). What
+//! is left on the group protocol is a race of milliseconds: an answer sent
+//! right after a comparison that a successor's claim and read back then
+//! overtake.
 //!
 //! Layout:
 //! - [`command`]: a message → the change, precondition and guard it asks
