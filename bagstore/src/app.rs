@@ -146,8 +146,29 @@ pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running>
     Ok(Running { router, shards, health, pipeline })
 }
 
+/// Returns once every index consumer of the process holds its partitions
+/// (see `service::consumer`), saying every few seconds what it waits for.
+pub async fn until_consumers_hold(health: &Health) {
+    let started = std::time::Instant::now();
+    loop {
+        tokio::select! {
+            _ = health.until_started() => break,
+            _ = tokio::time::sleep(std::time::Duration::from_secs(5)) => {
+                tracing::info!(waiting_for = ?health.waiting_for(),
+                    "waiting for the index consumers to hold their partitions before saying ready");
+            }
+        }
+    }
+    tracing::info!(
+        took_ms = started.elapsed().as_millis() as u64,
+        "every index consumer holds its partitions"
+    );
+}
+
 /// Runs one role set as a standalone service: serve until a signal, then
-/// stop HTTP (bounded), then the pipeline.
+/// stop HTTP (bounded), then the pipeline. The ready line comes once HTTP
+/// serves; `/health/ready` answers 503 `starting` until the index
+/// consumers hold their partitions.
 pub async fn serve(settings: Settings, roles: Roles, name: &str, http: Option<String>) -> anyhow::Result<()> {
     settings.require_external()?;
     let running = start(&settings, roles).await?;

@@ -129,6 +129,18 @@ async fn serve(
     let running = app::start(settings, roles).await?;
     let (listener, url) = service::serve::bind(&args.http).await?;
     running.health.set_phase(service::health::Phase::Serving);
+    // Ready means ready: a write made right after the line is found through
+    // its indexes as fast as in steady state, so the line waits until every
+    // index consumer holds its partitions (joining a group takes seconds).
+    let held = tokio::select! {
+        _ = app::until_consumers_hold(&running.health) => true,
+        _ = service::serve::signal() => false,
+    };
+    if !held {
+        running.pipeline.stop(settings).await;
+        running.shards.close().await;
+        return Ok(());
+    }
     let dsns: Vec<String> = settings.mysql.shards.iter().map(Dsn::redacted).collect();
     println!("bagstore dev ready: http={url} shards={} kafka={}", dsns.join(","), settings.kafka.brokers);
     if !layout.add.is_empty() || !layout.remove.is_empty() {

@@ -14,7 +14,10 @@
 //! Layout:
 //! - [`plan`]: an event → row deletes and upserts (pure, unit-tested).
 //! - [`apply`]: those row operations, one transaction per shard.
-//! - [`consume`]: the consumer loop: batches, retries, offsets, dead letters.
+//! - [`consume`]: the consumer loop: batches, retries, offsets, dead letters
+//!   (assignment, partition claims and rebuilds are `service::consumer`'s).
+//!
+//! The modules depend one way: `consume` → `apply` → `plan`.
 //! - [`metrics`]: the series this crate exports.
 
 pub mod apply;

@@ -18,8 +18,8 @@ pub enum RowOpKind {
 #[derive(Debug, Clone, PartialEq)]
 pub struct RowOp {
     pub kind: RowOpKind,
-    /// The row's logical shard; its physical shard is the map's business
-    /// at apply time (see [`crate::apply`]).
+    /// The row's logical shard; which physical shard holds it is the
+    /// shard map's business when the row is written.
     pub logical: u16,
     pub key: IndexKey,
     pub entity: EntityId,

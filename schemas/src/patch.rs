@@ -1,8 +1,10 @@
-//! Partial updates (`PATCH /v1/entities/{id}`): an RFC 7396 merge patch, or
-//! update operators in MongoDB's shape (`$set`, `$unset`, `$inc`, `$push`,
-//! `$addToSet`, `$pull`). Pure: parsed before any database work (a bad
-//! document is a 400), applied by the writer to the row it has locked (a
-//! clash with what is stored is a 422 naming the property).
+//! Partial updates (`PATCH /v1/entities/{id}`, and Kafka ingest's patch
+//! commands): an RFC 7396 merge patch, or update operators in MongoDB's
+//! shape (`$set`, `$unset`, `$inc`, `$push`, `$addToSet`, `$pull`). Pure:
+//! parsed before any database work (a bad document is a 400), applied by
+//! the writer to the row it has locked (a clash with what is stored is a
+//! 422 naming the property). Which of the two a document is follows one
+//! rule, [`parse`], wherever it comes from.
 //!
 //! **Paths.** An operator's keys are paths into the bag: `a.b.c` is
 //! property `c` of the object in property `b` of the object in property
@@ -94,6 +96,79 @@ fn bad(message: impl Into<String>) -> BadPatch {
     BadPatch { message: message.into() }
 }
 
+/// Which of the two forms a patch document is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Form {
+    /// An RFC 7396 merge patch.
+    Merge,
+    /// An update document of `$`-operators.
+    Operators,
+}
+
+impl Form {
+    /// A form by the name an ingest command declares it with (`"form"`).
+    pub fn from_name(name: &str) -> Option<Form> {
+        match name {
+            "merge" => Some(Form::Merge),
+            "operators" => Some(Form::Operators),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Form::Merge => "merge",
+            Form::Operators => "operators",
+        }
+    }
+}
+
+/// How to declare a merge patch, wherever a patch comes from (the hint in
+/// the errors below).
+const DECLARE_MERGE: &str = "declare a merge patch (Content-Type: application/merge-patch+json over HTTP, \
+     \"form\": \"merge\" in a Kafka ingest command)";
+
+/// Parses a patch document by the one rule the HTTP route and Kafka
+/// ingest share, and says which form it was read in:
+///
+/// - a declared form wins: over HTTP, `Content-Type:
+///   application/merge-patch+json` declares a merge patch (any other type
+///   declares nothing); a Kafka ingest command declares either with
+///   `"form": "merge"` or `"form": "operators"`;
+/// - undeclared, the keys decide: every key starts with `$`, operators;
+///   none does, a merge patch (`{}` too: it changes nothing but the
+///   version); a mix is refused, since it is most likely a mistake either
+///   way.
+///
+/// So a property whose name starts with `$` is written by declaring the
+/// merge form (or by a PUT of the whole entity, or with `$set`): without a
+/// declaration `{"$x": 1}` reads as an operator, and `$x` is none.
+pub fn parse(doc: &serde_json::Value, declared: Option<Form>) -> Result<(Form, Patch), BadPatch> {
+    let form = match declared {
+        Some(form) => form,
+        None => {
+            let serde_json::Value::Object(map) = doc else {
+                return Err(bad("a patch must be a JSON object: a merge patch, or $-operators"));
+            };
+            match map.keys().filter(|k| k.starts_with('$')).count() {
+                0 => Form::Merge,
+                n if n == map.len() => Form::Operators,
+                _ => {
+                    return Err(bad(format!(
+                        "the patch mixes $-operators with property names: send one form, a merge patch or \
+                         operators; to write a property whose name starts with $, {DECLARE_MERGE}"
+                    )))
+                }
+            }
+        }
+    };
+    let patch = match form {
+        Form::Merge => parse_merge(doc)?,
+        Form::Operators => parse_operators(doc)?,
+    };
+    Ok((form, patch))
+}
+
 /// Parses an RFC 7396 merge patch; it must be an object (a patch that is
 /// not one would replace the whole entity with something that is not a bag).
 pub fn parse_merge(doc: &serde_json::Value) -> Result<Patch, BadPatch> {
@@ -118,7 +193,7 @@ pub fn parse_operators(doc: &serde_json::Value) -> Result<Patch, BadPatch> {
         let op = Operator::parse(name).ok_or_else(|| {
             bad(format!(
                 "unknown operator {name:?}: use $set, $unset, $inc, $push, $addToSet or $pull \
-                 (for a merge patch, send Content-Type: application/merge-patch+json)"
+                 (to write a property of that name, {DECLARE_MERGE})"
             ))
         })?;
         let serde_json::Value::Object(fields) = fields else {
@@ -372,6 +447,41 @@ mod tests {
 
     fn ops(v: serde_json::Value) -> Patch {
         parse_operators(&v).unwrap()
+    }
+
+    #[test]
+    fn a_declared_form_wins_and_undeclared_the_keys_decide() {
+        let merge = |v: serde_json::Value| Patch::Merge(bag(v));
+        // Undeclared: all $ is operators, none is a merge patch.
+        let (form, p) = parse(&json!({"$inc": {"n": 1}, "$set": {"a": 2}}), None).unwrap();
+        assert_eq!((form, p), (Form::Operators, ops(json!({"$inc": {"n": 1}, "$set": {"a": 2}}))));
+        let (form, p) = parse(&json!({"a": null, "b": {"c": 1}}), None).unwrap();
+        assert_eq!((form, p), (Form::Merge, merge(json!({"a": null, "b": {"c": 1}}))));
+        assert_eq!(parse(&json!({}), None).unwrap(), (Form::Merge, merge(json!({}))));
+        // A mix is refused, and says how to write a $-named property.
+        let e = parse(&json!({"$inc": {"n": 1}, "a": 2}), None).unwrap_err();
+        assert!(e.message.contains("mixes") && e.message.contains("declare a merge patch"), "{e}");
+        // Declared merge: a $-named property is a property.
+        let (form, p) = parse(&json!({"$price": 3, "a": 1}), Some(Form::Merge)).unwrap();
+        assert_eq!((form, p), (Form::Merge, merge(json!({"$price": 3, "a": 1}))));
+        let (_, p) = parse(&json!({"$inc": {"n": 1}}), Some(Form::Merge)).unwrap();
+        let got = p.apply(Some(&bag(json!({"n": 5})))).unwrap();
+        assert_eq!(got, bag(json!({"n": 5, "$inc": {"n": 1}})), "declared merge: $inc is a property");
+        // Undeclared, that same document is an operator.
+        let (_, p) = parse(&json!({"$inc": {"n": 1}}), None).unwrap();
+        assert_eq!(p.apply(Some(&bag(json!({"n": 5})))).unwrap(), bag(json!({"n": 6})));
+        // Declared operators: a plain name is an unknown operator.
+        let e = parse(&json!({"a": 1}), Some(Form::Operators)).unwrap_err();
+        assert!(e.message.contains("unknown operator \"a\""), "{e}");
+        let e = parse(&json!({"$price": 3}), None).unwrap_err();
+        assert!(e.message.contains("$price") && e.message.contains("\"form\": \"merge\""), "{e}");
+        // Not an object: refused whichever the form.
+        for declared in [None, Some(Form::Merge), Some(Form::Operators)] {
+            assert!(parse(&json!([1]), declared).is_err(), "{declared:?}");
+        }
+        assert_eq!(Form::from_name("merge"), Some(Form::Merge));
+        assert_eq!(Form::from_name(Form::Operators.name()), Some(Form::Operators));
+        assert_eq!(Form::from_name("Merge"), None);
     }
 
     /// RFC 7396, appendix A, every example whose target and result are

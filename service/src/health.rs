@@ -7,7 +7,11 @@
 //! whatever hangs, because every check runs at once under that deadline:
 //! - **503** while the process starts or drains, or when it can serve
 //!   nothing at all: no MySQL shard answers, or the process only consumes
-//!   Kafka (an indexer) and the broker does not answer;
+//!   Kafka (an indexer) and the broker does not answer. Starting lasts
+//!   until every part that asked to be waited for ([`Health::starting`]:
+//!   an index consumer, until it holds its partitions) has started, so a
+//!   write made once the process is ready is as fresh in its indexes as
+//!   in steady state;
 //! - **200 `degraded`** when part is down: a shard stopped or frozen, the
 //!   broker, or a part of this process that reported a failure (a relay,
 //!   an index consumer, a cleaner sweep); each named in `failing`. One
@@ -24,10 +28,12 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use schemas::settings::KafkaSettings;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use storage::Shards;
+use tokio::sync::watch;
 
 /// The most a readiness answer takes.
 pub const DEADLINE: Duration = Duration::from_millis(1500);
@@ -55,6 +61,9 @@ struct Inner {
     /// Whether the process has any work without Kafka (an indexer has none).
     needs_broker_for_everything: bool,
     reports: Mutex<BTreeMap<String, String>>,
+    /// Parts still starting ([`Health::starting`]): the process is not
+    /// ready until this is empty.
+    starting: watch::Sender<BTreeSet<String>>,
 }
 
 struct Broker {
@@ -82,6 +91,7 @@ impl Health {
                 broker: kafka.map(|settings| Broker { settings, client: Mutex::new(None) }),
                 needs_broker_for_everything: kafka_only,
                 reports: Mutex::default(),
+                starting: watch::Sender::new(BTreeSet::new()),
             }),
         }
     }
@@ -112,6 +122,33 @@ impl Health {
         }
     }
 
+    /// A part that the process is not ready without (an index consumer
+    /// before it holds its partitions): readiness answers 503 `starting`,
+    /// naming it in `waiting_for`, until it reports [`Health::started`].
+    pub fn starting(&self, part: &str) {
+        self.inner.starting.send_modify(|s| {
+            s.insert(part.to_string());
+        });
+    }
+
+    /// `part` has started (see [`Health::starting`]); nothing when it was
+    /// not waited for.
+    pub fn started(&self, part: &str) {
+        self.inner.starting.send_if_modified(|s| s.remove(part));
+    }
+
+    /// The parts still starting, by name.
+    pub fn waiting_for(&self) -> Vec<String> {
+        self.inner.starting.borrow().iter().cloned().collect()
+    }
+
+    /// Returns once no part is starting (see [`Health::starting`]).
+    pub async fn until_started(&self) {
+        let mut rx = self.inner.starting.subscribe();
+        // The sender lives as long as `self`, so this cannot fail.
+        let _ = rx.wait_for(BTreeSet::is_empty).await;
+    }
+
     /// The readiness answer: an HTTP status and the body.
     pub async fn ready(&self) -> (u16, Value) {
         let phase = self.phase();
@@ -134,13 +171,19 @@ impl Health {
             .collect();
         let all_shards_down = shards_down > 0 && shards_down == self.inner.shards.ids().len();
         let nothing = all_shards_down || (broker_down && self.inner.needs_broker_for_everything);
-        let (code, status) = match (nothing, failing.is_empty()) {
-            (true, _) => (503, "unavailable"),
-            (false, true) => (200, "ok"),
-            (false, false) => (200, "degraded"),
+        let waiting_for = self.waiting_for();
+        let (code, status) = match (nothing, waiting_for.is_empty(), failing.is_empty()) {
+            (true, _, _) => (503, "unavailable"),
+            (false, false, _) => (503, "starting"),
+            (false, true, true) => (200, "ok"),
+            (false, true, false) => (200, "degraded"),
         };
         let checked: Vec<&str> = checks.iter().map(|(name, _)| name.as_str()).collect();
-        (code, json!({ "status": status, "failing": failing, "checked": checked }))
+        let mut body = json!({ "status": status, "failing": failing, "checked": checked });
+        if !waiting_for.is_empty() {
+            body["waiting_for"] = json!(waiting_for);
+        }
+        (code, body)
     }
 
     async fn check_shard(&self, id: usize) -> Check {
@@ -177,5 +220,38 @@ impl Health {
             Err(_) => Some(format!("no answer within {} ms", DEADLINE.as_millis())),
         };
         Some(("broker".into(), why))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn health() -> Health {
+        let mysql = schemas::settings::MysqlSettings {
+            shards: vec![schemas::settings::Dsn("mysql://root@127.0.0.1:1/never".into())],
+            ..Default::default()
+        };
+        Health::new(Shards::configured(&mysql).expect("shards"), None, false)
+    }
+
+    #[tokio::test]
+    async fn the_process_starts_once_every_part_it_waits_for_has_started() {
+        let h = health();
+        h.until_started().await;
+        h.starting("consumer index_a");
+        h.starting("consumer index_b");
+        assert_eq!(h.waiting_for(), ["consumer index_a", "consumer index_b"]);
+        let waiting = tokio::spawn({
+            let h = h.clone();
+            async move { h.until_started().await }
+        });
+        h.started("consumer index_a");
+        h.started("not waited for");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiting.is_finished(), "index_b has not started");
+        h.started("consumer index_b");
+        tokio::time::timeout(Duration::from_secs(1), waiting).await.expect("started").expect("joined");
+        assert!(h.waiting_for().is_empty());
     }
 }

@@ -1,6 +1,7 @@
-//! Keeping an indexer's member lease (`storage::leases`) while it runs, so
-//! the indexers of an index split its partitions among themselves
-//! (`indexer.assignment = "leases"`).
+//! Keeping a consumer's member lease (`storage::leases`) while it runs, so
+//! the consumers of a group split its partitions among themselves: the
+//! indexers of an index (`indexer.assignment = "leases"`), the writers'
+//! Kafka ingest (`ingest.assignment = "leases"`).
 //!
 //! Why not the broker's group protocol: a member killed with `kill -9`
 //! holds its partitions until the broker ends its session, and when it is
@@ -9,7 +10,10 @@
 //! leases, a member restarted under its name computes the same share as
 //! before from the same member list and applies it at once; a member
 //! that does not come back drops out of the list when its lease runs out,
-//! and the others take its partitions at their next read of the list.
+//! and the others take its partitions at their next read of the list. And
+//! tansu 0.6.0's coordinator can keep a dead member as the group's leader,
+//! after which the group never forms again (README, "tansu's group
+//! coordinator and a dead leader").
 //!
 //! [`Lease`] renews in a task of its own (every third of its length, and
 //! reads the member list every [`Lease::every`] in between), so a consumer
@@ -42,6 +46,9 @@ struct Member {
     name: String,
     incarnation: [u8; 16],
     ttl: Duration,
+    /// The setting that names members, for the error when two processes
+    /// share a name (`indexer.member`, `ingest.member`).
+    setting: &'static str,
 }
 
 /// What the last renewal found.
@@ -56,9 +63,18 @@ pub struct View {
 }
 
 impl Lease {
-    /// Starts renewing `member`'s lease of length `ttl` in `group`.
-    pub fn start(shards: Shards, group: String, member: String, ttl: Duration) -> Lease {
-        let me = Member { shards, group, name: member, incarnation: *uuid::Uuid::new_v4().as_bytes(), ttl };
+    /// Starts renewing `member`'s lease of length `ttl` in `group`;
+    /// `setting` names the member setting (for the error when another
+    /// process takes the name).
+    pub fn start(
+        shards: Shards,
+        group: String,
+        member: String,
+        ttl: Duration,
+        setting: &'static str,
+    ) -> Lease {
+        let incarnation = *uuid::Uuid::new_v4().as_bytes();
+        let me = Member { shards, group, name: member, incarnation, ttl, setting };
         let (tx, view) = watch::channel(View::default());
         let stop = CancellationToken::new();
         let task = tokio::spawn(Keeper { me: me.clone(), tx }.run(stop.clone()));
@@ -82,15 +98,23 @@ impl Lease {
         let v = self.view.borrow();
         if v.taken {
             return Err(format!(
-                "another indexer process started under the member name {:?} in group {:?}; \
-                 member names must be unique per process (indexer.member)",
-                self.me.name, self.me.group
+                "another process started under the member name {:?} in group {:?}; \
+                 member names must be unique per process ({})",
+                self.me.name, self.me.group, self.me.setting
             ));
         }
         if v.renewed.is_none_or(|t| t.elapsed() >= self.me.ttl) {
             return Ok(BTreeSet::new());
         }
         Ok(leases::share(&v.members, &self.me.name, partitions))
+    }
+
+    /// Whether the lease is held now: renewed within its length, so the
+    /// share is this member's (an empty share too: more members than
+    /// partitions).
+    pub fn is_live(&self) -> bool {
+        let v = self.view.borrow();
+        !v.taken && v.renewed.is_some_and(|t| t.elapsed() < self.me.ttl)
     }
 
     /// A receiver that wakes when the members change, the name is taken, or

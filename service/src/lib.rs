@@ -9,10 +9,12 @@
 //! - [`http`]: problem documents, bounded bodies, default-deny route roles,
 //!   request ids, request metrics, the ops routes.
 //! - [`kafka`]: client configuration, topics, consumer-group lag.
-//! - [`membership`]: noticing that the group gave a consumer's partitions
-//!   away (the indexers and the writers' Kafka ingest).
-//! - [`leases`]: an indexer's member lease, when indexers assign partitions
-//!   among themselves.
+//! - [`consumer`]: the fenced group consumer the index consumers and the
+//!   writers' Kafka ingest share: assignment, claims, loss, rebuilds.
+//! - [`membership`]: its context, noticing that the group gave the
+//!   consumer's partitions away.
+//! - [`leases`]: a consumer's member lease, when the members of a group
+//!   assign partitions among themselves.
 //! - [`freshness`]: how far behind an index is (the one lag rule).
 //! - [`cluster`]: keeping the map current; this process's heartbeat.
 //! - [`health`]: liveness, and readiness by the README's policy.
@@ -21,6 +23,7 @@
 
 pub mod cluster;
 pub mod config;
+pub mod consumer;
 pub mod freshness;
 pub mod health;
 pub mod http;

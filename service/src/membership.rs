@@ -39,20 +39,19 @@
 //!   idle). Every index write then proves its claims in its own
 //!   transaction (`storage::fences`), so even a batch already under way
 //!   when the partitions moved cannot land after the new owner's. The
-//!   writers' Kafka ingest compares the claims after applying a round and
-//!   before answering it (`writer::ingest`).
+//!   writers' Kafka ingest also compares the claims after applying a round
+//!   and before answering it (`writer::ingest`).
 //!
-//! The consumer loop then stops applying at once and rebuilds its consumer
-//! (a new member that joins with nothing), see the indexer's `consume.rs`
-//! and the writer's `ingest.rs`. Rebuilding
+//! The consumer (`service::consumer`) then stops applying at once and
+//! rebuilds itself (a new member that joins with nothing). Rebuilding
 //! costs one more rebalance; the last sign may also fire when a rebalance
 //! truly lasts that long (a member slow to rejoin), and then too a fresh
 //! member is the safe choice.
 //!
-//! With member leases (`service::leases`) an indexer's consumer never
-//! joins the group: it is given partitions by its lease
-//! ([`Membership::assigned`]; a changed share gets a new consumer), and of
-//! the signs above only the claims apply.
+//! With member leases (`service::leases`) a consumer never joins the
+//! group: it is given partitions by its lease ([`Membership::assigned`]; a
+//! changed share gets a new consumer), and of the signs above only the
+//! claims apply.
 
 use rdkafka::client::ClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
@@ -64,6 +63,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use storage::fences::{self, Claim};
 use storage::{Shards, StoreError};
+use tokio::sync::Notify;
 
 /// The consumer context that tracks whether the assignment is still ours.
 #[derive(Debug)]
@@ -74,12 +74,18 @@ pub struct Membership {
     instance: [u8; 16],
     topic: String,
     state: Mutex<State>,
+    /// Woken at each assignment, so its claims are recorded at once (the
+    /// consumer holds nothing it may apply until they are).
+    assignments: Notify,
 }
 
 #[derive(Debug, Default)]
 struct State {
     /// The member id at the last assignment; None before the first.
     assigned_as: Option<String>,
+    /// Whether an assignment was given at all (an empty one counts: a
+    /// group may have more members than partitions).
+    assigned_once: bool,
     /// Since when partitions have been held outside the steady join state,
     /// and in which state it was last seen.
     unsteady: Option<(Instant, String)>,
@@ -100,6 +106,7 @@ impl State {
             self.claims.remove(p);
         }
         self.to_claim.extend(partitions);
+        self.assigned_once = true;
     }
 
     fn revoked(&mut self, partitions: &[i32]) {
@@ -141,6 +148,7 @@ impl ConsumerContext for Membership {
             Rebalance::Assign(tpl) => {
                 s.assigned_as = member_id(consumer);
                 s.assigned(partitions_of(tpl, &self.topic));
+                self.assignments.notify_one();
             }
             Rebalance::Revoke(tpl) => {
                 s.revoked(&partitions_of(tpl, &self.topic));
@@ -169,6 +177,7 @@ impl Membership {
             instance: *uuid::Uuid::new_v4().as_bytes(),
             topic: topic.to_string(),
             state: Mutex::default(),
+            assignments: Notify::new(),
         }
     }
 
@@ -176,6 +185,20 @@ impl Membership {
     /// leases, `service::leases`): to be claimed before they are applied.
     pub fn assigned(&self, partitions: Vec<i32>) {
         self.state.lock().expect("not poisoned").assigned(partitions);
+        self.assignments.notify_one();
+    }
+
+    /// Returns at the next assignment (at once if one came since the last
+    /// call returned).
+    pub async fn assignment(&self) {
+        self.assignments.notified().await;
+    }
+
+    /// Whether the consumer holds its assignment: one was given (maybe
+    /// empty), and every partition of it is claimed.
+    pub fn settled(&self) -> bool {
+        let s = self.state.lock().expect("not poisoned");
+        s.assigned_once && s.to_claim.is_empty()
     }
 
     /// This consumer's identity in the partition claims.
@@ -239,17 +262,17 @@ impl Membership {
     }
 
     /// Records claims on the partitions assigned since the last call (see
-    /// `storage::fences`); the partitions claimed. When the metadata shard
+    /// `storage::fences`); the claims made. When the metadata shard
     /// does not take them they are kept for the next call.
-    pub async fn record_claims(&self, shards: &Shards, group: &str) -> Result<Vec<i32>, StoreError> {
+    pub async fn record_claims(&self, shards: &Shards, group: &str) -> Result<Vec<Claim>, StoreError> {
         let new = self.take_claims();
         if new.is_empty() {
-            return Ok(new);
+            return Ok(Vec::new());
         }
         match fences::claim(shards, group, self.instance, &new).await {
             Ok(claims) => {
                 self.claimed(&claims);
-                Ok(new)
+                Ok(claims)
             }
             Err(e) => {
                 self.retry_claims(new);
@@ -326,6 +349,32 @@ mod tests {
         assert!(is_fencing(RDKafkaErrorCode::FencedInstanceId));
         assert!(!is_fencing(RDKafkaErrorCode::RequestTimedOut));
         assert!(!is_fencing(RDKafkaErrorCode::RebalanceInProgress));
+    }
+
+    #[test]
+    fn the_assignment_is_held_once_given_and_every_partition_of_it_claimed() {
+        let m = Membership::new(Duration::from_secs(6), "t");
+        assert!(!m.settled(), "nothing was assigned yet");
+        m.assigned(vec![]);
+        assert!(m.settled(), "an empty assignment is held at once");
+        m.assigned(vec![1, 2]);
+        assert!(!m.settled());
+        let new = m.take_claims();
+        assert_eq!(new, vec![1, 2]);
+        m.claimed(&[Claim { partition: 1, gen: 4 }, Claim { partition: 2, gen: 1 }]);
+        assert!(m.settled());
+        assert_eq!(m.claims_for(&BTreeSet::from([2])), Some(vec![Claim { partition: 2, gen: 1 }]));
+        // Given again: the old claim no longer counts until renewed.
+        m.assigned(vec![2]);
+        assert!(!m.settled());
+        assert_eq!(m.claims_for(&BTreeSet::from([2])), None);
+    }
+
+    #[tokio::test]
+    async fn an_assignment_wakes_whoever_waits_for_it_even_if_it_came_first() {
+        let m = Membership::new(Duration::from_secs(6), "t");
+        m.assigned(vec![0]);
+        tokio::time::timeout(Duration::from_secs(1), m.assignment()).await.expect("woken");
     }
 
     #[test]

@@ -52,6 +52,15 @@ impl Pipeline {
     }
 }
 
+/// Sleeps for `d` unless `stop` comes first; false means "stop now" (a
+/// pipeline task's retry pause).
+pub async fn sleep_or_stop(stop: &CancellationToken, d: Duration) -> bool {
+    tokio::select! {
+        _ = tokio::time::sleep(d) => true,
+        _ = stop.cancelled() => false,
+    }
+}
+
 /// Binds `addr`; returns the listener and its `http://` URL.
 pub async fn bind(addr: &str) -> anyhow::Result<(tokio::net::TcpListener, String)> {
     let listener =

@@ -159,9 +159,18 @@ pub async fn taken_by(writer: &Proc) -> f64 {
     crate::metric_sum(&writer.api().metrics().await, "bagstore_ingest_commands_total", &[])
 }
 
-/// The whole run: `count` commands from kafka-python while `writers`
-/// writers consume them; the first is killed with `kill -9` once it has
-/// taken some, and started again at once. Returns the tally.
+/// The ingest partitions a writer process holds now.
+pub async fn holds(writer: &Proc) -> f64 {
+    crate::metric_sum(&writer.api().metrics().await, "bagstore_ingest_assigned_partitions", &[])
+}
+
+/// The whole run: `count` commands from kafka-python while two writers
+/// consume them; the first is killed with `kill -9` once it has taken
+/// some and while it holds ingest partitions (with `ingest.assignment =
+/// "leases"`: while it holds its lease's share), and a writer is started
+/// again at once (a new member: no `ingest.member` is set, so the dead
+/// one's partitions move only when its lease or session ends). Returns the
+/// tally.
 pub async fn producer_scenario(env: &TestEnv, count: usize, api_version: Option<&'static str>) -> Tally {
     let reader = env.spawn(&["reader", "--http", "127.0.0.1:0"]).await;
     let first = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;
@@ -169,16 +178,20 @@ pub async fn producer_scenario(env: &TestEnv, count: usize, api_version: Option<
     let bootstrap = env.brokers();
     let producing =
         tokio::task::spawn_blocking(move || produce(&bootstrap, count, 300, 20261123, api_version));
-    let taken =
-        crate::eventually("the first writer to take ingest commands", Duration::from_secs(120), || async {
-            let n = taken_by(&first).await;
-            (n >= 300.0).then_some(n)
-        })
-        .await;
+    let (taken, held) = crate::eventually(
+        "the first writer to take ingest commands while it holds ingest partitions",
+        Duration::from_secs(120),
+        || async {
+            let (n, held) = (taken_by(&first).await, holds(&first).await);
+            (n >= 300.0 && held > 0.0).then_some((n, held))
+        },
+    )
+    .await;
     first.kill9().await;
     let _restarted = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;
     eprintln!(
-        "ingest: the first writer was killed with kill -9 after taking {taken} commands, and restarted"
+        "ingest: the first writer was killed with kill -9 after taking {taken} commands, holding {held} \
+         ingest partitions, and a writer was started again"
     );
     let sent = producing.await.expect("the producer ran");
     eprintln!("{}", sent.said);

@@ -6,10 +6,11 @@
 //! leases handing a frozen indexer's partitions on. The chaos suite's tansu
 //! run is a combination of `tests/tests/chaos.rs`.
 //!
-//! Indexers here assign partitions by member leases (`indexer.assignment =
-//! "leases"`) where it matters: tansu 0.6.0's group coordinator can keep a
-//! dead member as the group's leader, and the group then never forms again
-//! (docs/design-notes.md, "tansu's coordinator";
+//! Its indexers assign partitions by member leases (`indexer.assignment =
+//! "leases"`), and so does the writers' Kafka ingest in its test
+//! (`ingest.assignment = "leases"`): tansu 0.6.0's group coordinator can
+//! keep a dead member as the group's leader, and the group then never forms
+//! again (docs/design-notes.md, "tansu's coordinator";
 //! [`a_frozen_indexers_partitions_go_to_the_survivor_with_member_leases`]).
 
 use bagstore_tests::{TestEnv, STANDARD_INDEXES};
@@ -104,14 +105,19 @@ async fn a_kafka_python_consumer_rebuilds_the_live_entities_from_snapshot_and_ta
 /// Kafka ingest from a PyPI `kafka-python` producer (a client sharing no
 /// code with librdkafka) on the standalone broker: 10,000 commands, with
 /// malformed ones, refused ones and resends of keyed ones, while two
-/// writers consume them and one is killed with `kill -9` and started again.
-/// Every valid command is applied exactly once (each entity's version and
-/// properties are the producer's valid commands applied once each), every
-/// malformed or refused one is in the dead-letter topic with its reason,
-/// and every correlation id is answered, always the same way.
+/// writers consume them and one that holds ingest partitions (its member
+/// lease's share: the writers' ingest runs on member leases, as the README
+/// advises on tansu 0.6.0) is killed with `kill -9`; a writer is started
+/// again as a new member, so the dead one's partitions move when its lease
+/// runs out. Every valid command is applied exactly once (each entity's
+/// version and properties are the producer's valid commands applied once
+/// each), every malformed or refused one is in the dead-letter topic with
+/// its reason (once), and every correlation id is answered exactly once,
+/// always the same way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_python_commands_apply_exactly_once_across_a_writer_kill() {
-    let env = TestEnv::with_tansu("ingesttansu", STANDARD_INDEXES).await;
+    let toml = format!("{STANDARD_INDEXES}\n[ingest]\nassignment = \"leases\"\n");
+    let env = TestEnv::with_tansu("ingesttansu", &toml).await;
     env.migrate().await;
     let tally = bagstore_tests::ingest::producer_scenario(&env, 10_000, None).await;
     eprintln!("ingest: {tally:?}");

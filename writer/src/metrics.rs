@@ -33,6 +33,8 @@ pub struct Metrics {
     pub ingest_commands: IntCounterVec,
     /// Commands on the ingest topic the writers' group has not committed.
     pub ingest_lag: prometheus::IntGauge,
+    /// Ingest topic partitions this writer holds now.
+    pub ingest_partitions: prometheus::IntGauge,
 }
 
 impl Metrics {
@@ -106,12 +108,17 @@ impl Metrics {
                 "bagstore_ingest_lag_messages",
                 "Commands on the ingest topic not yet committed by the writers' consumer group",
             )?,
+            ingest_partitions: prometheus::IntGauge::new(
+                "bagstore_ingest_assigned_partitions",
+                "Ingest topic partitions this writer consumes",
+            )?,
         };
         for outcome in ["applied", "duplicate", "refused", "malformed"] {
             m.ingest_commands.with_label_values(&[outcome]);
         }
         r.register(Box::new(m.ingest_commands.clone()))?;
         r.register(Box::new(m.ingest_lag.clone()))?;
+        r.register(Box::new(m.ingest_partitions.clone()))?;
         r.register(Box::new(m.pending.clone()))?;
         r.register(Box::new(m.refused.clone()))?;
         r.register(Box::new(m.stale_map_retries.clone()))?;

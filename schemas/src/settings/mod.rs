@@ -204,11 +204,15 @@ impl Settings {
                 "kafka.group_prefix {prefix:?}: use at most 100 of the characters a-z, A-Z, 0-9, '.', '_' and '-'"
             )));
         }
-        if let Some(m) = &self.indexer.member {
-            if m.is_empty() || m.len() > 255 || m.chars().any(char::is_control) {
-                return Err(SettingsError::Invalid(format!(
-                    "indexer.member {m:?}: give 1 to 255 printable characters (the pod's name, say)"
-                )));
+        for (key, member) in
+            [("indexer.member", &self.indexer.member), ("ingest.member", &self.ingest.member)]
+        {
+            if let Some(m) = member {
+                if m.is_empty() || m.len() > 255 || m.chars().any(char::is_control) {
+                    return Err(SettingsError::Invalid(format!(
+                        "{key} {m:?}: give 1 to 255 printable characters (the pod's name, say)"
+                    )));
+                }
             }
         }
         if self.writer.max_body_bytes == 0
@@ -414,9 +418,33 @@ assignment = \"lease\"",
         .unwrap_err();
         assert!(e.to_string().contains("lease"), "{e}");
         for bad in ["\"\"", "\"a\\tb\"", &format!("{:?}", "m".repeat(256))] {
-            let e = Settings::from_toml_and_env(&format!("[indexer]\nmember = {bad}"), env(&[])).unwrap_err();
-            assert!(e.to_string().contains("indexer.member"), "{bad}: {e}");
+            for section in ["indexer", "ingest"] {
+                let e = Settings::from_toml_and_env(&format!("[{section}]\nmember = {bad}"), env(&[]))
+                    .unwrap_err();
+                assert!(e.to_string().contains(&format!("{section}.member")), "{bad}: {e}");
+            }
         }
+    }
+
+    #[test]
+    fn the_ingest_takes_its_partitions_by_the_group_protocol_unless_leases_are_asked_for() {
+        let s = Settings::from_toml_and_env("", env(&[])).unwrap();
+        assert_eq!((s.ingest.assignment, s.ingest.member.as_deref()), (Assignment::Group, None));
+        let s =
+            Settings::from_toml_and_env("[ingest]\nassignment = \"leases\"\nmember = \"writer-0\"", env(&[]))
+                .unwrap();
+        assert_eq!((s.ingest.assignment, s.ingest.member.as_deref()), (Assignment::Leases, Some("writer-0")));
+        let vars =
+            [("BAGSTORE_INGEST__ASSIGNMENT", "leases"), ("BAGSTORE_INGEST__MEMBER", "bagstore-writer-1")];
+        let s = Settings::from_toml_and_env("", env(&vars)).unwrap();
+        assert_eq!(
+            (s.ingest.assignment, s.ingest.member.as_deref()),
+            (Assignment::Leases, Some("bagstore-writer-1"))
+        );
+        // The index consumers' choice is their own.
+        assert_eq!(s.indexer.assignment, Assignment::Group);
+        let e = Settings::from_toml_and_env("[ingest]\nassignment = \"broker\"", env(&[])).unwrap_err();
+        assert!(e.to_string().contains("broker"), "{e}");
     }
 
     #[test]

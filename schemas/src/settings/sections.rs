@@ -274,7 +274,9 @@ pub struct IndexerSettings {
     pub member: Option<String>,
 }
 
-/// How the index consumers of one index split the topic's partitions.
+/// How the consumers of one group split its topic's partitions: the index
+/// consumers of an index (`indexer.assignment`), the writers' Kafka ingest
+/// (`ingest.assignment`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Assignment {
@@ -287,8 +289,8 @@ pub enum Assignment {
     /// restarted under its name takes its partitions back at once, and the
     /// others take a dead member's within its lease (`kafka.session_timeout_ms`)
     /// and a renewal. Offsets are still committed to the broker under the
-    /// index's group id; switch every indexer of an index together, with
-    /// all of them stopped.
+    /// group's id; switch every member of a group together, with all of
+    /// them stopped.
     Leases,
 }
 
@@ -473,6 +475,16 @@ pub struct IngestSettings {
     pub reply_topic: String,
     /// Commands taken from the topic per round at most.
     pub batch: usize,
+    /// Who gives the writers their ingest partitions: the broker's group
+    /// protocol, or the writers themselves by leases on the metadata shard
+    /// (on tansu 0.6.0, whose coordinator can keep a dead writer as the
+    /// group's leader and so stall ingest for good).
+    pub assignment: Assignment,
+    /// With leases: this writer's member name, stable across restarts
+    /// (Kubernetes: the pod's name). A process that starts under a name
+    /// takes its partitions at once. Unset: a name of its own per process,
+    /// so a restarted one is a new member.
+    pub member: Option<String>,
 }
 
 impl Default for IngestSettings {
@@ -482,6 +494,8 @@ impl Default for IngestSettings {
             topic: "bagstore.ingest.v1".into(),
             reply_topic: "bagstore.ingest.v1.replies".into(),
             batch: 500,
+            assignment: Assignment::Group,
+            member: None,
         }
     }
 }

@@ -116,3 +116,39 @@ async fn ready_is_503_for_an_indexer_without_its_broker() {
     })
     .await;
 }
+
+/// An indexer is not ready until its consumer holds its partitions (README
+/// "Health"): while the consumer joins its group the answer is 503
+/// `starting`, naming it in `waiting_for`, and once it is 200 the consumer
+/// holds every partition (a lone member is given all 4), so what is
+/// written then is applied as fast as in steady state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_indexer_is_ready_only_once_its_consumer_holds_its_partitions() {
+    let env = TestEnv::new("healthjoin", STANDARD_INDEXES).await;
+    env.migrate().await;
+    let indexer = env.spawn(&["indexer", "--index", "index_user_id"]).await;
+    let started = Instant::now();
+    let mut starting = 0;
+    loop {
+        let (status, body, _) = get(&indexer.url, "/health/ready").await;
+        if status == 200 {
+            let metrics = indexer.api().metrics().await;
+            let held = bagstore_tests::metric_sum(
+                &metrics,
+                "bagstore_indexer_assigned_partitions",
+                &[("index", "index_user_id")],
+            );
+            assert_eq!(held, 4.0, "ready while its consumer holds {held} partitions: {body}");
+            break;
+        }
+        assert_eq!((status, body["status"].as_str()), (503, Some("starting")), "{body}");
+        assert_eq!(body["waiting_for"], serde_json::json!(["consumer index_user_id"]), "{body}");
+        starting += 1;
+        assert!(started.elapsed() < Duration::from_secs(30), "not ready after 30 s: {body}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Joining a group on the mock broker takes seconds: the first answers
+    // came before the consumer held anything.
+    assert!(starting > 0, "ready at the first answer, before its consumer could have joined");
+    eprintln!("the indexer answered 503 starting {starting} times, ready after {:?}", started.elapsed());
+}

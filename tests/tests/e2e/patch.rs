@@ -1,7 +1,8 @@
 //! Partial updates and HTTP conditionals (issue 18): RFC 7396 merge
 //! patches through the API with the index following, atomic counters under
 //! concurrency, concurrent `$set`s that never lose each other, clashes that
-//! write nothing, `ETag`/`If-None-Match` on GET, `If-Match: *`, `Location`.
+//! write nothing, `ETag`/`If-None-Match` on GET, `If-Match: *`, `Location`;
+//! the one rule that tells a merge patch from operators.
 
 use bagstore_tests::model::read_topic;
 use bagstore_tests::{Api, TestEnv};
@@ -201,7 +202,8 @@ async fn clashes_and_bad_patches_write_nothing_and_conditionals_hold() {
     assert_eq!((status, body["property"].as_str()), (422, Some("s")), "{body}");
     let (status, body) = patch(&dev.url, &url, "application/json", &json!({"$push": {"n.m": 2}}), &[]).await;
     assert_eq!((status, body["property"].as_str()), (422, Some("n.m")), "{body}");
-    for bad in [json!({"$rename": {"s": "t"}}), json!({"s": "plain object"}), json!({"$set": {"a..b": 1}})] {
+    let mixed = json!({"$set": {"x": 1}, "s": "a property beside an operator"});
+    for bad in [json!({"$rename": {"s": "t"}}), mixed, json!({"$set": {"a..b": 1}}), json!([1])] {
         let (status, body) = patch(&dev.url, &url, "application/json", &bad, &[]).await;
         assert_eq!(status, 400, "{bad}: {body}");
     }
@@ -231,4 +233,62 @@ async fn clashes_and_bad_patches_write_nothing_and_conditionals_hold() {
     let location = r.headers()["location"].to_str().unwrap().to_string();
     let body: Value = r.json().await.unwrap();
     assert_eq!(location, format!("/v1/entities/{}", body["id"].as_str().unwrap()));
+}
+
+/// The patch form by one rule (`schemas::patch::parse`, shared with Kafka
+/// ingest): `Content-Type: application/merge-patch+json` declares a merge
+/// patch; any other type declares nothing, and the keys decide (all `$`:
+/// operators, none: a merge patch, a mix: 400 `bad-patch`). A property
+/// whose name starts with `$` is written by declaring the merge form, by
+/// PUT, or with `$set`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_declared_form_wins_and_otherwise_the_keys_decide() {
+    let env = TestEnv::new("patchform", INDEX_A).await;
+    let dev = env.dev().await;
+    let api = dev.api();
+    let e = id(21);
+    let url = format!("/v1/entities/{e}");
+    let send = |content_type: &'static str, doc: Value, headers: &'static [(&'static str, &'static str)]| {
+        let (base, url) = (dev.url.clone(), url.clone());
+        async move { patch(&base, &url, content_type, &doc, headers).await }
+    };
+    assert_eq!(api.put(&e, &json!({"a": "x", "n": 1})).await.0, 201);
+    // Undeclared, no `$`: a merge patch (null removes, the index follows).
+    let (status, body) = send("application/json", json!({"a": "y", "n": null}), &[]).await;
+    assert_eq!((status, body["version"].as_u64()), (200, Some(2)), "{body}");
+    assert_eq!(properties(&api, &e).await, json!({"a": "y"}));
+    // Undeclared, all `$`: operators, whatever the type says otherwise.
+    let (status, body) = send("text/plain", json!({"$inc": {"n": 2}}), &[]).await;
+    assert_eq!((status, body["version"].as_u64()), (200, Some(3)), "{body}");
+    // Declared merge: `$price` is a property, not an operator.
+    let (status, body) = send("application/merge-patch+json", json!({"$price": 5, "b": true}), &[]).await;
+    assert_eq!((status, body["version"].as_u64()), (200, Some(4)), "{body}");
+    assert_eq!(properties(&api, &e).await, json!({"a": "y", "n": 2, "$price": 5, "b": true}));
+    // ...and `$set` reaches it too.
+    let (status, _) = send("application/json", json!({"$set": {"$price": 6}}), &[]).await;
+    assert_eq!(status, 200);
+    assert_eq!(properties(&api, &e).await["$price"], 6);
+    // Undeclared, `$price` alone is an unknown operator, and a mix is
+    // refused; the answer says how to declare the merge form.
+    for (doc, says) in [
+        (json!({"$price": 7}), "unknown operator"),
+        (json!({"$price": 7, "b": false}), "mixes"),
+        (json!({"$inc": {"n": 1}, "b": false}), "mixes"),
+    ] {
+        let (status, body) = send("application/json", doc.clone(), &[]).await;
+        assert_eq!(status, 400, "{doc}: {body}");
+        assert!(body["type"].as_str().is_some_and(|t| t.ends_with("bad-patch")), "{body}");
+        let detail = body["detail"].as_str().unwrap_or_default();
+        assert!(detail.contains(says) && detail.contains("application/merge-patch+json"), "{doc}: {detail}");
+    }
+    assert_eq!(api.get(&e).await.1["version"], 5, "the refused patches wrote nothing");
+    // A keyed retry of an undeclared merge patch gets the first answer.
+    let key: &'static [(&str, &str)] = &[("idempotency-key", "form-retry-1")];
+    let first = send("application/json", json!({"a": "z"}), key).await;
+    let again = send("application/json", json!({"a": "z"}), key).await;
+    assert_eq!((first.0, &first.1["version"]), (200, &json!(6)), "{first:?}");
+    assert_eq!(again, first);
+    // The index followed the merge patches.
+    bagstore_tests::until_query_is(&api, &json!({"where": {"a": "z"}}), &[&e]).await;
+    dev.terminate().await;
 }

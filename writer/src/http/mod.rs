@@ -94,6 +94,9 @@ async fn replace(
 
 /// `PATCH /v1/entities/{id}`: the document is parsed here (a bad one is a
 /// 400 and writes nothing); it is applied to the row the transaction locked.
+/// Its form follows `schemas::patch::parse`: `Content-Type:
+/// application/merge-patch+json` declares a merge patch, and without it the
+/// keys decide.
 async fn patch(
     State(w): State<Writer>,
     Path(id): Path<String>,
@@ -108,13 +111,15 @@ async fn patch(
     let key = idempotency_key(&headers)?;
     let max = w.settings().writer.max_body_bytes;
     let doc = read_json(body, max, w.settings().http.request_timeout()).await?;
-    let merge = headers
+    let declared = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|t| t.trim().to_ascii_lowercase().starts_with("application/merge-patch+json"));
-    let parsed = if merge { patch::parse_merge(&doc) } else { patch::parse_operators(&doc) };
-    let parsed = parsed.map_err(|e| Problem::bad_request("bad-patch", e.to_string()))?;
+        .is_some_and(|t| t.trim().to_ascii_lowercase().starts_with("application/merge-patch+json"))
+        .then_some(patch::Form::Merge);
+    let (form, parsed) =
+        patch::parse(&doc, declared).map_err(|e| Problem::bad_request("bad-patch", e.to_string()))?;
     if let Some(k) = &key {
+        let merge = form == patch::Form::Merge;
         let route = format!("PATCH /v1/entities/{} merge={merge} upsert={upsert}", id.to_hex());
         pre.guard = Some(guard(k, &route, &doc));
     }
