@@ -26,5 +26,6 @@ pub mod dev;
 pub mod logging;
 pub mod migrate;
 pub mod progress;
+pub mod replicas;
 pub mod shards;
 mod table;

@@ -2,7 +2,7 @@
 
 use anyhow::Context;
 use bagstore::client_commands::{self as client, ClientArgs};
-use bagstore::{admin, app, changes, dev, logging, migrate, shards};
+use bagstore::{admin, app, changes, dev, logging, migrate, replicas, shards};
 use clap::{Parser, Subcommand};
 use schemas::Settings;
 use std::path::PathBuf;
@@ -214,6 +214,28 @@ enum ShardsCommand {
         #[arg(long)]
         config: PathBuf,
     },
+    /// A physical shard's replicas (MariaDB: GTID, semi-sync).
+    #[command(subcommand)]
+    Replicas(ReplicasCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum ReplicasCommand {
+    /// Check, seed and start a replica of SHARD at DSN (the shard's database on another
+    /// server); once it has caught up, the shard's writes wait for a replica's acknowledgement.
+    Add {
+        shard: String,
+        dsn: String,
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Stop a replica of SHARD (by its address, as `shards list` shows it) and unregister it.
+    Remove {
+        shard: String,
+        address: String,
+        #[arg(long)]
+        config: PathBuf,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -301,6 +323,12 @@ async fn shards_command(command: ShardsCommand) -> anyhow::Result<()> {
         ShardsCommand::Remove { name, config } => shards::remove(external(&config)?, &name).await,
         ShardsCommand::Resume { config } => shards::resume(external(&config)?).await,
         ShardsCommand::Abort { id, config } => shards::abort(external(&config)?, id).await,
+        ShardsCommand::Replicas(ReplicasCommand::Add { shard, dsn, config }) => {
+            replicas::add(external(&config)?, &shard, schemas::settings::Dsn(dsn)).await
+        }
+        ShardsCommand::Replicas(ReplicasCommand::Remove { shard, address, config }) => {
+            replicas::remove(external(&config)?, &shard, &address).await
+        }
     }
 }
 

@@ -48,12 +48,16 @@ pub fn render(doc: &Value) -> String {
                         text(&s["entities_estimate"]),
                         text(&s["epoch"]),
                         text(&s["address"]),
+                        servers(&s["servers"]),
                     ]
                 })
                 .collect()
         })
         .unwrap_or_default();
-    out.push(table(&["NAME", "ID", "LOGICAL", "RANGES", "ENTITIES(EST)", "EPOCH", "ADDRESS"], rows));
+    out.push(table(
+        &["NAME", "ID", "LOGICAL", "RANGES", "ENTITIES(EST)", "EPOCH", "ADDRESS", "SERVERS"],
+        rows,
+    ));
     match doc["moves"].as_array().filter(|m| !m.is_empty()) {
         None => out.push("moves in flight: none".into()),
         Some(ms) => {
@@ -74,6 +78,16 @@ pub fn render(doc: &Value) -> String {
         }
     }
     out.join("\n")
+}
+
+/// A shard's servers in a few words: `primary online, replica catching_up
+/// 1200ms`.
+fn servers(v: &Value) -> String {
+    let one = |s: &Value| {
+        let lag = s["lag_ms"].as_u64().map(|l| format!(" {l}ms")).unwrap_or_default();
+        format!("{} {}{lag}", s["role"].as_str().unwrap_or("?"), s["state"].as_str().unwrap_or("?"))
+    };
+    v.as_array().map(|ss| ss.iter().map(one).collect::<Vec<_>>().join(", ")).unwrap_or_default()
 }
 
 /// `shards add NAME DSN`: prepares an empty database as a physical shard

@@ -18,7 +18,7 @@ pub const SERVICE_USER: &str = "bagstore";
 /// The account replicas replicate as, and its password (a private
 /// loopback server's: nothing to keep secret).
 pub const REPLICATION_USER: &str = "bagstore_repl";
-const REPLICATION_PASSWORD: &str = "bagstore_repl";
+pub const REPLICATION_PASSWORD: &str = "bagstore_repl";
 
 /// Creates the accounts on `server` alone: with semi-sync on and no
 /// replica connected yet, a write that goes to the binary log waits for an
@@ -59,9 +59,9 @@ pub fn source_of(primary: &MariaDb) -> storage::replication::Source {
 /// `READ_ONLY ADMIN`).
 pub async fn replicate(replica: &MariaDb, primary: &MariaDb) -> Result<()> {
     let mut conn = MySqlConnection::connect(&replica.server_dsn()).await.context("connecting as root")?;
-    storage::replication::replicate_from(0, &mut conn, &source_of(primary)).await.with_context(|| {
-        format!("making 127.0.0.1:{} a replica of 127.0.0.1:{}", replica.port(), primary.port())
-    })?;
+    storage::replication::replicate_from(0, &mut conn, &source_of(primary), None).await.with_context(
+        || format!("making 127.0.0.1:{} a replica of 127.0.0.1:{}", replica.port(), primary.port()),
+    )?;
     let _ = conn.close().await;
     Ok(())
 }

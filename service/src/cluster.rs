@@ -7,7 +7,10 @@
 //! shard the logical shards it owns and its rows.
 
 use prometheus::{IntCounter, IntGauge, IntGaugeVec, Opts, Registry};
+use schemas::gtid::GtidPos;
+use schemas::topology::{PhysicalShard, Topology};
 use std::time::Duration;
+use storage::replication::ServerState;
 use storage::{moves, topology, Shards};
 use tokio_util::sync::CancellationToken;
 
@@ -149,6 +152,26 @@ pub struct ShardReport {
     pub ranges: String,
     /// Entity rows (InnoDB's estimate).
     pub entities_estimate: u64,
+    /// Its servers: the primary (at `address`) first, then its replicas.
+    pub servers: Vec<ServerReport>,
+}
+
+/// One server of a physical shard, as its own replication status says.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ServerReport {
+    pub address: String,
+    /// `primary` or `replica`.
+    pub role: &'static str,
+    /// How far a replica is behind its primary (0 once it holds every
+    /// transaction the primary has; null for the primary, or when unknown).
+    pub lag_ms: Option<u64>,
+    /// `online`, `catching_up` (replicating, behind), `down` (no answer,
+    /// or not replicating) or `rejoining` (a former primary on its way
+    /// back as a replica).
+    pub state: &'static str,
+    /// Why a server is not online, when known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -161,6 +184,72 @@ pub struct MoveReport {
     pub rows_copied: u64,
     pub started_us: i64,
     pub changed_us: i64,
+}
+
+/// How long the report waits for one server's answer.
+const SERVER_ANSWER: Duration = Duration::from_secs(2);
+
+/// The servers of physical shard `p`: whether each answers, and how far
+/// each replica is behind the primary (by GTID: caught up is 0, else
+/// MariaDB's `Seconds_Behind_Master`).
+async fn servers_of(shards: &Shards, t: &Topology, p: &PhysicalShard) -> Vec<ServerReport> {
+    let id = p.id as usize;
+    let primary = match tokio::time::timeout(SERVER_ANSWER, shards.ping(id)).await {
+        Ok(Ok(())) => ServerReport {
+            address: p.address.clone(),
+            role: "primary",
+            lag_ms: None,
+            state: "online",
+            error: None,
+        },
+        Ok(Err(e)) => down(&p.address, "primary", e.to_string()),
+        Err(_) => down(&p.address, "primary", format!("no answer within {} ms", SERVER_ANSWER.as_millis())),
+    };
+    let mut out = vec![primary];
+    let replicas: Vec<String> = t.replicas_of(p.id).map(|r| r.address.clone()).collect();
+    if replicas.is_empty() {
+        return out;
+    }
+    let primary_pos = match state_at(shards, id, &p.address).await {
+        Ok(s) => Some(s.current),
+        Err(_) => None,
+    };
+    for address in replicas {
+        out.push(match state_at(shards, id, &address).await {
+            Err(e) => down(&address, "replica", e),
+            Ok(s) => replica_report(address, s, primary_pos.as_ref()),
+        });
+    }
+    out
+}
+
+fn down(address: &str, role: &'static str, error: String) -> ServerReport {
+    ServerReport { address: address.to_string(), role, lag_ms: None, state: "down", error: Some(error) }
+}
+
+fn replica_report(address: String, s: ServerState, primary: Option<&GtidPos>) -> ServerReport {
+    let Some(r) = s.replica.filter(|r| r.io_running && r.sql_running) else {
+        let error = "not replicating (its replication threads are stopped)".to_string();
+        return ServerReport { address, role: "replica", lag_ms: None, state: "down", error: Some(error) };
+    };
+    let caught_up = primary.is_some_and(|p| s.current.includes(p));
+    let lag_ms = if caught_up { Some(0) } else { r.lag_secs.map(|l| l * 1000) };
+    let state = if caught_up || lag_ms == Some(0) { "online" } else { "catching_up" };
+    ServerReport { address, role: "replica", lag_ms, state, error: r.last_error }
+}
+
+/// A server's replication state, read on a connection of its own.
+async fn state_at(shards: &Shards, shard: usize, address: &str) -> Result<ServerState, String> {
+    let work = async {
+        let dsn = shards.credentials_for(address).map_err(|e| e.to_string())?;
+        let mut conn = storage::dsn::dedicated_connection(&dsn).await.map_err(|e| e.to_string())?;
+        let state = storage::replication::server_state(shard, &mut conn).await.map_err(|e| e.to_string());
+        state
+    };
+    match tokio::time::timeout(SERVER_ANSWER, work).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("no answer within {} ms", SERVER_ANSWER.as_millis())),
+    }
 }
 
 /// Builds the report from the map (reloaded first) and the shards.
@@ -179,6 +268,7 @@ pub async fn report(shards: &Shards) -> storage::Result<ShardsReport> {
             ranges: schemas::topology::format_logicals(&owned),
             entities_estimate: storage::entities::estimated_rows(p.id as usize, shards.pool(p.id as usize))
                 .await?,
+            servers: servers_of(shards, &t, p).await,
         });
     }
     let name = |id: u32| t.shard(id).map_or_else(|| id.to_string(), |p| p.name.clone());

@@ -64,6 +64,9 @@ pub fn place_of(dsn: &str) -> String {
     format!("{host}/{db}")
 }
 
+/// A connection of its own to one server (outside any pool).
+pub type ServerConnection = MySqlConnection;
+
 /// A dedicated connection outside any pool (relay leadership lives on one).
 pub async fn dedicated_connection(dsn: &Dsn) -> Result<MySqlConnection, sqlx::Error> {
     MySqlConnection::connect_with(&MySqlConnectOptions::from_str(dsn.expose())?).await

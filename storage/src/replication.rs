@@ -239,16 +239,28 @@ impl std::fmt::Debug for Source {
     }
 }
 
-/// Makes the server a replica of `source`, from the transactions it holds
-/// (`gtid_slave_pos` set to its own current position, so a revived primary
-/// or a seeded copy continues where it is), read-only, no longer waiting
-/// for acknowledgements of its own, and starts it. Needs `READ_ONLY ADMIN`
+/// Makes the server a replica of `source`, from position `from` (a seed's:
+/// the position its copy was taken at) or else from the transactions it
+/// holds (`gtid_slave_pos` set to its own current position, so a revived
+/// primary continues where it is), read-only, no longer waiting for
+/// acknowledgements of its own, and starts it. Needs `READ_ONLY ADMIN`
 /// (the admin account).
-pub async fn replicate_from(shard: usize, conn: &mut MySqlConnection, source: &Source) -> Result<()> {
+pub async fn replicate_from(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    source: &Source,
+    from: Option<&GtidPos>,
+) -> Result<()> {
     sqlx::query("SET GLOBAL read_only = 1").execute(&mut *conn).await.on(shard)?;
     sqlx::query("SET GLOBAL rpl_semi_sync_master_enabled = 0").execute(&mut *conn).await.on(shard)?;
     sqlx::query("STOP SLAVE").execute(&mut *conn).await.on(shard)?;
-    sqlx::query("SET GLOBAL gtid_slave_pos = @@gtid_current_pos").execute(&mut *conn).await.on(shard)?;
+    match from {
+        Some(pos) => {
+            sqlx::query("SET GLOBAL gtid_slave_pos = ?").bind(pos.to_string()).execute(&mut *conn).await
+        }
+        None => sqlx::query("SET GLOBAL gtid_slave_pos = @@gtid_current_pos").execute(&mut *conn).await,
+    }
+    .on(shard)?;
     // CHANGE MASTER takes no placeholders; the values are quoted here.
     let sql = format!(
         "CHANGE MASTER TO MASTER_HOST = {}, MASTER_PORT = {}, MASTER_USER = {}, MASTER_PASSWORD = {}, \
@@ -261,6 +273,41 @@ pub async fn replicate_from(shard: usize, conn: &mut MySqlConnection, source: &S
     sqlx::raw_sql(&sql).execute(&mut *conn).await.on(shard)?;
     sqlx::query("START SLAVE").execute(&mut *conn).await.on(shard)?;
     Ok(())
+}
+
+/// Whether the server's binary log still holds every transaction it ever
+/// logged (none purged): a new replica can then start from nothing
+/// instead of from a seed. MariaDB tells it by the GTID state at the start
+/// of the oldest log file (empty when nothing came before it).
+pub async fn history_complete(shard: usize, conn: &mut MySqlConnection) -> Result<bool> {
+    let logs = sqlx::query("SHOW BINARY LOGS").fetch_all(&mut *conn).await.on(shard)?;
+    let Some(first) = logs.first() else { return Ok(false) };
+    let file: String = first.try_get(0).on(shard)?;
+    let before: Option<String> = sqlx::query_scalar("SELECT BINLOG_GTID_POS(?, 4)")
+        .bind(&file)
+        .fetch_one(&mut *conn)
+        .await
+        .on(shard)?;
+    Ok(before.is_some_and(|p| p.trim().is_empty()))
+}
+
+/// Stops the server replicating and forgets its primary (a replica taken
+/// out of its shard; it stays read-only).
+pub async fn stop_replicating(shard: usize, conn: &mut MySqlConnection) -> Result<()> {
+    sqlx::query("STOP SLAVE").execute(&mut *conn).await.on(shard)?;
+    sqlx::query("RESET SLAVE ALL").execute(&mut *conn).await.on(shard)?;
+    Ok(())
+}
+
+/// How many tables database `db` has on the server (0: absent or empty).
+pub async fn tables_in(shard: usize, conn: &mut MySqlConnection, db: &str) -> Result<u64> {
+    let (n,): (i64,) =
+        sqlx::query_as("SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = ?")
+            .bind(db)
+            .fetch_one(&mut *conn)
+            .await
+            .on(shard)?;
+    Ok(n as u64)
 }
 
 /// A boolean variable cast to text: `ON`, or `1` from older servers.

@@ -49,6 +49,18 @@ pub struct MysqlSettings {
     /// How often a running process checks the map's epoch (and reloads it
     /// when it moved) and reports the epoch it routes with.
     pub map_refresh_ms: u64,
+    /// The account `bagstore shards replicas` acts as on a shard's servers
+    /// (sets `read_only`, points replicas at their primary, seeds them): it
+    /// needs `READ_ONLY ADMIN` (or `SUPER`) and `REPLICATION SLAVE ADMIN`,
+    /// which the services' own account must not hold. Empty: the account of
+    /// the shard's DSN.
+    pub admin_user: String,
+    /// `admin_user`'s password.
+    pub admin_password: Secret,
+    /// The account replicas replicate as (`REPLICATION SLAVE` on every
+    /// server of a replicated shard), and its password.
+    pub replication_user: String,
+    pub replication_password: Secret,
 }
 
 impl Default for MysqlSettings {
@@ -59,6 +71,10 @@ impl Default for MysqlSettings {
             max_connections: 16,
             connect_timeout_ms: 10_000,
             map_refresh_ms: 1000,
+            admin_user: String::new(),
+            admin_password: Secret(String::new()),
+            replication_user: String::new(),
+            replication_password: Secret(String::new()),
         }
     }
 }

@@ -128,3 +128,142 @@ async fn a_commit_no_replica_acknowledged_is_lost_to_nobody_and_truncated_when_i
         server.stop().await.expect("a clean stop");
     }
 }
+
+/// `shards replicas add` and `remove` on a running cluster: a server that
+/// replication without loss cannot use is refused before anything on it
+/// changes; a good one is seeded (the primary's binary log was purged, so
+/// from a `mariadb-dump --gtid` copy), catches up, and from then on the
+/// shard's writes wait for its acknowledgement; `shards list` shows both
+/// servers; removing it stops the waiting first, so writes go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_is_checked_seeded_listed_and_removed_while_the_shard_serves() {
+    use bagstore_tests::TestEnv;
+    use serde_json::{json, Value};
+    let mut env = TestEnv::new("replicas", "").await;
+    let dir = env.dir.path().to_path_buf();
+    let (a, b) = (start(&dir.join("a"), 1, false).await, start(&dir.join("b"), 2, false).await);
+    let c = start(&dir.join("c"), 3, true).await;
+    for s in [&a, &b, &c] {
+        replication::create_accounts(s).await.expect("accounts");
+    }
+    let plain = env.extra_dsn(0);
+    let db = |i: usize| format!("{}_s{i}", env.name);
+    env.dsns = vec![replication::service_dsn(&a, &db(0)), replication::service_dsn(&b, &db(1))];
+    env.migrate().await;
+    let writer = env.spawn(&["writer"]).await;
+    let api = writer.api();
+    let ids: Vec<String> = (0..40).map(|_| schemas::EntityId(rand::random()).to_hex()).collect();
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(api.put(id, &json!({"n": i})).await.0, 201);
+    }
+    let count = |server: &MariaDb| {
+        let dsn = replication::service_dsn(server, &db(1));
+        async move {
+            let mut c = connect(&dsn).await;
+            sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM entities")
+                .fetch_one(&mut c)
+                .await
+                .unwrap_or(-1)
+        }
+    };
+    let on_b = count(&b).await;
+    assert!(on_b > 0, "no entity landed on s1");
+    // Its history leaves the binary log: a replica needs a seed now.
+    let mut broot = connect(&b.server_dsn()).await;
+    sqlx::raw_sql("FLUSH BINARY LOGS").execute(&mut broot).await.unwrap();
+    let status = sqlx::query("SHOW MASTER STATUS").fetch_one(&mut broot).await.unwrap();
+    let file: String = sqlx::Row::try_get(&status, 0).unwrap();
+    // A file crash recovery may still need (until InnoDB's checkpoint
+    // passes it) outlives the first PURGE.
+    eventually("the binary log to be purged", Duration::from_secs(30), || async {
+        let mut root = connect(&b.server_dsn()).await;
+        sqlx::raw_sql(&format!("PURGE BINARY LOGS TO '{file}'")).execute(&mut root).await.unwrap();
+        (sqlx::query("SHOW BINARY LOGS").fetch_all(&mut root).await.unwrap().len() == 1).then_some(())
+    })
+    .await;
+
+    let admin = [
+        ("BAGSTORE_MYSQL__ADMIN_USER", "root"),
+        ("BAGSTORE_MYSQL__REPLICATION_USER", replication::REPLICATION_USER),
+        ("BAGSTORE_MYSQL__REPLICATION_PASSWORD", replication::REPLICATION_PASSWORD),
+    ];
+    let run = |args: &[&str]| {
+        let args = env.args(args);
+        let env = &env;
+        async move { env.run(&args, &admin).await }
+    };
+    // A server without the binary log is refused, and left as it was.
+    let (ok, _, err) = run(&["shards", "replicas", "add", "s0", &plain]).await;
+    assert!(!ok && err.contains("the binary log is off"), "{err}");
+    let mut p = connect(&plain.replace(&format!("/{}", db(0)), "/")).await;
+    assert!(sqlx::query("SHOW SLAVE STATUS").fetch_optional(&mut p).await.unwrap().is_none());
+
+    let replica_dsn = replication::service_dsn(&c, &db(1));
+    let (ok, out, err) = run(&["shards", "replicas", "add", "s1", &replica_dsn]).await;
+    assert!(ok, "replicas add failed: {out}{err}");
+    assert!(out.contains("seeded from a copy"), "{out}");
+    assert_eq!(count(&c).await, on_b, "the seeded replica holds another number of entities");
+    let mut bs = connect(&replication::service_dsn(&b, "")).await;
+    let s = server_state(1, &mut bs).await.unwrap();
+    assert!(s.semi_sync_on && s.semi_sync_clients == 1, "{s:?}");
+    // Writes go on, acknowledged by the replica, and reach it.
+    for id in &ids {
+        assert_eq!(api.put(id, &json!({"n": "again"})).await.0, 200);
+    }
+    let versions = |server: &MariaDb| {
+        let dsn = replication::service_dsn(server, &db(1));
+        async move {
+            let mut c = connect(&dsn).await;
+            sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM entities WHERE version = 2")
+                .fetch_one(&mut c)
+                .await
+                .unwrap_or(-1)
+        }
+    };
+    assert_eq!(versions(&b).await, on_b);
+    eventually("the replica to apply the new versions", Duration::from_secs(20), || async {
+        (versions(&c).await == on_b).then_some(())
+    })
+    .await;
+
+    let s1 =
+        |doc: Value| doc["shards"].as_array().unwrap().iter().find(|s| s["name"] == "s1").unwrap().clone();
+    let list = || async {
+        let (ok, out, err) = run(&["shards", "list", "--json"]).await;
+        assert!(ok, "{err}");
+        s1(serde_json::from_str::<Value>(&out).unwrap())
+    };
+    let shard = eventually("shards list to show the replica online", Duration::from_secs(20), || async {
+        let s = list().await;
+        (s["servers"][1]["state"] == "online").then_some(s)
+    })
+    .await;
+    let servers = shard["servers"].as_array().unwrap();
+    assert_eq!(servers.len(), 2, "{shard}");
+    assert_eq!(servers[0]["role"], "primary");
+    assert_eq!(servers[0]["address"], shard["address"]);
+    assert_eq!(servers[1]["role"], "replica");
+    assert_eq!(servers[1]["lag_ms"], 0);
+    let address = servers[1]["address"].as_str().unwrap().to_string();
+    assert!(!address.contains("bagstore_repl"), "{address}");
+
+    // Removed: the primary stops waiting first, so a write still passes.
+    let (ok, out, err) = run(&["shards", "replicas", "remove", "s1", &address]).await;
+    assert!(ok, "replicas remove failed: {out}{err}");
+    let s = server_state(1, &mut bs).await.unwrap();
+    assert!(!s.semi_sync_on, "{s:?}");
+    let mut cs = connect(&replication::service_dsn(&c, "")).await;
+    assert!(
+        server_state(2, &mut cs).await.unwrap().replica.is_none(),
+        "the removed replica still replicates"
+    );
+    let reply = tokio::time::timeout(Duration::from_secs(10), api.put(&ids[0], &json!({"n": "after"}))).await;
+    assert_eq!(reply.expect("a write after the removal hung").0, 200);
+    assert_eq!(list().await["servers"].as_array().unwrap().len(), 1);
+    let (ok, _, err) = run(&["shards", "replicas", "remove", "s1", &address]).await;
+    assert!(!ok && err.contains("has no replica at"), "{err}");
+    drop(writer);
+    for server in [a, b, c] {
+        server.stop().await.expect("a clean stop");
+    }
+}

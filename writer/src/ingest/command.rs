@@ -7,8 +7,8 @@ use serde_json::{Map, Value as JsonValue};
 use service::http::Problem;
 
 use crate::http::entity_body;
-use crate::{Change, Guard, Precondition};
 use crate::Outcome;
+use crate::{Change, Guard, Precondition};
 
 /// Longest accepted `correlation_id`.
 pub const MAX_CORRELATION_ID_BYTES: usize = 255;

@@ -1,0 +1,351 @@
+//! `bagstore shards replicas add|remove`: a physical shard's replicas.
+//!
+//! Adding one: both servers are checked for what replication without loss
+//! needs (`storage::replication::check_server`), the replica gets the
+//! shard's data (from the primary's binary log when it still holds every
+//! transaction, else from a seed taken with `mariadb-dump --gtid` and
+//! loaded outside the replica's own binary log), replicates from the
+//! primary until it has caught up, and only then does the primary's every
+//! commit wait for a replica's acknowledgement and the map list it. So a
+//! shard never waits on a replica that cannot acknowledge yet.
+//!
+//! Removing the last replica stops the waiting first: a primary left
+//! waiting for an acknowledgement that cannot come would take no write.
+//!
+//! Server-level steps (`read_only`, `CHANGE MASTER`, semi-sync) run as
+//! `mysql.admin_user`; the services' account must not be able to.
+
+use anyhow::{bail, ensure, Context};
+use schemas::gtid::GtidPos;
+use schemas::settings::Dsn;
+use schemas::topology::PhysicalShard;
+use schemas::Settings;
+use std::process::Stdio;
+use std::time::Duration;
+use storage::dsn::{
+    address_of, dedicated_connection, place_of, split_database, ServerConnection as MySqlConnection,
+};
+use storage::replication::{self, check_server, server_state, Role, Source};
+use storage::{topology, Shards};
+
+/// How long `replicas add` waits for a new replica to catch up.
+const CATCH_UP: Duration = Duration::from_secs(600);
+
+/// `shards replicas add SHARD DSN`.
+pub async fn add(settings: Settings, shard: &str, dsn: Dsn) -> anyhow::Result<()> {
+    let shards = Shards::connect(&settings.mysql).await?;
+    let result = add_to(&shards, &settings, shard, &dsn).await;
+    shards.close().await;
+    let (p, seeded) = result?;
+    println!(
+        "replica {} of shard {shard} added ({}); the primary {} now acknowledges a write only once a \
+         replica holds it",
+        address_of(&dsn),
+        if seeded { "seeded from a copy" } else { "from the primary's binary log" },
+        p.address
+    );
+    Ok(())
+}
+
+async fn add_to(
+    shards: &Shards,
+    settings: &Settings,
+    name: &str,
+    dsn: &Dsn,
+) -> anyhow::Result<(PhysicalShard, bool)> {
+    let p = shard_named(shards, name)?;
+    let primary = shards.credentials_for(&p.address)?;
+    let db = |d: &Dsn| split_database(d).map(|(db, _)| db);
+    ensure!(
+        db(dsn).is_some() && db(dsn) == db(&primary),
+        "the replica's DSN must name the shard's database `{}`",
+        db(&primary).unwrap_or_default()
+    );
+    ensure!(place_of(dsn.expose()) != place_of(&p.address), "{} is the shard's primary", address_of(dsn));
+    let id = p.id as usize;
+    let mut p_service = connect(&primary, "the primary").await?;
+    // The replica's database comes with its seed: its server, without it.
+    let (_, server) = split_database(dsn).context("the replica's DSN names no database")?;
+    let mut r_service = connect(&server, "the replica").await?;
+    let mut p_admin = connect(&admin(settings, &primary), "the primary as mysql.admin_user").await?;
+    let mut r_admin = connect(&admin(settings, &server), "the replica as mysql.admin_user").await?;
+    refuse_unless_ready(id, &mut p_service, Role::Primary, "the primary").await?;
+    // Everything a replica needs but `read_only`, which is set below: a
+    // server found wanting is refused before anything on it changes.
+    refuse_unless_ready(id, &mut r_service, Role::Primary, "the replica").await?;
+    let (ps, rs) = (server_state(id, &mut p_admin).await?, server_state(id, &mut r_admin).await?);
+    ensure!(
+        ps.server_id != rs.server_id,
+        "the replica's server_id ({}) is the primary's: every server of a shard needs its own",
+        rs.server_id
+    );
+    let source = source(settings, &p.address)?;
+    let already =
+        rs.replica.as_ref().is_some_and(|r| r.master_port == source.port && r.master_host == source.host);
+    let seeded = if already {
+        false
+    } else {
+        let from = seed(id, settings, &primary, &server, &mut p_admin, &mut r_admin).await?;
+        replication::replicate_from(id, &mut r_admin, &source, from.as_ref()).await?;
+        from.is_some()
+    };
+    refuse_unless_ready(id, &mut r_service, Role::Replica, "the replica").await?;
+    let target = server_state(id, &mut p_admin).await?.current;
+    ensure!(
+        replication::wait_for(id, &mut r_admin, &target, CATCH_UP).await?,
+        "the replica did not catch up with the primary ({target}) within {} s: see SHOW SLAVE STATUS on it",
+        CATCH_UP.as_secs()
+    );
+    replication::require_acks(id, &mut p_admin, true).await?;
+    topology::add_replica(shards.meta(), p.id, &address_of(dsn)).await?;
+    Ok((p, seeded))
+}
+
+/// `shards replicas remove SHARD ADDRESS`.
+pub async fn remove(settings: Settings, shard: &str, address: &str) -> anyhow::Result<()> {
+    let shards = Shards::connect(&settings.mysql).await?;
+    let result = remove_from(&shards, &settings, shard, address).await;
+    shards.close().await;
+    let stopped = result?;
+    println!(
+        "replica {address} of shard {shard} removed{}",
+        if stopped {
+            "; it no longer replicates"
+        } else {
+            " from the map (it did not answer: stop its replication by hand)"
+        }
+    );
+    Ok(())
+}
+
+async fn remove_from(
+    shards: &Shards,
+    settings: &Settings,
+    name: &str,
+    address: &str,
+) -> anyhow::Result<bool> {
+    let p = shard_named(shards, name)?;
+    let t = shards.topology();
+    let Some(r) = t.replicas_of(p.id).find(|r| place_of(&r.address) == place_of(address)) else {
+        let known: Vec<&str> = t.replicas_of(p.id).map(|r| r.address.as_str()).collect();
+        bail!("shard {name} has no replica at {address} (its replicas: {known:?})");
+    };
+    let r_address = r.address.clone();
+    let id = p.id as usize;
+    if t.replicas_of(p.id).count() == 1 {
+        // The last one: the primary stops waiting for acknowledgements
+        // before its replica stops giving them.
+        let primary = admin(settings, &shards.credentials_for(&p.address)?);
+        let mut conn = connect(&primary, "the primary as mysql.admin_user").await?;
+        replication::require_acks(id, &mut conn, false).await?;
+    }
+    topology::remove_replica(shards.meta(), p.id, &r_address).await?;
+    let replica = admin(settings, &shards.credentials_for(&r_address)?);
+    let Ok(mut conn) = connect(&replica, "the replica").await else { return Ok(false) };
+    replication::stop_replicating(id, &mut conn).await?;
+    Ok(true)
+}
+
+fn shard_named(shards: &Shards, name: &str) -> anyhow::Result<PhysicalShard> {
+    let t = shards.topology();
+    match t.shards.iter().find(|p| p.name == name) {
+        Some(p) => Ok(p.clone()),
+        None => {
+            let names: Vec<&str> = t.shards.iter().map(|p| p.name.as_str()).collect();
+            bail!("no physical shard is named {name} (the shards: {})", names.join(", "))
+        }
+    }
+}
+
+async fn connect(dsn: &Dsn, what: &str) -> anyhow::Result<MySqlConnection> {
+    dedicated_connection(dsn).await.with_context(|| format!("connecting to {what} ({})", dsn.redacted()))
+}
+
+async fn refuse_unless_ready(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    role: Role,
+    what: &str,
+) -> anyhow::Result<()> {
+    let wrong = check_server(shard, conn, role).await?;
+    ensure!(
+        wrong.is_empty(),
+        "{what} is not ready for replication without loss:\n  - {}",
+        wrong.join("\n  - ")
+    );
+    Ok(())
+}
+
+/// `dsn` as `mysql.admin_user` (unchanged when that is empty).
+fn admin(settings: &Settings, dsn: &Dsn) -> Dsn {
+    let m = &settings.mysql;
+    if m.admin_user.is_empty() {
+        return dsn.clone();
+    }
+    let userinfo = if m.admin_password.0.is_empty() {
+        format!("mysql://{}@x", encode(&m.admin_user))
+    } else {
+        format!("mysql://{}:{}@x", encode(&m.admin_user), encode(&m.admin_password.0))
+    };
+    Dsn(storage::dsn::with_credentials_of(&address_of(dsn), &userinfo))
+}
+
+/// Percent-encodes what a DSN's user info cannot hold as it is.
+fn encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// Where replicas of the primary at `address` replicate from.
+fn source(settings: &Settings, address: &str) -> anyhow::Result<Source> {
+    let m = &settings.mysql;
+    ensure!(!m.replication_user.is_empty(), "set mysql.replication_user: the account replicas replicate as");
+    let opts = storage::dsn::connect_options(&Dsn(address.to_string()))?;
+    Ok(Source {
+        host: opts.get_host().to_string(),
+        port: opts.get_port(),
+        user: m.replication_user.clone(),
+        password: m.replication_password.0.clone(),
+    })
+}
+
+/// Gives the replica the shard's data: nothing to do when the primary's
+/// binary log holds its whole history (the replica replays it from the
+/// start: None); otherwise a consistent copy of the shard's database taken
+/// with `mariadb-dump --single-transaction --gtid`, loaded with the
+/// replica's binary log off, and the position it was taken at.
+async fn seed(
+    shard: usize,
+    settings: &Settings,
+    primary: &Dsn,
+    replica: &Dsn,
+    p_admin: &mut MySqlConnection,
+    r_admin: &mut MySqlConnection,
+) -> anyhow::Result<Option<GtidPos>> {
+    let db = split_database(primary).map(|(db, _)| db).unwrap_or_default();
+    let tables = replication::tables_in(shard, r_admin, &db).await?;
+    ensure!(tables == 0, "the replica holds tables in `{db}` already: give it an empty server");
+    let current = server_state(shard, r_admin).await?.current;
+    ensure!(
+        current.is_empty(),
+        "the replica has transactions of its own ({current}): give it a server with no history"
+    );
+    if replication::history_complete(shard, p_admin).await? {
+        return Ok(None);
+    }
+    let file = std::env::temp_dir().join(format!("bagstore-seed-{}-{db}.sql", std::process::id()));
+    let seeded = async {
+        let from = dump(&admin(settings, primary), &db, &file).await?;
+        load(&admin(settings, replica), &file).await?;
+        Ok(Some(from))
+    }
+    .await;
+    let _ = std::fs::remove_file(&file);
+    seeded
+}
+
+/// The client tools' connection arguments for `dsn` and its password (as
+/// `MYSQL_PWD`, out of the process list).
+fn client_args(dsn: &Dsn) -> anyhow::Result<(Vec<String>, String)> {
+    let o = storage::dsn::connect_options(dsn)?;
+    let args = vec![
+        format!("--host={}", o.get_host()),
+        format!("--port={}", o.get_port()),
+        format!("--user={}", o.get_username()),
+    ];
+    Ok((args, password_of(dsn.expose())))
+}
+
+/// The password in a DSN's user info, decoded (empty when none).
+fn password_of(dsn: &str) -> String {
+    let Some(rest) = dsn.split_once("://").map(|(_, r)| r) else { return String::new() };
+    let authority = rest.split(['/', '?']).next().unwrap_or("");
+    let Some((userinfo, _)) = authority.rsplit_once('@') else { return String::new() };
+    let Some((_, password)) = userinfo.split_once(':') else { return String::new() };
+    let bytes = password.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            if let Ok(b) = u8::from_str_radix(&password[i + 1..i + 3], 16) {
+                out.push(b);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+async fn dump(primary: &Dsn, db: &str, file: &std::path::Path) -> anyhow::Result<GtidPos> {
+    let (args, password) = client_args(primary)?;
+    let out = std::fs::File::create(file)?;
+    let status = tokio::process::Command::new("mariadb-dump")
+        .args(&args)
+        .args([
+            "--single-transaction",
+            "--gtid",
+            "--master-data=2",
+            "--hex-blob",
+            "--triggers",
+            "--databases",
+            db,
+        ])
+        .env("MYSQL_PWD", password)
+        .stdout(out)
+        .stderr(Stdio::inherit())
+        .status()
+        .await
+        .context("running mariadb-dump (Debian: apt-get install mariadb-client)")?;
+    ensure!(status.success(), "mariadb-dump of the primary failed ({status})");
+    let text = String::from_utf8_lossy(&std::fs::read(file)?).into_owned();
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("-- SET GLOBAL gtid_slave_pos='"))
+        .context("the seed names no GTID position (mariadb-dump --gtid --master-data)")?;
+    Ok(GtidPos::parse(line.trim_end_matches("';"))?)
+}
+
+async fn load(replica: &Dsn, file: &std::path::Path) -> anyhow::Result<()> {
+    let (args, password) = client_args(replica)?;
+    let status = tokio::process::Command::new("mariadb")
+        .args(&args)
+        .arg("--init-command=SET SESSION sql_log_bin = 0")
+        .env("MYSQL_PWD", password)
+        .stdin(std::fs::File::open(file)?)
+        .stderr(Stdio::inherit())
+        .status()
+        .await
+        .context("running the mariadb client (Debian: apt-get install mariadb-client)")?;
+    ensure!(status.success(), "loading the seed into the replica failed ({status})");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_password_of_a_dsn_is_decoded_for_the_client_tools() {
+        assert_eq!(password_of("mysql://u:p%40ss@h:3306/db"), "p@ss");
+        assert_eq!(password_of("mysql://u@h/db"), "");
+        assert_eq!(password_of("mysql://h/db"), "");
+    }
+
+    #[test]
+    fn the_admin_account_replaces_the_dsns() {
+        let mut s = Settings::default();
+        let dsn = Dsn("mysql://bagstore:svc@127.0.0.1:3306/db".into());
+        assert_eq!(admin(&s, &dsn).expose(), dsn.expose());
+        s.mysql.admin_user = "root".into();
+        assert_eq!(admin(&s, &dsn).expose(), "mysql://root@127.0.0.1:3306/db");
+        s.mysql.admin_password = schemas::settings::Secret("a b".into());
+        assert_eq!(admin(&s, &dsn).expose(), "mysql://root:a%20b@127.0.0.1:3306/db");
+    }
+}
