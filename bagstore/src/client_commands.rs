@@ -1,8 +1,8 @@
 //! `bagstore put|get|delete|query|index list|index drop|lag`: commands of
 //! the HTTP API through the `client` crate. Human-readable tables by
 //! default, the server's JSON with `--json`. Errors print the problem's
-//! detail; `main` picks the exit code from the status (README, "Exit
-//! codes, errors and output").
+//! detail; `main` picks the exit code from the status (docs/operations.md,
+//! "Commands": "Exit codes, errors and output").
 
 use anyhow::Context;
 use client::{Answer, Client, Precondition, TransportError};

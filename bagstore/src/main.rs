@@ -1,4 +1,5 @@
-//! `bagstore`: see `bagstore --help` and the README.
+//! `bagstore`: see `bagstore --help`, the README and docs/operations.md,
+//! "Commands".
 
 use anyhow::Context;
 use bagstore::client_commands::{self as client, ClientArgs};
@@ -274,7 +275,8 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-/// The exit code of a failed command (README, "Exit codes"): 2 a usage
+/// The exit code of a failed command (docs/operations.md, "Commands": "Exit
+/// codes, errors and output"): 2 a usage
 /// error (bad arguments, input that is not JSON, a request the server
 /// refused as malformed), 3 not found, 4 a conflict (a version precondition
 /// failed, the entity exists), 5 unavailable (no answer, or 502/503/504),

@@ -14,7 +14,8 @@
 //! is the JSON Schema (a test checks every envelope against it). The
 //! guarantees (at-least-once, each entity's versions in order, dedupe on
 //! `(id, version)`) are the internal topic's: the relay writes both from
-//! the same outbox row (see the README, "Change stream").
+//! the same outbox row (see docs/api.md, "Change stream (for downstream
+//! consumers)").
 
 use serde::Serialize;
 

@@ -3,7 +3,7 @@
 //! Live means the process runs and answers HTTP; nothing is checked, so a
 //! hung dependency never gets a process restarted.
 //!
-//! Ready is the policy (README "Health"), answered within [`DEADLINE`]
+//! Ready is the policy (docs/operations.md, "Health"), answered within [`DEADLINE`]
 //! whatever hangs, because every check runs at once under that deadline:
 //! - **503** while the process starts or drains, or when it can serve
 //!   nothing at all: no MySQL shard answers, or the process only consumes

@@ -12,8 +12,8 @@
 //! that does not come back drops out of the list when its lease runs out,
 //! and the others take its partitions at their next read of the list. And
 //! tansu 0.6.0's coordinator can keep a dead member as the group's leader,
-//! after which the group never forms again (README, "tansu's group
-//! coordinator and a dead leader").
+//! after which the group never forms again (docs/design-notes.md, "tansu's
+//! group coordinator and a dead leader").
 //!
 //! [`Lease`] renews in a task of its own (every third of its length, and
 //! reads the member list every [`Lease::every`] in between), so a consumer

@@ -17,7 +17,8 @@
 //!   assign partitions among themselves.
 //! - [`freshness`]: how far behind an index is (the one lag rule).
 //! - [`cluster`]: keeping the map current; this process's heartbeat.
-//! - [`health`]: liveness, and readiness by the README's policy.
+//! - [`health`]: liveness, and readiness by the policy of docs/operations.md,
+//!   "Health".
 //! - [`config`]: loading `Settings` from a file and the environment.
 //! - [`serve`]: bind, serve, signal, and the graceful, bounded stop.
 

@@ -5,9 +5,10 @@ Reads group GROUP's view of TOPIC: from the group's committed offsets to
 the end of every partition, checking each message against the JSON Schema
 (PyPI jsonschema), its key and headers against its value, and keeps a
 message only when its version is above the last one kept for its id (the
-README's dedupe rule). Writes to OUT, as JSON, the live entities it ends
-with ("live": {id: {"version", "properties"}}), the offsets it started
-from ("from": {partition: offset}) and the messages per op ("ops").
+dedupe rule of docs/api.md, "Change stream (for downstream consumers)").
+Writes to OUT, as JSON, the live entities it ends with ("live": {id:
+{"version", "properties"}}), the offsets it started from ("from":
+{partition: offset}) and the messages per op ("ops").
 
     change_stream_consumer.py BOOTSTRAP TOPIC GROUP SCHEMA OUT [API_VERSION]
 

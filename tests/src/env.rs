@@ -92,7 +92,8 @@ impl Kafka {
     }
 }
 
-/// The README's example indexes plus a multi-valued one, used by most suites.
+/// The example indexes of `deploy/bagstore.dev.toml` (those `bagstore dev`
+/// maintains) plus a multi-valued one, used by most suites.
 pub const STANDARD_INDEXES: &str = r#"
 [[indexes]]
 table = "index_user_id"

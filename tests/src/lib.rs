@@ -13,7 +13,9 @@
 //! - [`poll`]: [`eventually`] polls with a deadline; tests never sleep
 //!   blindly.
 //! - [`model`]: the reference model the suites check results against.
-//! - [`chaos`]: the chaos suite, written once, run against both brokers.
+//! - [`chaos`]: the chaos suite, written once, run as a matrix of broker and
+//!   partition assignment (`chaos::matrix`: mock_group, mock_leases,
+//!   tansu_leases).
 //! - [`membership`]: no partition worked on by two indexers after an
 //!   outage, also run against both brokers.
 

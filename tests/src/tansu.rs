@@ -1,11 +1,11 @@
 //! A standalone Kafka-compatible broker for tests that kill it: `tansu`
 //! 0.6.0 with its PostgreSQL storage on a private PostgreSQL cluster
-//! ([`bagstore::local::postgres`]). The broker process is what the tests
+//! ([`devstack::postgres`]). The broker process is what the tests
 //! `kill -9`; PostgreSQL is never killed, so every record the broker
 //! acknowledged is in a committed PostgreSQL transaction and survives,
 //! as a real broker's replicated log would. tansu's statements need
 //! PostgreSQL 16 or newer; `scripts/test` installs one (see
-//! `bagstore::local::postgres`).
+//! `devstack::postgres`).
 //!
 //! Why not tansu's SQLite storage: after `kill -9` it crash-looped in fresh
 //! clones (panics in its storage task, then every request refused), so a

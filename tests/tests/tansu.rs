@@ -10,7 +10,7 @@
 //! "leases"`), and so does the writers' Kafka ingest in its test
 //! (`ingest.assignment = "leases"`): tansu 0.6.0's group coordinator can
 //! keep a dead member as the group's leader, and the group then never forms
-//! again (docs/design-notes.md, "tansu's coordinator";
+//! again (docs/design-notes.md, "tansu's group coordinator and a dead leader";
 //! [`a_frozen_indexers_partitions_go_to_the_survivor_with_member_leases`]).
 
 use bagstore_tests::{TestEnv, STANDARD_INDEXES};
@@ -106,7 +106,8 @@ async fn a_kafka_python_consumer_rebuilds_the_live_entities_from_snapshot_and_ta
 /// code with librdkafka) on the standalone broker: 10,000 commands, with
 /// malformed ones, refused ones and resends of keyed ones, while two
 /// writers consume them and one that holds ingest partitions (its member
-/// lease's share: the writers' ingest runs on member leases, as the README
+/// lease's share: the writers' ingest runs on member leases, as
+/// docs/design-notes.md, "tansu's group coordinator and a dead leader",
 /// advises on tansu 0.6.0) is killed with `kill -9`; a writer is started
 /// again as a new member, so the dead one's partitions move when its lease
 /// runs out. Every valid command is applied exactly once (each entity's

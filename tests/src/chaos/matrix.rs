@@ -7,8 +7,9 @@
 //! tansu runs leases only. tansu 0.6.0's group coordinator keeps a dead
 //! member as the group's leader when another member's heartbeat ends its
 //! session, and the group then never forms again (docs/design-notes.md,
-//! "tansu's coordinator"): on tansu the group protocol is not a way bagstore
-//! can be run, so it is not a combination to prove.
+//! "tansu's group coordinator and a dead leader"): on tansu the group
+//! protocol is not a way bagstore can be run, so it is not a combination to
+//! prove.
 
 use schemas::settings::Assignment;
 

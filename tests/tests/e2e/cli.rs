@@ -103,7 +103,8 @@ async fn run_env(args: &[&str], vars: &[(&str, &str)]) -> (i32, String, String) 
     )
 }
 
-/// Each kind of failure has its own exit code (README "Exit codes"), and
+/// Each kind of failure has its own exit code (docs/operations.md,
+/// "Commands": "Exit codes, errors and output"), and
 /// with `--json` the error is one JSON document on stderr.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failures_exit_with_distinct_codes_and_honour_json() {

@@ -1,7 +1,7 @@
 //! The operator console at `/` in a real headless browser (Debian's
 //! chromium, which the test command installs): while writes flow, the page
 //! shows every index and a lag chart with data, and a screenshot of it is
-//! written to `target/console.png` (README "Console").
+//! written to `target/console.png` (docs/operations.md, "Console").
 
 use bagstore_tests::{Api, TestEnv, STANDARD_INDEXES};
 use serde_json::json;

@@ -117,11 +117,11 @@ async fn ready_is_503_for_an_indexer_without_its_broker() {
     .await;
 }
 
-/// An indexer is not ready until its consumer holds its partitions (README
-/// "Health"): while the consumer joins its group the answer is 503
-/// `starting`, naming it in `waiting_for`, and once it is 200 the consumer
-/// holds every partition (a lone member is given all 4), so what is
-/// written then is applied as fast as in steady state.
+/// An indexer is not ready until its consumer holds its partitions
+/// (docs/operations.md, "Health"): while the consumer joins its group the
+/// answer is 503 `starting`, naming it in `waiting_for`, and once it is 200
+/// the consumer holds every partition (a lone member is given all 4), so
+/// what is written then is applied as fast as in steady state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_indexer_is_ready_only_once_its_consumer_holds_its_partitions() {
     let env = TestEnv::new("healthjoin", STANDARD_INDEXES).await;

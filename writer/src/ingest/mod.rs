@@ -7,7 +7,7 @@
 //! and stall the group for good); either way through the fenced consumer
 //! the index consumers use too (`service::consumer`).
 //!
-//! A command (README "Kafka ingest (for producers)"):
+//! A command (docs/api.md, "Kafka ingest (for producers)"):
 //! `{"op": "put" | "patch" | "delete", "id": "<32 hex>", "properties": {…}
 //! (put), "patch": {…} (patch: a merge patch, or `$`-operators, by the rule
 //! of `schemas::patch::parse`), "form": "merge" | "operators" (patch,
