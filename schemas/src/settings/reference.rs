@@ -180,6 +180,7 @@ fn config_type(
         "String" => ("string".into(), false),
         "Vec<Dsn>" if csv => ("list of DSNs, or one comma-separated string; passwords redacted".into(), true),
         "Vec<Secret>" if csv => ("list of strings, or one comma-separated string; secret".into(), true),
+        "Secret" => ("string; secret".into(), true),
         "std::collections::BTreeMap<String, String>" | "BTreeMap<String, String>" => {
             ("table of strings; secret ones redacted".into(), true)
         }

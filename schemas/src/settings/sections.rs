@@ -58,8 +58,9 @@ pub struct MysqlSettings {
     /// `admin_user`'s password.
     pub admin_password: Secret,
     /// The account replicas replicate as (`REPLICATION SLAVE` on every
-    /// server of a replicated shard), and its password.
+    /// server of a replicated shard).
     pub replication_user: String,
+    /// `replication_user`'s password.
     pub replication_password: Secret,
 }
 
