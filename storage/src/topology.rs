@@ -46,7 +46,7 @@ pub async fn identity(shard: usize, pool: &MySqlPool) -> Result<Option<Identity>
 }
 
 /// [`identity`] on a connection of its own (a server probed outside the
-/// pools, see `crate::shards`).
+/// pools, when a process looks for the primary among its seeds).
 pub async fn identity_on(shard: usize, conn: &mut MySqlConnection) -> Result<Option<Identity>> {
     let exists: (i64,) = sqlx::query_as(
         "SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'bagstore_shard'",

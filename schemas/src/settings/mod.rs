@@ -227,28 +227,7 @@ impl Settings {
                     .into(),
             ));
         }
-        if self.changes.enabled
-            && (self.changes.topic.is_empty()
-                || self.changes.topic == self.kafka.topic
-                || self.changes.topic == self.kafka.dlq_topic())
-        {
-            return Err(SettingsError::Invalid(format!(
-                "changes.topic {:?} must be a topic of its own (not kafka.topic or its dead-letter topic)",
-                self.changes.topic
-            )));
-        }
-        if self.ingest.enabled {
-            let ours = [&self.kafka.topic, &self.kafka.dlq_topic(), &self.changes.topic];
-            let (topic, replies) = (&self.ingest.topic, &self.ingest.reply_topic);
-            if topic.is_empty() || ours.contains(&topic) || ours.contains(&replies) || replies == topic {
-                return Err(SettingsError::Invalid(format!(
-                    "ingest.topic {topic:?} and ingest.reply_topic {replies:?} must be topics of their own (not kafka.topic, its dead-letter topic or changes.topic)"
-                )));
-            }
-            if self.ingest.batch == 0 {
-                return Err(SettingsError::Invalid("ingest.batch must be positive".into()));
-            }
-        }
+        self.validate_topics()?;
         if self.expiry.property.as_deref().is_some_and(|p| p.is_empty()) {
             return Err(SettingsError::Invalid(
                 "expiry.property must name a property (or be left out)".into(),
@@ -281,6 +260,33 @@ impl Settings {
         }
         if self.indexer.batch_max == 0 || self.reader.max_limit == 0 || self.reader.max_in == 0 {
             return Err(SettingsError::Invalid("indexer and reader limits must be positive".into()));
+        }
+        Ok(())
+    }
+
+    /// The change stream's and the Kafka ingest's topics: each of its own.
+    fn validate_topics(&self) -> Result<(), SettingsError> {
+        if self.changes.enabled
+            && (self.changes.topic.is_empty()
+                || self.changes.topic == self.kafka.topic
+                || self.changes.topic == self.kafka.dlq_topic())
+        {
+            return Err(SettingsError::Invalid(format!(
+                "changes.topic {:?} must be a topic of its own (not kafka.topic or its dead-letter topic)",
+                self.changes.topic
+            )));
+        }
+        if self.ingest.enabled {
+            let ours = [&self.kafka.topic, &self.kafka.dlq_topic(), &self.changes.topic];
+            let (topic, replies) = (&self.ingest.topic, &self.ingest.reply_topic);
+            if topic.is_empty() || ours.contains(&topic) || ours.contains(&replies) || replies == topic {
+                return Err(SettingsError::Invalid(format!(
+                    "ingest.topic {topic:?} and ingest.reply_topic {replies:?} must be topics of their own (not kafka.topic, its dead-letter topic or changes.topic)"
+                )));
+            }
+            if self.ingest.batch == 0 {
+                return Err(SettingsError::Invalid("ingest.batch must be positive".into()));
+            }
         }
         Ok(())
     }
