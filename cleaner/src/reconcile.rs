@@ -198,11 +198,26 @@ async fn write_missing(cleaner: &Cleaner, spec: &IndexSpec, repairs: &Repairs) -
     // A row the entity's newer write made unneeded meanwhile was a
     // race with the indexer, not drift: counted only once confirmed.
     let undone = undo_overtaken(cleaner, spec, &repairs.missing).await?;
-    let drift = repairs.missing_count - undone;
+    let drift = repairs.missing_count - undone.len() as u64;
     let (m, table) = (cleaner.metrics(), spec.table.as_str());
     m.drift_found.with_label_values(&[table, "missing"]).inc_by(drift);
     m.drift_fixed.with_label_values(&[table, "missing"]).inc_by(drift);
-    tracing::info!(index = table, rows = drift, undone, "wrote missing index rows");
+    if drift > 0 {
+        let ids = repairs
+            .missing
+            .iter()
+            .flatten()
+            .filter(|r| !undone.iter().any(|(id, key)| *id == r.entity && *key == r.key))
+            .map(|r| r.entity);
+        tracing::warn!(index = table, rows = drift, undone = undone.len(), entities = %some_ids(ids),
+            "wrote missing index rows");
+    } else {
+        tracing::debug!(
+            index = table,
+            undone = undone.len(),
+            "missing index rows were newer writes in flight"
+        );
+    }
     Ok(())
 }
 
@@ -246,6 +261,7 @@ async fn remove_dangling(
     // Drift is what the re-read confirms; a candidate the entity's newer
     // write explains is the indexer's business, not drift.
     let (mut confirmed, mut fixed) = (0u64, 0u64);
+    let mut drifted: Vec<EntityId> = Vec::new();
     for (shard, row) in candidates {
         if now.get(&row.entity).is_some_and(|e| e.updated_us > settled_us) {
             continue; // Changed since the scan and not yet indexed: the indexer's turn.
@@ -258,6 +274,7 @@ async fn remove_dangling(
         // event (higher version) is the indexer's, and stays.
         let upto = version.max(row.version);
         confirmed += 1;
+        drifted.push(row.entity);
         let mut tx = topology::begin_owned(shard, shards.pool(shard), &[row.logical]).await?;
         let now = schemas::clock::now_micros();
         fixed +=
@@ -267,10 +284,32 @@ async fn remove_dangling(
     let (m, table) = (cleaner.metrics(), spec.table.as_str());
     m.drift_found.with_label_values(&[table, "dangling"]).inc_by(confirmed);
     m.drift_fixed.with_label_values(&[table, "dangling"]).inc_by(fixed);
-    if fixed > 0 {
-        tracing::info!(index = table, rows = fixed, "deleted dangling index rows");
+    if confirmed > 0 {
+        tracing::warn!(index = table, rows = confirmed, fixed, entities = %some_ids(drifted),
+            "deleted dangling index rows");
     }
     Ok(())
+}
+
+/// How many entity ids a drift warning names at most.
+pub const IDS_LOGGED: usize = 10;
+
+/// Up to [`IDS_LOGGED`] distinct ids (32 lowercase hex, in the order
+/// met), comma-separated, then how many more there were: what a drift
+/// warning names, so a report can say which entities drifted.
+pub fn some_ids(ids: impl IntoIterator<Item = EntityId>) -> String {
+    let mut all: std::collections::HashSet<EntityId> = Default::default();
+    let mut named: Vec<String> = Vec::new();
+    for id in ids {
+        if all.insert(id) && named.len() < IDS_LOGGED {
+            named.push(id.to_hex());
+        }
+    }
+    let mut out = named.join(",");
+    if all.len() > named.len() {
+        out.push_str(&format!(" (and {} more)", all.len() - named.len()));
+    }
+    out
 }
 
 /// Closes the race between writing a missing row and a newer write of the
@@ -279,25 +318,25 @@ async fn remove_dangling(
 /// the indexer found no K to delete then, so K at v would linger. Re-read
 /// the entities after the write: a row whose entity moved on and no longer
 /// produces its key is deleted, but only at versions no newer than the one
-/// written, so an indexer row of a later version stays. Returns how many
-/// written rows the entity's newer version had made unneeded.
+/// written, so an indexer row of a later version stays. Returns the written
+/// rows (entity, key) the entity's newer version had made unneeded.
 async fn undo_overtaken(
     cleaner: &Cleaner,
     spec: &IndexSpec,
     written: &[Vec<IndexRow>],
-) -> Result<u64, CleanerError> {
+) -> Result<Vec<(EntityId, IndexKey)>, CleanerError> {
     let ids: Vec<EntityId> = written.iter().flatten().map(|row| row.entity).collect();
     let now = cleaner.read_any(&ids).await?;
     let now: HashMap<EntityId, &EntityRecord> = now.iter().map(|e| (e.id, e)).collect();
     let shards = cleaner.shards();
-    let mut undone = 0;
+    let mut undone = Vec::new();
     for (shard, rows) in written.iter().enumerate() {
         for row in rows {
             let (current, keys) = expected_keys(spec, now.get(&row.entity).copied());
             if current == row.version || keys.contains(&row.key) {
                 continue;
             }
-            undone += 1;
+            undone.push((row.entity, row.key.clone()));
             let mut tx = topology::begin_owned(shard, shards.pool(shard), &[row.logical]).await?;
             let at = schemas::clock::now_micros();
             index_rows::remove_index_row_upto(shard, &mut tx, spec, &row.key, &row.entity, row.version, at)
@@ -307,4 +346,19 @@ async fn undo_overtaken(
         }
     }
     Ok(undone)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_drift_warning_names_up_to_ten_distinct_ids_in_lowercase_hex() {
+        let id = |b: u8| EntityId([b; 16]);
+        assert_eq!(some_ids([id(0xab), id(0xab), id(1)]), format!("{},{}", "ab".repeat(16), "01".repeat(16)));
+        let many = some_ids((0..15u8).chain(0..15u8).map(id));
+        assert_eq!(many.split(',').count(), 10, "{many}");
+        assert!(many.ends_with(" (and 5 more)"), "{many}");
+        assert_eq!(some_ids([]), "");
+    }
 }

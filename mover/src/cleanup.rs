@@ -29,12 +29,16 @@ impl Mover {
             self.pause(run, Duration::from_millis(100)).await?;
         }
         let source = run.rec.source as usize;
-        journal::stop_journal(source, shards.pool(source), &run.indexes).await?;
+        // This move's journal only: a run that lost the move and comes here
+        // late must not stop the journal of the move after it.
+        journal::stop_journal(source, shards.pool(source), run.rec.id, &run.rec.logicals, &run.indexes)
+            .await?;
         self.forget_copy(run, source).await
     }
 
     /// Deletes one shard's rows and idempotency records of the moving
-    /// logical shards (a shard that does not own them: nobody reads them).
+    /// logical shards (a shard that does not own them: nobody reads them;
+    /// the deletes skip any of them the shard owns again).
     async fn forget_copy(&self, run: &mut Running<'_>, shard: usize) -> Result<()> {
         let pool = self.shards().pool(shard);
         let logicals = run.rec.logicals.clone();
@@ -64,7 +68,8 @@ impl Mover {
         // Fence off any earlier run still copying, then undo.
         moves::claim_incoming(target, shards.pool(target), &run.rec.logicals, run.token).await?;
         moves::revoke(target, shards.pool(target), &run.rec.logicals).await?;
-        journal::stop_journal(source, shards.pool(source), &run.indexes).await?;
+        journal::stop_journal(source, shards.pool(source), run.rec.id, &run.rec.logicals, &run.indexes)
+            .await?;
         self.forget_copy(run, target).await?;
         moves::drop_incoming(target, shards.pool(target), &run.rec.logicals).await?;
         Ok(())

@@ -89,7 +89,9 @@ impl Mover {
         // From here on only this run writes the copy (a run that lost the
         // move, frozen or cut off, finds its token replaced).
         moves::claim_incoming(target, dst, &run.rec.logicals, run.token).await?;
-        journal::start_journal(source, shards.pool(source), &run.rec.logicals, &run.indexes).await?;
+        // Refused once the source gave them up (this run lost its move).
+        journal::start_journal(source, shards.pool(source), run.rec.id, &run.rec.logicals, &run.indexes)
+            .await?;
         if run.records_since_us.is_none() {
             // Records a step's copy misses were stamped after it began: for
             // the steps this run copies, after now; for those an earlier

@@ -165,7 +165,8 @@ pub async fn copy_idempotency_records(
 }
 
 /// Deletes up to `limit` idempotency records of `logicals` (a shard that
-/// no longer owns them, or never took them over); how many.
+/// no longer owns them, or never took them over), never of one the shard
+/// owns (see [`crate::ddl::NOT_OWNED`]); how many.
 pub async fn delete_idempotency_records(
     shard: usize,
     pool: &MySqlPool,
@@ -175,8 +176,11 @@ pub async fn delete_idempotency_records(
     if logicals.is_empty() {
         return Ok(0);
     }
-    let sql =
-        format!("DELETE FROM bagstore_idempotency WHERE logical IN ({}) LIMIT ?", marks(logicals.len()));
+    let sql = format!(
+        "DELETE FROM bagstore_idempotency WHERE logical IN ({}) AND {} LIMIT ?",
+        marks(logicals.len()),
+        crate::ddl::NOT_OWNED
+    );
     let mut q = sqlx::query(&sql);
     for k in logicals {
         q = q.bind(*k);

@@ -186,17 +186,32 @@ pub fn owned() -> String {
     )
 }
 
-/// The logical shards a move is taking from this shard: the journal
-/// triggers record changes to these (see [`crate::moves`]).
+/// The condition every removal of a moved-away copy adds (`logical` of the
+/// rows deleted): rows of a logical shard this shard owns are never such a
+/// copy. A cleanup run by a mover that lost its move can come late, after
+/// the logical shards came back to its source; its deletes then leave the
+/// owner's rows alone. (A rollback revokes the target's grant first.)
+pub const NOT_OWNED: &str = "logical NOT IN (SELECT logical FROM bagstore_owned)";
+
+/// The logical shards a move is taking from this shard, each with the move
+/// that journals it (see [`MOVE_ID_COLUMN`]): the journal triggers record
+/// changes to these (see [`crate::journal`]).
 pub fn moving() -> String {
     format!(
         "CREATE TABLE IF NOT EXISTS `{}` (
     logical SMALLINT UNSIGNED NOT NULL,
+    {MOVE_ID_COLUMN},
     PRIMARY KEY (logical)
 ) ENGINE=InnoDB",
         tables::MOVING
     )
 }
+
+/// The move (its id on the metadata shard) whose journal lists a logical
+/// shard in `bagstore_moving`: a move stops its own journal only, never
+/// the one of the move after it. 0 on rows from before the column existed
+/// (added to older tables when `bagstore migrate` runs).
+pub const MOVE_ID_COLUMN: &str = "move_id BIGINT UNSIGNED NOT NULL DEFAULT 0";
 
 /// Changes to moving logical shards, written by the journal triggers in the
 /// changing transaction: which entity's rows of which table to copy again.

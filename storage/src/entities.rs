@@ -549,13 +549,18 @@ pub async fn count_in_logicals(shard: usize, pool: &MySqlPool, logicals: &[u16])
     Ok(q.fetch_one(pool).await.on(shard)?.0 as u64)
 }
 
-/// Deletes up to `limit` rows of `logicals` (a moved-away copy); returns
-/// how many went.
+/// Deletes up to `limit` rows of `logicals` (a moved-away copy) but never
+/// of one the shard owns (see [`crate::ddl::NOT_OWNED`]); returns how
+/// many went.
 pub async fn delete_logicals(shard: usize, pool: &MySqlPool, logicals: &[u16], limit: usize) -> Result<u64> {
     if logicals.is_empty() {
         return Ok(0);
     }
-    let sql = format!("DELETE FROM entities WHERE logical IN ({}) LIMIT ?", marks(logicals.len()));
+    let sql = format!(
+        "DELETE FROM entities WHERE logical IN ({}) AND {} LIMIT ?",
+        marks(logicals.len()),
+        crate::ddl::NOT_OWNED
+    );
     let mut q = sqlx::query(&sql);
     for k in logicals {
         q = q.bind(*k);

@@ -1,6 +1,7 @@
 //! [`StoreError`]: what went wrong, on which shard, and whether it is worth
 //! running again.
 
+use schemas::names::tables;
 use schemas::EntityId;
 use sqlx::Row;
 
@@ -45,9 +46,10 @@ pub enum StoreError {
     Fenced { shard: usize, group: String, partitions: Vec<i32> },
     #[error("{0}")]
     BadTopology(String),
-    /// A mover run found its token replaced on the target: it lost the
-    /// mover lock, and another run took the move over.
-    #[error("another run of the mover took this move over (physical shard {shard} no longer accepts this run's copy)")]
+    /// A mover run found its token replaced on the target, or its source
+    /// no longer owning what it would journal: it lost the mover lock, and
+    /// another run took the move over.
+    #[error("another run of the mover took this move over (physical shard {shard} no longer accepts this run's copy or journal)")]
     MoveTakenOver { shard: usize },
     /// The move's phase is no longer the one this run last saw: a run that
     /// lost the mover lock without knowing, while another took the move
@@ -93,8 +95,11 @@ impl StoreError {
     /// A failure that may pass if the operation is tried again later: a
     /// dead or refused connection, no connection free in time, a lock wait
     /// or deadlock, a stale map, the server shutting down or out of
-    /// connections. Anything else (a statement refused, a corrupt row) is
-    /// ours and does not pass by retrying.
+    /// connections, a statement to re-prepare after DDL (1615: a move
+    /// creating or dropping its journal triggers), a journal trigger that
+    /// could not run ([`StoreError::is_journal_trigger_failure`]). Anything
+    /// else (a statement refused, a corrupt row) is ours and does not pass
+    /// by retrying.
     pub fn is_transient(&self) -> bool {
         self.is_dead_connection()
             || self.is_retryable_conflict()
@@ -103,7 +108,30 @@ impl StoreError {
                 self,
                 StoreError::Shard { source: sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed, .. }
             )
-            || matches!(self.mysql_number(), Some(1040 | 1203 | 2002 | 2003))
+            || matches!(self.mysql_number(), Some(1040 | 1203 | 1615 | 2002 | 2003))
+            || self.is_journal_trigger_failure()
+    }
+
+    /// A move's journal trigger could not run, so the
+    /// write that fired it failed as a whole: no write commits without its
+    /// journal entry, and run again it passes. MariaDB answers so after a
+    /// connection was killed while it opened a journaled table and loaded
+    /// its triggers: other connections are then handed the half-loaded
+    /// triggers, and their writes to that table fail naming the journal's
+    /// tables (1146, "Table '…bagstore_journal' doesn't exist") or the
+    /// trigger (1064, "… has an error in its body") until the table is
+    /// opened afresh (at the latest when the move's cleanup drops the
+    /// triggers). The chaos suite's killed connections met it mid-move.
+    pub fn is_journal_trigger_failure(&self) -> bool {
+        let StoreError::Shard { source: sqlx::Error::Database(db), .. } = self else { return false };
+        let message = db.message();
+        match self.mysql_number() {
+            Some(1146) => {
+                [tables::JOURNAL, tables::MOVING].iter().any(|t| message.contains(&format!(".{t}'")))
+            }
+            Some(1064) => message.contains("has an error in its body"),
+            _ => false,
+        }
     }
 
     /// The connection is gone, not the statement refused: I/O and protocol

@@ -507,7 +507,8 @@ fn key_bytes(key: &IndexKey) -> Vec<u8> {
     out
 }
 
-/// Deletes up to `limit` rows of `logicals` (a moved-away copy).
+/// Deletes up to `limit` rows of `logicals` (a moved-away copy) but never
+/// of one the shard owns (see [`crate::ddl::NOT_OWNED`]).
 pub async fn delete_logicals(
     shard: usize,
     pool: &MySqlPool,
@@ -518,7 +519,12 @@ pub async fn delete_logicals(
     if logicals.is_empty() {
         return Ok(0);
     }
-    let sql = format!("DELETE FROM `{}` WHERE logical IN ({}) LIMIT ?", spec.table, marks(logicals.len()));
+    let sql = format!(
+        "DELETE FROM `{}` WHERE logical IN ({}) AND {} LIMIT ?",
+        spec.table,
+        marks(logicals.len()),
+        crate::ddl::NOT_OWNED
+    );
     let mut q = sqlx::query(&sql);
     for k in logicals {
         q = q.bind(*k);

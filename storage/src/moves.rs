@@ -437,7 +437,13 @@ pub async fn owns(shard: usize, pool: &MySqlPool, logicals: &[u16]) -> Result<Ve
 /// Flips the map: `logicals` now belong to `target`; the cluster's epoch
 /// rises past `source_epoch` (what the source's database now says) and the
 /// source's entry records it; the move enters [`Phase::Cleanup`]. One
-/// transaction on the metadata shard.
+/// transaction on the metadata shard, and only from [`Phase::Cutover`]: a
+/// run that lost the mover lock without knowing, whose cutover released
+/// the source while another run (waiting on its fence) took the move over,
+/// flips late; by then the other run has flipped and maybe finished the
+/// move, and recording `cleanup` again would make it a move in flight
+/// whose cleanup runs a second time, beside the moves after it. Such a
+/// flip changes nothing and fails with [`StoreError::MovePhaseMoved`].
 pub async fn flip(
     meta: &MySqlPool,
     move_id: u64,
@@ -468,11 +474,18 @@ pub async fn flip(
         .execute(&mut *tx)
         .await
         .on(s)?;
-    sqlx::query("UPDATE bagstore_moves SET phase = 'cleanup', changed = NOW(6) WHERE id = ?")
-        .bind(move_id)
-        .execute(&mut *tx)
-        .await
-        .on(s)?;
+    // `changed` always changes, so a matched row always counts as affected.
+    let moved = sqlx::query(
+        "UPDATE bagstore_moves SET phase = 'cleanup', changed = NOW(6) WHERE id = ? AND phase = 'cutover'",
+    )
+    .bind(move_id)
+    .execute(&mut *tx)
+    .await
+    .on(s)?;
+    if moved.rows_affected() == 0 {
+        // Rolled back with the transaction: the map as the other run left it.
+        return Err(StoreError::MovePhaseMoved { id: move_id, expected: Phase::Cutover.as_str() });
+    }
     tx.commit().await.on(s)?;
     Ok(new_epoch)
 }

@@ -31,8 +31,9 @@ pub async fn create_database(shard: usize, dsn: &Dsn) -> Result<()> {
 /// [`fill_logical`] runs); tables made before expiry and tombstone purge
 /// get `entities.expires_us` (NULL: an entity written before expiry was on
 /// is found by the cleaner once rewritten), `bagstore_owned.version_floor`
-/// (0) and the idempotency records' key by logical shard; partition claims
-/// made before generations get theirs (0, older than any new claim).
+/// (0) and the idempotency records' key by logical shard; `bagstore_moving`
+/// gets the move each row belongs to (0: unknown); partition claims made
+/// before generations get theirs (0, older than any new claim).
 pub async fn create_base_tables(shard: usize, pool: &MySqlPool) -> Result<()> {
     for stmt in ddl::shard_tables() {
         sqlx::query(&stmt).execute(pool).await.on(shard)?;
@@ -44,6 +45,7 @@ pub async fn create_base_tables(shard: usize, pool: &MySqlPool) -> Result<()> {
     add_column(shard, pool, "bagstore_owned", "version_floor", ddl::FLOOR_COLUMN).await?;
     add_key(shard, pool, "bagstore_idempotency", "idempotency_logical", "logical, recorded_us").await?;
     add_column(shard, pool, "bagstore_idempotency", "refusal", ddl::REFUSAL_COLUMN).await?;
+    add_column(shard, pool, "bagstore_moving", "move_id", ddl::MOVE_ID_COLUMN).await?;
     if shard == META_SHARD {
         for stmt in ddl::meta_tables() {
             sqlx::query(&stmt).execute(pool).await.on(shard)?;

@@ -335,6 +335,21 @@ async fn the_continuous_cleaner_repairs_missing_and_dangling_rows_within_seconds
     assert!(found(&after, "dangling") - found(&before, "dangling") >= 4.0, "{after}");
     assert!(fixed(&after, "missing") - fixed(&before, "missing") >= 5.0);
     assert!(fixed(&after, "dangling") - fixed(&before, "dangling") >= 4.0);
+    // The warnings name the entities (32 lowercase hex), so a report can too.
+    let log = dev.log_text();
+    let warned = |kind: &str| -> String {
+        log.lines()
+            .filter(|l| l.contains(" WARN ") && l.contains(&format!("{kind} index rows")))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let (missing, dangled) = (warned("wrote missing"), warned("deleted dangling"));
+    for i in 0..5 {
+        assert!(missing.contains(&id(i)), "no warning names the missing rows of {}:\n{missing}", id(i));
+    }
+    for (_, e) in &dangling {
+        assert!(dangled.contains(e.as_str()), "no warning names the dangling row of {e}:\n{dangled}");
+    }
     eprintln!("drift repaired {took:?} after the tampering");
     dev.terminate().await;
 }

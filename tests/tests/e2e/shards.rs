@@ -835,6 +835,38 @@ async fn a_mover_run_that_lost_the_move_cannot_set_its_phase_back() {
     assert!(storage::moves::moves_in_flight(&meta).await.unwrap().is_empty());
 }
 
+/// A mover run that lost the mover lock while its cutover held the fence
+/// flips the map after the source's release, late: the run that took the
+/// move over, waiting on that fence, has flipped it already, and maybe
+/// finished its cleanup. The late flip changes nothing: the move stays
+/// done (before, it recorded `cleanup` again, and the finished move's
+/// cleanup ran a second time, beside the moves after it), and the map and
+/// its epoch stay as the other run left them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_flip_by_a_mover_that_lost_the_move_changes_nothing() {
+    use storage::moves::{cluster_epoch, create_move, flip, get_move, set_phase, Phase};
+    let env = TestEnv::new("lateflip", "").await;
+    env.migrate().await;
+    let meta = env.pool(0).await;
+    let logicals = [20u16, 22];
+    let rec = create_move(&meta, &logicals, 0, 1).await.unwrap();
+    set_phase(&meta, rec.id, Phase::Copy, Phase::Cutover).await.unwrap();
+    // The run that took the move over: its flip, its cleanup's end.
+    let epoch = flip(&meta, rec.id, &logicals, 0, 1, 5).await.unwrap();
+    set_phase(&meta, rec.id, Phase::Cleanup, Phase::Done).await.unwrap();
+    // The run that lost it, its fence released, flips too.
+    let err = flip(&meta, rec.id, &logicals, 0, 1, 5).await.unwrap_err();
+    assert!(err.to_string().contains("took move"), "{err}");
+    assert_eq!(get_move(&meta, rec.id).await.unwrap().unwrap().phase, Phase::Done);
+    assert!(storage::moves::moves_in_flight(&meta).await.unwrap().is_empty(), "the move is in flight again");
+    assert_eq!(cluster_epoch(&meta).await.unwrap(), epoch, "the late flip moved the epoch");
+    let owners: Vec<(u32,)> = sqlx::query_as("SELECT physical FROM bagstore_map WHERE logical IN (20, 22)")
+        .fetch_all(&meta)
+        .await
+        .unwrap();
+    assert_eq!(owners, vec![(1,), (1,)]);
+}
+
 /// Registers a third server's database as physical shard `s2` (`shards
 /// add`) and adds it to `env`'s shards.
 async fn add_shard_s2(env: &mut TestEnv) {
@@ -1082,6 +1114,10 @@ async fn a_move_carries_records_floors_and_deletes_as_the_statements_say() {
     while carry::delete_idempotency_records(0, &source, &[5, 9], 2).await.unwrap() > 0 {}
     assert_eq!(carry::count_idempotency_records(0, &source, &[5, 9]).await.unwrap(), 0);
     assert_eq!(carry::count_idempotency_records(0, &source, &[6]).await.unwrap(), 3);
+    // Never those of a logical shard the shard owns (a late cleanup of a
+    // move whose logical shards came back): s0 owns the even ones.
+    assert_eq!(carry::delete_idempotency_records(0, &source, &[6], 10).await.unwrap(), 0);
+    assert_eq!(carry::count_idempotency_records(0, &source, &[6]).await.unwrap(), 3);
 
     // Floors: the owner's, read back; granted with ownership, never lower
     // than the grantee's own.
@@ -1117,6 +1153,13 @@ async fn a_move_carries_records_floors_and_deletes_as_the_statements_say() {
     tx.commit().await.unwrap();
     let left: Vec<(Vec<u8>,)> = sqlx::query_as("SELECT id FROM entities").fetch_all(&target).await.unwrap();
     assert_eq!(left, vec![(vec![2u8; 16],)]);
+    // A copy's removal skips the rows of a logical shard the shard owns
+    // (s1 owns the odd ones), of entities and of index rows alike.
+    assert_eq!(storage::entities::delete_logicals(1, &target, &[5], 10).await.unwrap(), 0);
+    let left: Vec<(Vec<u8>,)> = sqlx::query_as("SELECT id FROM entities").fetch_all(&target).await.unwrap();
+    assert_eq!(left, vec![(vec![2u8; 16],)], "a shard deleted rows of a logical shard it owns");
+    sqlx::query("DELETE FROM bagstore_owned WHERE logical = 5").execute(&target).await.unwrap();
+    assert_eq!(storage::entities::delete_logicals(1, &target, &[5], 10).await.unwrap(), 1);
 }
 
 /// Logical shards whose checksums differ: of entities, of index rows.
@@ -1247,8 +1290,9 @@ async fn a_journal_entry_committed_after_a_later_one_was_trimmed_is_kept() {
     let env = TestEnv::new("journal", "").await;
     env.migrate().await;
     let pool = env.pool(0).await;
-    let logical = 7u16;
-    journal::start_journal(0, &pool, &[logical], &[]).await.unwrap();
+    // Shard 0 owns the even logical shards of a new cluster of two.
+    let logical = 8u16;
+    journal::start_journal(0, &pool, 1, &[logical], &[]).await.unwrap();
     let insert = "INSERT INTO entities (id, logical, version, body) VALUES (?, ?, 1, 'x')";
 
     // The slow write: its trigger runs first, it commits last.
@@ -1358,4 +1402,222 @@ async fn a_target_row_changed_after_its_copy_is_found_by_the_copys_own_digests()
         assert_eq!((status, got["version"].as_u64()), (200, Some(*version)), "{id}: {got}");
         assert_eq!(&got["properties"]["n"], n, "{id} (the swapped one: {swapped}): {got}");
     }
+}
+
+/// Whether a process's log has a line (JSON) whose message is `message`
+/// and whose fields include every `(key, value)` of `fields`.
+fn logged(p: &bagstore_tests::Proc, message: &str, fields: &[(&str, Value)]) -> bool {
+    p.log_text()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .any(|j| j["message"] == json!(message) && fields.iter().all(|(k, v)| &j[*k] == v))
+}
+
+/// The live rows of index `index_user_name` of entity `id` on one shard
+/// (`first|last`).
+async fn user_name_rows(pool: &MySqlPool, id: &str) -> Vec<String> {
+    let rows: Vec<(String,)> = sqlx::query_as(
+        "SELECT CONCAT(CAST(first_name AS CHAR), '|', CAST(last_name AS CHAR)) FROM index_user_name \
+         WHERE entity_id = UNHEX(?) AND removed_us IS NULL ORDER BY 1",
+    )
+    .bind(id)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    rows.into_iter().map(|r| r.0).collect()
+}
+
+/// A move's cleanup run by a mover that lost the move does not touch the
+/// journal of the move that runs after it on the same source.
+///
+/// The interleaving (the chaos suite's killed connections make it: a
+/// `shards` command whose mover lock's session dies while its cleanup waits
+/// for the processes to load the new map): the command runs move 1 (s1 to
+/// s0) and waits in its cleanup; its lock's session is killed and the
+/// cleaner's mover takes move 1 over, also in its cleanup; the command's
+/// cleanup ends first and the command goes on with move 2, from the same
+/// source, which starts journaling; then the cleaner's cleanup of move 1
+/// stops "the" journal of s1: before the fix its triggers, every
+/// `bagstore_moving` row and every journal entry, move 2's too. A write
+/// made on s1 after that (an entity renamed, its index row replaced) is
+/// never caught up, and move 2's verification trusts the digests its copy
+/// read for those slices (the journal names no change to them): s0 takes
+/// the logical shard over with the entity's old version and its old index
+/// row (`Ann|Lee` dangling, `Ann|Kim` missing).
+///
+/// Made deterministic with real processes and locks: the reader, frozen
+/// with the map from before move 1, holds both cleanups in their wait; the
+/// cleaner is frozen while the command's cleanup goes on; the test's own
+/// session holds a row of s0's `bagstore_incoming` so that move 2's copy
+/// stops after its first step (the one with the renamed entity), and takes
+/// the mover lock once the cleaner's run lets it go, so the cleaner does
+/// not take move 2 over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cleanup_by_a_mover_that_lost_the_move_leaves_the_next_moves_journal_alone() {
+    use sqlx::Connection;
+    let env = TestEnv::new("stalecleanup", STANDARD_INDEXES).await;
+    env.migrate().await;
+    // Both cleanups wait as long as the frozen reader counts as live.
+    let ttl = ("BAGSTORE_MOVER__PROCESS_TTL_SECS", "600");
+    let writer = env.spawn(&["writer"]).await;
+    let indexer = env.spawn(&["indexer"]).await;
+    let reader = env.spawn(&["reader"]).await;
+    let cleaner = env.spawn_env(&["cleaner"], &[ttl, ("BAGSTORE_CLEANER__INTERVAL_MS", "3600000")]).await;
+    let api = writer.api();
+    // Move 1 takes the odd logical shards 3115-3177 from s1 to s0, move 2
+    // 3179-3241: the first step of move 2 (16 logical shards) holds the
+    // renamed entity and its `index_user_name` row (first name "Ann"), the
+    // second an entity whose copy the test holds back.
+    let ann = id_in(3179..=3179);
+    assert_eq!(schemas::logical_of(b"Ann", L), 3179);
+    let later = id_in(3221..=3221);
+    assert_eq!(api.put(&ann, &json!({"first_name": "Ann", "last_name": "Lee"})).await.0, 201);
+    assert_eq!(api.put(&later, &json!({"first_name": "Cy", "last_name": "Kim"})).await.0, 201);
+    env.until_caught_up(&["index_user_name"]).await;
+    let (s0, s1) = (env.pool(0).await, env.pool(1).await);
+    assert_eq!(user_name_rows(&s1, &ann).await, ["Ann|Lee"]);
+
+    // The copy of `later` to s0 (move 2's second step) waits behind this
+    // uncommitted row until the test lets it go.
+    let mut hold = sqlx::MySqlConnection::connect(&env.dsns[0]).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut hold).await.unwrap();
+    sqlx::query("INSERT INTO entities (id, logical, version) VALUES (UNHEX(?), 3221, 1)")
+        .bind(&later)
+        .execute(&mut hold)
+        .await
+        .unwrap();
+    reader.signal("STOP");
+    // Its log (at info) stays in the test's directory.
+    let log = std::fs::File::create(env.dir.path().join("shards-move.log")).unwrap();
+    let command = bagstore_tests::command(bagstore_tests::bagstore_bin())
+        .args(env.args(&["shards", "move", "--logical", "3115-3241", "--to", "s0"]))
+        .envs([ttl, ("BAGSTORE_MOVER__LOGICALS_PER_MOVE", "32"), ("BAGSTORE_MOVER__RATE", "1")])
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::piped())
+        .stderr(log)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let meta = env.pool(0).await;
+    let phase = |id: u64| {
+        let meta = meta.clone();
+        async move {
+            sqlx::query_as::<_, (String,)>("SELECT phase FROM bagstore_moves WHERE id = ?")
+                .bind(id)
+                .fetch_optional(&meta)
+                .await
+                .unwrap()
+                .map(|p| p.0)
+        }
+    };
+    eventually("move 1 to wait in its cleanup", Duration::from_secs(60), || async {
+        (phase(1).await.as_deref() == Some("cleanup")).then_some(())
+    })
+    .await;
+    kill_the_mover_locks_session(&meta).await;
+    eventually("the cleaner's mover to take move 1 over", Duration::from_secs(30), || async {
+        logged(&cleaner, "running move", &[("id", json!(1)), ("phase", json!("cleanup"))]).then_some(())
+    })
+    .await;
+    // Frozen once it routes with the new map (frozen with the old one, it
+    // would hold the command's cleanup too).
+    eventually("the cleaner to route with the new map", Duration::from_secs(30), || async {
+        let (behind,): (i64,) = sqlx::query_as(
+            "SELECT COUNT(*) FROM bagstore_processes WHERE role = 'cleaner' \
+             AND epoch < (SELECT epoch FROM bagstore_cluster WHERE id = 1)",
+        )
+        .fetch_one(&meta)
+        .await
+        .unwrap();
+        (behind == 0).then_some(())
+    })
+    .await;
+    cleaner.signal("STOP");
+    reader.signal("CONT");
+
+    // Move 2 copies its first step, then its copy waits for the test's row.
+    eventually("move 2 to copy its first step", Duration::from_secs(60), || async {
+        let m = storage::moves::get_move(&meta, 2).await.unwrap()?;
+        m.copied.contains(&3179).then_some(())
+    })
+    .await;
+    assert_eq!(phase(2).await.as_deref(), Some("copy"));
+
+    // The cleaner's run of move 1 goes on: its cleanup, then it finds the
+    // command took the move to its end.
+    cleaner.signal("CONT");
+    eventually("the cleaner's run of move 1 to end", Duration::from_secs(60), || async {
+        logged(&cleaner, "move failed; it stays resumable, tried again in 10 s", &[]).then_some(())
+    })
+    .await;
+    let mut mover_lock = sqlx::MySqlConnection::connect(&env.dsns[0]).await.unwrap();
+    let (got,): (Option<i64>,) = sqlx::query_as("SELECT GET_LOCK(CONCAT('bagstore.mover.', DATABASE()), 30)")
+        .fetch_one(&mut mover_lock)
+        .await
+        .unwrap();
+    assert_eq!(got, Some(1), "the cleaner kept the mover lock");
+
+    // A write to the first step, after its copy: the journal must bring it.
+    let (status, body) = api.put(&ann, &json!({"first_name": "Ann", "last_name": "Kim"})).await;
+    assert_eq!((status, body["version"].clone()), (200, json!(2)), "{body}");
+    eventually("the rename to be indexed on s1", Duration::from_secs(30), || async {
+        (user_name_rows(&s1, &ann).await == ["Ann|Kim"]).then_some(())
+    })
+    .await;
+    sqlx::query("ROLLBACK").execute(&mut hold).await.unwrap();
+    let out =
+        tokio::time::timeout(Duration::from_secs(120), command.wait_with_output()).await.unwrap().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+
+    let owner: (u32,) = sqlx::query_as("SELECT physical FROM bagstore_map WHERE logical = 3179")
+        .fetch_one(&meta)
+        .await
+        .unwrap();
+    assert_eq!(owner.0, 0, "move 2 did not flip");
+    let version: Option<(u64,)> = sqlx::query_as("SELECT version FROM entities WHERE id = UNHEX(?)")
+        .bind(&ann)
+        .fetch_optional(&s0)
+        .await
+        .unwrap();
+    assert_eq!(
+        (version.map(|v| v.0), user_name_rows(&s0, &ann).await),
+        (Some(2), vec!["Ann|Kim".to_string()]),
+        "s0 took logical shard 3179 over without the write made after its copy (entity version, \
+         index_user_name rows): the journal of move 2 was stopped by the cleanup of move 1"
+    );
+    for p in [writer, indexer, reader, cleaner] {
+        p.terminate().await;
+    }
+}
+
+/// A write whose journal trigger cannot run did not happen, and is refused
+/// as a failure to try again (503), not as a server error: after a
+/// connection was killed while it opened a journaled table, MariaDB hands
+/// other connections the half-loaded triggers, and their writes fail with
+/// `1146 Table '…bagstore_journal' doesn't exist` until the table is opened
+/// afresh (the chaos suite's indexers logged it mid-move; see
+/// `StoreError::is_journal_trigger_failure`). Here the journal table is
+/// renamed away for a moment, which makes the trigger fail the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_whose_journal_trigger_fails_is_refused_as_unavailable_and_passes_when_tried_again() {
+    use storage::journal;
+    let env = TestEnv::new("trigfail", "").await;
+    env.migrate().await;
+    let writer = env.spawn(&["writer"]).await;
+    let pool = env.pool(0).await;
+    // Shard 0 owns the even logical shards of a new cluster of two.
+    let logical = 8u16;
+    journal::start_journal(0, &pool, 1, &[logical], &[]).await.unwrap();
+    sqlx::query("RENAME TABLE bagstore_journal TO bagstore_journal_away").execute(&pool).await.unwrap();
+    let id = id_in(logical..=logical);
+    let (status, body) = writer.api().put(&id, &json!({"v": 1})).await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(entity_count(&pool, &[&id]).await, 0, "the write happened without its journal entry");
+    sqlx::query("RENAME TABLE bagstore_journal_away TO bagstore_journal").execute(&pool).await.unwrap();
+    let (status, body) = writer.api().put(&id, &json!({"v": 1})).await;
+    assert_eq!(status, 201, "{body}");
+    let entries = journal::read_journal(0, &pool, 10).await.unwrap();
+    assert_eq!(entries.iter().map(|e| e.entity.to_hex()).collect::<Vec<_>>(), [id]);
+    journal::stop_journal(0, &pool, 1, &[logical], &[]).await.unwrap();
+    writer.terminate().await;
 }
