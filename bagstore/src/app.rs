@@ -66,6 +66,7 @@ pub fn routes(
         let w = writer::Writer::new(settings.clone(), shards.clone(), registry, health.clone())?;
         w.spawn_relays(&pipeline.tracker, pipeline.stop.clone())?;
         w.spawn_ingest(&pipeline.tracker, pipeline.stop.clone());
+        w.spawn_ack_watch(&pipeline.tracker, pipeline.stop.clone());
         routes = routes.merge(writer::http::routes(w));
     }
     if roles.reader {

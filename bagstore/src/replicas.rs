@@ -33,13 +33,18 @@ const CATCH_UP: Duration = Duration::from_secs(600);
 
 /// `shards replicas add SHARD DSN`.
 pub async fn add(settings: Settings, shard: &str, dsn: Dsn) -> anyhow::Result<()> {
+    let settings_async = settings.mysql.allow_async;
     let shards = Shards::connect(&settings.mysql).await?;
     let result = add_to(&shards, &settings, shard, &dsn).await;
     shards.close().await;
     let (p, seeded) = result?;
+    let acks = if settings_async {
+        "replicates asynchronously (mysql.allow_async): a failover may lose acknowledged writes"
+    } else {
+        "now acknowledges a write only once a replica holds it"
+    };
     println!(
-        "replica {} of shard {shard} added ({}); the primary {} now acknowledges a write only once a \
-         replica holds it",
+        "replica {} of shard {shard} added ({}); the primary {} {acks}",
         address_of(&dsn),
         if seeded { "seeded from a copy" } else { "from the primary's binary log" },
         p.address
@@ -96,7 +101,7 @@ async fn add_to(
         "the replica did not catch up with the primary ({target}) within {} s: see SHOW SLAVE STATUS on it",
         CATCH_UP.as_secs()
     );
-    replication::require_acks(id, &mut p_admin, true).await?;
+    replication::require_acks(id, &mut p_admin, !settings.mysql.allow_async).await?;
     topology::add_replica(shards.meta(), p.id, &address_of(dsn)).await?;
     Ok((p, seeded))
 }

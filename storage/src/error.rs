@@ -37,6 +37,14 @@ pub enum StoreError {
         "no server of physical shard {shard} takes writes ({servers} known): a failover may be under way"
     )]
     NoPrimary { shard: usize, servers: usize },
+    /// The shard has replicas and none acknowledges commits now: a write
+    /// would wait until one does, so it is refused before it begins
+    /// (nothing was written; the writer's gate, see the acks module).
+    #[error(
+        "physical shard {shard} has replicas but none acknowledges writes now: the write was refused \
+         before it began (nothing was written); try again shortly"
+    )]
+    NoAcknowledgingReplica { shard: usize },
     /// A read found a shard's epoch moved: its map is stale.
     #[error("physical shard {shard} changed ownership since the map was loaded")]
     StaleMap { shard: usize },
@@ -110,6 +118,7 @@ impl StoreError {
             )
             || matches!(self.mysql_number(), Some(1040 | 1203 | 1615 | 2002 | 2003))
             || self.is_journal_trigger_failure()
+            || matches!(self, StoreError::NoPrimary { .. } | StoreError::NoAcknowledgingReplica { .. })
     }
 
     /// A move's journal trigger could not run, so the

@@ -45,6 +45,7 @@
 //! against the epoch are exact. Table and column names in SQL text come
 //! only from validated specs (`schemas::names`); every value is bound.
 
+pub mod acks;
 pub mod carry;
 pub mod catalog;
 pub mod checksums;

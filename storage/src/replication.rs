@@ -81,6 +81,20 @@ pub async fn server_state(shard: usize, conn: &mut MySqlConnection) -> Result<Se
     .fetch_one(&mut *conn)
     .await
     .on(shard)?;
+    let (clients, on) = semi_sync(shard, conn).await?;
+    Ok(ServerState {
+        server_id: server_id.trim().parse().unwrap_or(0),
+        read_only: is_on(&read_only),
+        current: GtidPos::parse(&current).map_err(|e| bad_gtid(shard, e))?,
+        replica: replica_state(shard, conn).await?,
+        semi_sync_clients: clients,
+        semi_sync_on: on,
+    })
+}
+
+/// Semi-sync replicas connected now (`Rpl_semi_sync_master_clients`), and
+/// whether commits wait for one (`Rpl_semi_sync_master_status`).
+async fn semi_sync(shard: usize, conn: &mut MySqlConnection) -> Result<(u64, bool)> {
     let status = sqlx::query(
         "SHOW GLOBAL STATUS WHERE Variable_name IN ('Rpl_semi_sync_master_clients', 'Rpl_semi_sync_master_status')",
     )
@@ -95,14 +109,14 @@ pub async fn server_state(shard: usize, conn: &mut MySqlConnection) -> Result<Se
             _ => on = value.eq_ignore_ascii_case("ON"),
         }
     }
-    Ok(ServerState {
-        server_id: server_id.trim().parse().unwrap_or(0),
-        read_only: is_on(&read_only),
-        current: GtidPos::parse(&current).map_err(|e| bad_gtid(shard, e))?,
-        replica: replica_state(shard, conn).await?,
-        semi_sync_clients: clients,
-        semi_sync_on: on,
-    })
+    Ok((clients, on))
+}
+
+/// [`semi_sync`] of the primary behind `pool` (the writer's watch, see
+/// the acks module): acknowledging replicas connected, commits waiting.
+pub async fn acknowledging(shard: usize, pool: &sqlx::MySqlPool) -> Result<(u64, bool)> {
+    let mut conn = pool.acquire().await.on(shard)?;
+    semi_sync(shard, &mut conn).await
 }
 
 /// `SHOW SLAVE STATUS`, when the server has a primary configured.

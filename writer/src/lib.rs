@@ -36,6 +36,7 @@
 //! atomically with the write, and a row leaves the outbox only after Kafka
 //! acknowledged it.
 
+mod acks;
 mod commit;
 mod group;
 pub mod http;

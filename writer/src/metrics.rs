@@ -35,11 +35,43 @@ pub struct Metrics {
     pub ingest_lag: prometheus::IntGauge,
     /// Ingest topic partitions this writer holds now.
     pub ingest_partitions: prometheus::IntGauge,
+    /// Semi-sync replicas the shard's primary has connected (-1: the shard
+    /// has no replicas, or replication is asynchronous by choice); at 0
+    /// the shard refuses writes.
+    pub acknowledging: IntGaugeVec,
 }
 
 impl Metrics {
     pub fn register(r: &Registry) -> prometheus::Result<Metrics> {
-        let m = Metrics {
+        let m = Metrics::new()?;
+        for outcome in ["applied", "duplicate", "refused", "malformed"] {
+            m.ingest_commands.with_label_values(&[outcome]);
+        }
+        let all: [Box<dyn prometheus::core::Collector>; 15] = [
+            Box::new(m.ingest_commands.clone()),
+            Box::new(m.ingest_lag.clone()),
+            Box::new(m.ingest_partitions.clone()),
+            Box::new(m.acknowledging.clone()),
+            Box::new(m.pending.clone()),
+            Box::new(m.refused.clone()),
+            Box::new(m.stale_map_retries.clone()),
+            Box::new(m.writes.clone()),
+            Box::new(m.published.clone()),
+            Box::new(m.publish_failures.clone()),
+            Box::new(m.outbox_backlog.clone()),
+            Box::new(m.outbox_oldest.clone()),
+            Box::new(m.relay_leader.clone()),
+            Box::new(m.group_size.clone()),
+            Box::new(m.queued.clone()),
+        ];
+        for c in all {
+            r.register(c)?;
+        }
+        Ok(m)
+    }
+
+    fn new() -> prometheus::Result<Metrics> {
+        Ok(Metrics {
             writes: IntCounterVec::new(
                 Opts::new("bagstore_writer_writes_total", "Committed entity writes"),
                 &["shard", "kind"],
@@ -112,25 +144,14 @@ impl Metrics {
                 "bagstore_ingest_assigned_partitions",
                 "Ingest topic partitions this writer consumes",
             )?,
-        };
-        for outcome in ["applied", "duplicate", "refused", "malformed"] {
-            m.ingest_commands.with_label_values(&[outcome]);
-        }
-        r.register(Box::new(m.ingest_commands.clone()))?;
-        r.register(Box::new(m.ingest_lag.clone()))?;
-        r.register(Box::new(m.ingest_partitions.clone()))?;
-        r.register(Box::new(m.pending.clone()))?;
-        r.register(Box::new(m.refused.clone()))?;
-        r.register(Box::new(m.stale_map_retries.clone()))?;
-        r.register(Box::new(m.writes.clone()))?;
-        r.register(Box::new(m.published.clone()))?;
-        r.register(Box::new(m.publish_failures.clone()))?;
-        r.register(Box::new(m.outbox_backlog.clone()))?;
-        r.register(Box::new(m.outbox_oldest.clone()))?;
-        r.register(Box::new(m.relay_leader.clone()))?;
-        r.register(Box::new(m.group_size.clone()))?;
-        r.register(Box::new(m.queued.clone()))?;
-        Ok(m)
+            acknowledging: IntGaugeVec::new(
+                Opts::new(
+                    "bagstore_writer_acknowledging_replicas",
+                    "Semi-sync replicas connected to the shard's primary (-1: none expected); at 0 its writes are refused",
+                ),
+                &["shard"],
+            )?,
+        })
     }
 
     /// Every shard's series at 0 from the start, so dashboards and

@@ -62,6 +62,13 @@ pub struct MysqlSettings {
     pub replication_user: String,
     /// `replication_user`'s password.
     pub replication_password: Secret,
+    /// Replicate asynchronously: a shard's primary acknowledges a write
+    /// before any replica holds it, so a failover may lose it. Off (the
+    /// default), a shard with replicas acknowledges a write only once a
+    /// replica has it, and refuses writes (503) while none is connected.
+    /// Read by `shards replicas add` (which then leaves the primary
+    /// asynchronous) and by the writers.
+    pub allow_async: bool,
 }
 
 impl Default for MysqlSettings {
@@ -76,6 +83,7 @@ impl Default for MysqlSettings {
             admin_password: Secret(String::new()),
             replication_user: String::new(),
             replication_password: Secret(String::new()),
+            allow_async: false,
         }
     }
 }

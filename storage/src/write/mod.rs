@@ -37,6 +37,7 @@ use schemas::{Bag, EntityId, Settings};
 use std::sync::Arc;
 use tokio::sync::OnceCell;
 
+use crate::acks::AckGate;
 use crate::shards::MAX_PHYSICAL;
 use crate::{Shards, StoreError};
 
@@ -211,6 +212,8 @@ impl Rules {
 pub struct WriteContext {
     shards: Shards,
     rules: Rules,
+    /// Shards that refuse writes for want of an acknowledging replica.
+    acks: Arc<AckGate>,
     /// By physical id, asked once: whether a multi-row insert's new rows are
     /// numbered consecutively (see [`crate::entities::autoinc_is_consecutive`]).
     consecutive: Vec<OnceCell<bool>>,
@@ -219,7 +222,12 @@ pub struct WriteContext {
 impl WriteContext {
     pub fn new(shards: Shards, rules: Rules) -> WriteContext {
         let consecutive = (0..MAX_PHYSICAL).map(|_| OnceCell::new()).collect();
-        WriteContext { shards, rules, consecutive }
+        WriteContext { shards, rules, consecutive, acks: Arc::default() }
+    }
+
+    /// The gate the writer's watch sets (`crate::acks`).
+    pub fn acks(&self) -> &Arc<AckGate> {
+        &self.acks
     }
 
     pub fn shards(&self) -> &Shards {

@@ -33,6 +33,7 @@ const CONFLICT_RETRIES: usize = 8;
 /// create an id. Items are decided in their order (see `super::decide`).
 /// The caller wakes whoever publishes the shard's outbox.
 pub async fn commit(ctx: &WriteContext, shard: usize, items: &[Item]) -> Result<Committed, StoreError> {
+    ctx.acks().check(shard)?;
     let conns = ctx.shards().conns(shard);
     let mut taken = conns.take().await?;
     let mut attempt = 0;
@@ -57,7 +58,13 @@ pub async fn commit(ctx: &WriteContext, shard: usize, items: &[Item]) -> Result<
             Err((e, _)) if e.is_dead_connection() => return Err(e),
             Err((e, _)) if e.is_retryable_conflict() && attempt < CONFLICT_RETRIES => attempt += 1,
             Err((e, _)) => {
-                conns.give_back(taken);
+                // The dropped transaction's ROLLBACK is only queued: sent
+                // now, so an idle connection holds no locks (a metadata
+                // lock kept would stall the next DDL on its tables, a
+                // move's journal triggers among them).
+                if taken.conn.ping().await.is_ok() {
+                    conns.give_back(taken);
+                }
                 return Err(e);
             }
         }

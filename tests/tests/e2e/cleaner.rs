@@ -335,11 +335,14 @@ async fn the_continuous_cleaner_repairs_missing_and_dangling_rows_within_seconds
     assert!(found(&after, "dangling") - found(&before, "dangling") >= 4.0, "{after}");
     assert!(fixed(&after, "missing") - fixed(&before, "missing") >= 5.0);
     assert!(fixed(&after, "dangling") - fixed(&before, "dangling") >= 4.0);
-    // The warnings name the entities (32 lowercase hex), so a report can too.
+    // The warnings name the entities (32 lowercase hex), so a report can
+    // too. The log is JSON lines (not a terminal).
     let log = dev.log_text();
     let warned = |kind: &str| -> String {
         log.lines()
-            .filter(|l| l.contains(" WARN ") && l.contains(&format!("{kind} index rows")))
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|j| j["level"] == "WARN" && j["message"] == format!("{kind} index rows").as_str())
+            .map(|j| j.to_string())
             .collect::<Vec<_>>()
             .join("\n")
     };

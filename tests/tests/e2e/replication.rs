@@ -226,6 +226,35 @@ async fn a_replica_is_checked_seeded_listed_and_removed_while_the_shard_serves()
     })
     .await;
 
+    // The replica stops acknowledging: once the writer's watch sees it,
+    // writes to s1 are refused before they begin (none hangs), health and
+    // the gauge say why; acknowledging again, writes pass.
+    let mut croot = connect(&c.server_dsn()).await;
+    storage::replication::stop_receiving(2, &mut croot).await.unwrap();
+    let gauge = |n: i64| format!("bagstore_writer_acknowledging_replicas{{shard=\"1\"}} {n}");
+    eventually("the writer to see no acknowledging replica", Duration::from_secs(20), || async {
+        api.metrics().await.contains(&gauge(0)).then_some(())
+    })
+    .await;
+    let on_s1: String = {
+        let mut bs1 = connect(&replication::service_dsn(&b, &db(1))).await;
+        sqlx::query_scalar("SELECT LOWER(HEX(id)) FROM entities LIMIT 1").fetch_one(&mut bs1).await.unwrap()
+    };
+    let (status, body) =
+        tokio::time::timeout(Duration::from_secs(5), api.put(&on_s1, &json!({"n": "refused"})))
+            .await
+            .expect("a write to a shard without an acknowledging replica hung");
+    assert_eq!(status, 503, "{body}");
+    assert!(body["type"].as_str().is_some_and(|t| t.ends_with("no-acknowledging-replica")), "{body}");
+    let (_, health) = api.raw(reqwest::Method::GET, "/health/ready", Vec::new()).await;
+    assert!(health.to_string().contains("replicas of shard s1"), "{health}");
+    sqlx::query("START SLAVE IO_THREAD").execute(&mut croot).await.unwrap();
+    eventually("the writer to see the replica acknowledge again", Duration::from_secs(20), || async {
+        api.metrics().await.contains(&gauge(1)).then_some(())
+    })
+    .await;
+    assert_eq!(api.put(&on_s1, &json!({"n": "again"})).await.0, 200);
+
     let s1 =
         |doc: Value| doc["shards"].as_array().unwrap().iter().find(|s| s["name"] == "s1").unwrap().clone();
     let list = || async {

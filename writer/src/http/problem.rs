@@ -7,6 +7,7 @@ use axum::Json;
 use serde_json::{json, Value as JsonValue};
 use service::http::Problem;
 use storage::write::{Outcome, WriteError};
+use storage::StoreError;
 
 /// `write_token` is what a query passes in `consistent_with` to see this
 /// write through an index (read-your-writes).
@@ -65,6 +66,13 @@ pub(crate) fn write_problem(e: WriteError) -> Problem {
         WriteError::TooLarge { .. } => {
             Problem::new(StatusCode::PAYLOAD_TOO_LARGE, "entity-too-large", "Entity too large", e.to_string())
         }
+        WriteError::Store(StoreError::NoAcknowledgingReplica { .. }) => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no-acknowledging-replica",
+            "No replica acknowledges writes",
+            e.to_string(),
+        )
+        .retry_after(1),
         WriteError::Store(_) | WriteError::ShardFailed { .. } if e.is_transient() => Problem::unavailable(&e),
         WriteError::Store(_) | WriteError::ShardFailed { .. } => Problem::internal(&e),
     }

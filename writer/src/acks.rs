@@ -1,0 +1,63 @@
+//! The writer's watch on its shards' acknowledging replicas: every
+//! [`EVERY`], each shard with replicas in the map is asked how many
+//! semi-sync replicas its primary has connected. With none, new writes to
+//! it are refused (503 `no-acknowledging-replica`, nothing written; see
+//! `storage::acks`), health names the shard and the gauge shows 0; with
+//! one again, writes pass. A shard without replicas, or a cluster that
+//! chose asynchronous replication (`mysql.allow_async`), is never gated.
+//! A primary that does not answer leaves its gate as it was: its writes
+//! fail on their own.
+
+use std::sync::Arc;
+use std::time::Duration;
+use storage::acks::AckGate;
+use storage::{replication, Shards};
+use tokio_util::sync::CancellationToken;
+
+use crate::Writer;
+
+/// How often the primaries are asked.
+pub const EVERY: Duration = Duration::from_millis(500);
+
+impl Writer {
+    /// Starts the watch (see the module's docs).
+    pub fn spawn_ack_watch(&self, tracker: &tokio_util::task::TaskTracker, stop: CancellationToken) {
+        let w = self.clone();
+        tracker.spawn(async move {
+            let gate = w.inner.commit.context().acks().clone();
+            while !stop.is_cancelled() {
+                w.check_acks(&gate).await;
+                if !service::serve::sleep_or_stop(&stop, EVERY).await {
+                    break;
+                }
+            }
+        });
+    }
+
+    async fn check_acks(&self, gate: &Arc<AckGate>) {
+        let shards: &Shards = &self.inner.shards;
+        let t = shards.topology();
+        let allow_async = self.inner.settings.mysql.allow_async;
+        for p in &t.shards {
+            let id = p.id as usize;
+            let part = format!("replicas of shard {}", p.name);
+            let gauge = self.inner.metrics.acknowledging.with_label_values(&[&id.to_string()]);
+            if allow_async || t.replicas_of(p.id).next().is_none() {
+                gate.set(id, false);
+                gauge.set(-1);
+                self.inner.health.report(&part, Ok(()));
+                continue;
+            }
+            let Ok((clients, _)) = replication::acknowledging(id, shards.pool(id)).await else { continue };
+            gate.set(id, clients == 0);
+            gauge.set(clients as i64);
+            let outcome = if clients == 0 {
+                Err("no replica acknowledges writes: new writes to the shard are refused until one does"
+                    .into())
+            } else {
+                Ok(())
+            };
+            self.inner.health.report(&part, outcome);
+        }
+    }
+}
