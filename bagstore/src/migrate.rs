@@ -50,6 +50,7 @@ pub async fn migrate(settings: &Settings, kafka: bool) -> anyhow::Result<(Report
     let shards =
         Shards::connect(&settings.mysql).await.context("checking the configuration against the cluster")?;
     shards.try_each(migrate::create_base_tables).await.context("creating base tables")?;
+    crate::replicas::check_cluster(&shards).await?;
     // What removed features left (the binary-log outbox, bulk backfills),
     // dropped only where that loses nothing; refused otherwise.
     let mut tables: Vec<String> =

@@ -151,6 +151,47 @@ async fn remove_from(
     Ok(true)
 }
 
+/// What `migrate` checks of every shard with replicas: each server is
+/// what replication without loss needs (as `replicas add` checks), and
+/// every server of a shard has its own `server_id`. Refuses, naming every
+/// problem, when one is not; a replica that does not answer is only
+/// reported (it is not serving, and `shards list` shows it down).
+pub async fn check_cluster(shards: &Shards) -> anyhow::Result<()> {
+    let t = shards.topology();
+    let mut wrong = Vec::new();
+    for p in &t.shards {
+        let servers: Vec<(&str, Role)> = std::iter::once((p.address.as_str(), Role::Primary))
+            .chain(t.replicas_of(p.id).map(|r| (r.address.as_str(), Role::Replica)))
+            .collect();
+        if servers.len() == 1 {
+            continue; // No replicas: nothing replication needs.
+        }
+        let mut ids: Vec<(u32, &str)> = Vec::new();
+        for (address, role) in servers {
+            let dsn = shards.credentials_for(address)?;
+            let Ok(mut conn) = connect(&dsn, address).await else {
+                eprintln!("warning: {address} (shard {}) did not answer; not checked", p.name);
+                continue;
+            };
+            let id = p.id as usize;
+            wrong.extend(
+                check_server(id, &mut conn, role).await?.into_iter().map(|w| format!("{address}: {w}")),
+            );
+            let server_id = server_state(id, &mut conn).await?.server_id;
+            if let Some((_, other)) = ids.iter().find(|(s, _)| *s == server_id) {
+                wrong.push(format!("{address}: server_id {server_id} is also {other}'s"));
+            }
+            ids.push((server_id, address));
+        }
+    }
+    ensure!(
+        wrong.is_empty(),
+        "the replicated shards are not ready for replication without loss:\n  - {}",
+        wrong.join("\n  - ")
+    );
+    Ok(())
+}
+
 fn shard_named(shards: &Shards, name: &str) -> anyhow::Result<PhysicalShard> {
     let t = shards.topology();
     match t.shards.iter().find(|p| p.name == name) {

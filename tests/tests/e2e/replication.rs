@@ -276,6 +276,14 @@ async fn a_replica_is_checked_seeded_listed_and_removed_while_the_shard_serves()
     let address = servers[1]["address"].as_str().unwrap().to_string();
     assert!(!address.contains("bagstore_repl"), "{address}");
 
+    // migrate checks every server of a replicated shard.
+    let (ok, out, err) = run(&["migrate"]).await;
+    assert!(ok, "migrate refused a sound replicated shard: {out}{err}");
+    sqlx::query("SET GLOBAL gtid_strict_mode = 0").execute(&mut croot).await.unwrap();
+    let (ok, _, err) = run(&["migrate"]).await;
+    assert!(!ok && err.contains("gtid_strict_mode must be ON") && err.contains(&address), "{err}");
+    sqlx::query("SET GLOBAL gtid_strict_mode = 1").execute(&mut croot).await.unwrap();
+
     // Removed: the primary stops waiting first, so a write still passes.
     let (ok, out, err) = run(&["shards", "replicas", "remove", "s1", &address]).await;
     assert!(ok, "replicas remove failed: {out}{err}");
