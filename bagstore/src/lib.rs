@@ -28,4 +28,5 @@ pub mod migrate;
 pub mod progress;
 pub mod replicas;
 pub mod shards;
+pub mod switchover;
 mod table;

@@ -3,7 +3,7 @@
 
 use anyhow::Context;
 use bagstore::client_commands::{self as client, ClientArgs};
-use bagstore::{admin, app, changes, dev, logging, migrate, replicas, shards};
+use bagstore::{admin, app, changes, dev, logging, migrate, replicas, shards, switchover};
 use clap::{Parser, Subcommand};
 use schemas::Settings;
 use std::path::PathBuf;
@@ -218,6 +218,16 @@ enum ShardsCommand {
     /// A physical shard's replicas (MariaDB: GTID, semi-sync).
     #[command(subcommand)]
     Replicas(ReplicasCommand),
+    /// Make a replica of SHARD its primary, both up (planned): the primary is fenced, the
+    /// replica catches up, the others follow it; no acknowledged write is lost.
+    Switchover {
+        shard: String,
+        /// The replica to promote (its address as `shards list` shows it); default: the most advanced.
+        #[arg(long)]
+        to: Option<String>,
+        #[arg(long)]
+        config: PathBuf,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -327,6 +337,9 @@ async fn shards_command(command: ShardsCommand) -> anyhow::Result<()> {
         ShardsCommand::Abort { id, config } => shards::abort(external(&config)?, id).await,
         ShardsCommand::Replicas(ReplicasCommand::Add { shard, dsn, config }) => {
             replicas::add(external(&config)?, &shard, schemas::settings::Dsn(dsn)).await
+        }
+        ShardsCommand::Switchover { shard, to, config } => {
+            switchover::switchover(external(&config)?, &shard, to.as_deref()).await
         }
         ShardsCommand::Replicas(ReplicasCommand::Remove { shard, address, config }) => {
             replicas::remove(external(&config)?, &shard, &address).await

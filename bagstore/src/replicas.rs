@@ -192,7 +192,7 @@ pub async fn check_cluster(shards: &Shards) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn shard_named(shards: &Shards, name: &str) -> anyhow::Result<PhysicalShard> {
+pub(crate) fn shard_named(shards: &Shards, name: &str) -> anyhow::Result<PhysicalShard> {
     let t = shards.topology();
     match t.shards.iter().find(|p| p.name == name) {
         Some(p) => Ok(p.clone()),
@@ -203,7 +203,7 @@ fn shard_named(shards: &Shards, name: &str) -> anyhow::Result<PhysicalShard> {
     }
 }
 
-async fn connect(dsn: &Dsn, what: &str) -> anyhow::Result<MySqlConnection> {
+pub(crate) async fn connect(dsn: &Dsn, what: &str) -> anyhow::Result<MySqlConnection> {
     dedicated_connection(dsn).await.with_context(|| format!("connecting to {what} ({})", dsn.redacted()))
 }
 
@@ -223,7 +223,7 @@ async fn refuse_unless_ready(
 }
 
 /// `dsn` as `mysql.admin_user` (unchanged when that is empty).
-fn admin(settings: &Settings, dsn: &Dsn) -> Dsn {
+pub(crate) fn admin(settings: &Settings, dsn: &Dsn) -> Dsn {
     let m = &settings.mysql;
     if m.admin_user.is_empty() {
         return dsn.clone();
@@ -247,7 +247,7 @@ fn encode(s: &str) -> String {
 }
 
 /// Where replicas of the primary at `address` replicate from.
-fn source(settings: &Settings, address: &str) -> anyhow::Result<Source> {
+pub(crate) fn source(settings: &Settings, address: &str) -> anyhow::Result<Source> {
     let m = &settings.mysql;
     ensure!(!m.replication_user.is_empty(), "set mysql.replication_user: the account replicas replicate as");
     let opts = storage::dsn::connect_options(&Dsn(address.to_string()))?;

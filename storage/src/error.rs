@@ -86,12 +86,22 @@ impl StoreError {
     }
 
     /// The map this operation routed with is out of date: reload it and run
-    /// the operation again (on the new owner).
+    /// the operation again (on the new owner, or the new primary). A
+    /// statement the server refused as read-only (1290) is the same as
+    /// [`StoreError::NotPrimary`]: the server turned read-only after the
+    /// transaction's ownership check (a switchover's fence), and the
+    /// refused transaction wrote nothing.
     pub fn is_stale_map(&self) -> bool {
         matches!(
             self,
             StoreError::NotOwner { .. } | StoreError::NotPrimary { .. } | StoreError::StaleMap { .. }
-        )
+        ) || self.is_read_only_refusal()
+    }
+
+    /// 1290 for `read_only` (the number covers other options too).
+    fn is_read_only_refusal(&self) -> bool {
+        let StoreError::Shard { source: sqlx::Error::Database(db), .. } = self else { return false };
+        self.mysql_number() == Some(1290) && db.message().contains("read-only")
     }
 
     /// Deadlocks, lock wait timeouts and a lost race to insert the same new

@@ -251,6 +251,55 @@ pub async fn add_replica(meta: &MySqlPool, physical: PhysicalId, address: &str) 
     tx.commit().await.on(s)
 }
 
+/// Records a change of physical shard `physical`'s primary, in one
+/// transaction on `meta` (a connection to the metadata shard's primary,
+/// which is `new_address` itself when the metadata shard is the one that
+/// changed): the shard's address becomes `new_address`, its `failovers`
+/// count rises (running processes move the shard's connections when they
+/// see it, see the shards module), the new primary leaves the replicas and
+/// `old_address` joins them, and the map's epoch rises so every process
+/// reloads it.
+pub async fn switch_primary(
+    meta: &mut MySqlConnection,
+    physical: PhysicalId,
+    new_address: &str,
+    old_address: &str,
+) -> Result<()> {
+    let s = META_SHARD;
+    sqlx::query("BEGIN").execute(&mut *meta).await.on(s)?;
+    let work = async {
+        sqlx::query("UPDATE bagstore_physical SET address = ?, failovers = failovers + 1 WHERE id = ?")
+            .bind(new_address)
+            .bind(physical)
+            .execute(&mut *meta)
+            .await
+            .on(s)?;
+        sqlx::query("DELETE FROM bagstore_replicas WHERE physical = ? AND address = ?")
+            .bind(physical)
+            .bind(new_address)
+            .execute(&mut *meta)
+            .await
+            .on(s)?;
+        sqlx::query("INSERT IGNORE INTO bagstore_replicas (physical, address) VALUES (?, ?)")
+            .bind(physical)
+            .bind(old_address)
+            .execute(&mut *meta)
+            .await
+            .on(s)?;
+        sqlx::query("UPDATE bagstore_cluster SET epoch = epoch + 1 WHERE id = 1")
+            .execute(&mut *meta)
+            .await
+            .on(s)?;
+        sqlx::query("COMMIT").execute(&mut *meta).await.on(s)?;
+        Ok(())
+    };
+    let done: Result<()> = work.await;
+    if done.is_err() {
+        let _ = sqlx::query("ROLLBACK").execute(&mut *meta).await;
+    }
+    done
+}
+
 /// Unregisters a replica (and raises the map's epoch); false if it was not
 /// registered.
 pub async fn remove_replica(meta: &MySqlPool, physical: PhysicalId, address: &str) -> Result<bool> {

@@ -304,3 +304,121 @@ async fn a_replica_is_checked_seeded_listed_and_removed_while_the_shard_serves()
         server.stop().await.expect("a clean stop");
     }
 }
+
+/// `shards switchover` under a steady stream of writes, on a shard and on
+/// the metadata shard: every acknowledged write reads back at its version
+/// afterwards, writes go on without restarting anything, the map and
+/// `shards list` show the new primary with the old one replicating from
+/// it, and switching back with `--to` works the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switchover_loses_no_acknowledged_write_and_the_running_writer_follows_it() {
+    use bagstore_tests::TestEnv;
+    use serde_json::{json, Value};
+    use std::sync::{Arc, Mutex};
+    let mut env = TestEnv::new("switchover", "").await;
+    let dir = env.dir.path().to_path_buf();
+    let (a, b) = (start(&dir.join("a"), 1, false).await, start(&dir.join("b"), 2, false).await);
+    let (c, d) = (start(&dir.join("c"), 3, true).await, start(&dir.join("d"), 4, true).await);
+    for s in [&a, &b, &c, &d] {
+        replication::create_accounts(s).await.expect("accounts");
+    }
+    let db = |i: usize| format!("{}_s{i}", env.name);
+    env.dsns = vec![replication::service_dsn(&a, &db(0)), replication::service_dsn(&b, &db(1))];
+    env.migrate().await;
+    let admin = [
+        ("BAGSTORE_MYSQL__ADMIN_USER", "root"),
+        ("BAGSTORE_MYSQL__REPLICATION_USER", replication::REPLICATION_USER),
+        ("BAGSTORE_MYSQL__REPLICATION_PASSWORD", replication::REPLICATION_PASSWORD),
+    ];
+    let run = |args: Vec<String>| {
+        let env = &env;
+        async move { env.run(&args, &admin).await }
+    };
+    for (shard, replica, i) in [("s1", &c, 1), ("s0", &d, 0)] {
+        let dsn = replication::service_dsn(replica, &db(i));
+        let (ok, out, err) = run(env.args(&["shards", "replicas", "add", shard, &dsn])).await;
+        assert!(ok, "replicas add {shard}: {out}{err}");
+    }
+    let writer = env.spawn(&["writer"]).await;
+    let api = writer.api();
+
+    // A client writes without pause; each acknowledged write is recorded.
+    let acked: Arc<Mutex<Vec<(String, u64)>>> = Arc::default();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let client = {
+        let (api, acked, stop) = (writer.api(), acked.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut refused = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let id = schemas::EntityId(rand::random()).to_hex();
+                let (status, body) = api.put(&id, &json!({"v": 1})).await;
+                match status {
+                    201 => acked.lock().unwrap().push((id, body["version"].as_u64().unwrap())),
+                    503 => refused += 1,
+                    other => panic!("a write answered {other}: {body}"),
+                }
+            }
+            refused
+        })
+    };
+    let written = |n: usize| {
+        let acked = acked.clone();
+        async move {
+            let start = acked.lock().unwrap().len();
+            eventually("writes to be acknowledged", Duration::from_secs(30), || async {
+                (acked.lock().unwrap().len() >= start + n).then_some(())
+            })
+            .await;
+        }
+    };
+    written(20).await;
+    let shard_doc = |name: &'static str| {
+        let env = &env;
+        async move {
+            let (ok, out, err) = env.run(&env.args(&["shards", "list", "--json"]), &[]).await;
+            assert!(ok, "{err}");
+            let doc: Value = serde_json::from_str(&out).unwrap();
+            doc["shards"].as_array().unwrap().iter().find(|s| s["name"] == name).unwrap().clone()
+        }
+    };
+    let address_of =
+        |server: &MariaDb, i: usize| format!("mysql://bagstore@127.0.0.1:{}/{}", server.port(), db(i));
+    for (shard, old, new, i, to) in
+        [("s1", &b, &c, 1, None), ("s0", &a, &d, 0, None), ("s1", &c, &b, 1, Some(address_of(&b, 1)))]
+    {
+        let mut args = vec!["shards", "switchover", shard];
+        if let Some(to) = to.as_deref() {
+            args.extend(["--to", to]);
+        }
+        let (ok, out, err) = run(env.args(&args)).await;
+        assert!(ok, "switchover {shard}: {out}{err}");
+        eprint!("{out}");
+        let doc = eventually(
+            "shards list to show the new primary with its replica online",
+            Duration::from_secs(30),
+            || async {
+                let s = shard_doc(shard).await;
+                (s["address"] == address_of(new, i) && s["servers"][1]["state"] == "online").then_some(s)
+            },
+        )
+        .await;
+        assert_eq!(doc["servers"][1]["address"], address_of(old, i), "{doc}");
+        // The running writer follows: writes are acknowledged again.
+        written(20).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let refused = client.await.unwrap();
+    let acked = acked.lock().unwrap().clone();
+    eprintln!("{} writes acknowledged, {refused} answered 503 across three switchovers", acked.len());
+    let reader = env.spawn(&["reader"]).await;
+    for (id, version) in &acked {
+        let (status, body) = reader.api().get(id).await;
+        assert_eq!(status, 200, "acknowledged write {id} is gone: {body}");
+        assert_eq!(body["version"].as_u64(), Some(*version), "{id}: {body}");
+    }
+    assert_eq!(api.put(&acked[0].0, &json!({"v": 2})).await.0, 200);
+    drop((writer, reader));
+    for server in [a, b, c, d] {
+        server.stop().await.expect("a clean stop");
+    }
+}
