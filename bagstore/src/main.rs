@@ -218,6 +218,18 @@ enum ShardsCommand {
     /// A physical shard's replicas (MariaDB: GTID, semi-sync).
     #[command(subcommand)]
     Replicas(ReplicasCommand),
+    /// SHARD's primary is gone: promote the most advanced replica (every replica must answer).
+    Failover {
+        shard: String,
+        /// The replica to promote; refused unless it is as advanced as every other.
+        #[arg(long)]
+        to: Option<String>,
+        /// Take writes even when no replica is left to acknowledge them.
+        #[arg(long)]
+        accept_async: bool,
+        #[arg(long)]
+        config: PathBuf,
+    },
     /// Make a replica of SHARD its primary, both up (planned): the primary is fenced, the
     /// replica catches up, the others follow it; no acknowledged write is lost.
     Switchover {
@@ -337,6 +349,9 @@ async fn shards_command(command: ShardsCommand) -> anyhow::Result<()> {
         ShardsCommand::Abort { id, config } => shards::abort(external(&config)?, id).await,
         ShardsCommand::Replicas(ReplicasCommand::Add { shard, dsn, config }) => {
             replicas::add(external(&config)?, &shard, schemas::settings::Dsn(dsn)).await
+        }
+        ShardsCommand::Failover { shard, to, accept_async, config } => {
+            switchover::failover(external(&config)?, &shard, to.as_deref(), accept_async).await
         }
         ShardsCommand::Switchover { shard, to, config } => {
             switchover::switchover(external(&config)?, &shard, to.as_deref()).await

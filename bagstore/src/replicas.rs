@@ -37,7 +37,7 @@ pub async fn add(settings: Settings, shard: &str, dsn: Dsn) -> anyhow::Result<()
     let shards = Shards::connect(&settings.mysql).await?;
     let result = add_to(&shards, &settings, shard, &dsn).await;
     shards.close().await;
-    let (p, seeded) = result?;
+    let (p, how) = result?;
     let acks = if settings_async {
         "replicates asynchronously (mysql.allow_async): a failover may lose acknowledged writes"
     } else {
@@ -46,7 +46,7 @@ pub async fn add(settings: Settings, shard: &str, dsn: Dsn) -> anyhow::Result<()
     println!(
         "replica {} of shard {shard} added ({}); the primary {} {acks}",
         address_of(&dsn),
-        if seeded { "seeded from a copy" } else { "from the primary's binary log" },
+        how.says(),
         p.address
     );
     Ok(())
@@ -57,7 +57,7 @@ async fn add_to(
     settings: &Settings,
     name: &str,
     dsn: &Dsn,
-) -> anyhow::Result<(PhysicalShard, bool)> {
+) -> anyhow::Result<(PhysicalShard, How)> {
     let p = shard_named(shards, name)?;
     let primary = shards.credentials_for(&p.address)?;
     let db = |d: &Dsn| split_database(d).map(|(db, _)| db);
@@ -87,12 +87,31 @@ async fn add_to(
     let source = source(settings, &p.address)?;
     let already =
         rs.replica.as_ref().is_some_and(|r| r.master_port == source.port && r.master_host == source.host);
-    let seeded = if already {
-        false
+    let how = if already {
+        How::Replicating
+    } else if !rs.current.is_empty() {
+        // A server with a history of its own rejoins (a former primary,
+        // its unacknowledged tail truncated by its recovery) only if the
+        // primary holds every transaction it holds: anything more is an
+        // errant transaction no one acknowledged, never to be served.
+        ensure!(
+            ps.current.includes(&rs.current),
+            "{} holds transactions the primary does not ({} against the primary's {}): errant, never \
+             acknowledged; re-seed it (an empty server) rather than let it rejoin",
+            address_of(dsn),
+            rs.current,
+            ps.current
+        );
+        replication::replicate_from(id, &mut r_admin, &source, None).await?;
+        How::Rejoined
     } else {
         let from = seed(id, settings, &primary, &server, &mut p_admin, &mut r_admin).await?;
         replication::replicate_from(id, &mut r_admin, &source, from.as_ref()).await?;
-        from.is_some()
+        if from.is_some() {
+            How::Seeded
+        } else {
+            How::FromLog
+        }
     };
     refuse_unless_ready(id, &mut r_service, Role::Replica, "the replica").await?;
     let target = server_state(id, &mut p_admin).await?.current;
@@ -102,8 +121,36 @@ async fn add_to(
         CATCH_UP.as_secs()
     );
     replication::require_acks(id, &mut p_admin, !settings.mysql.allow_async).await?;
+    // A primary a failover left alone stays read-only until now (the
+    // metadata shard's among them: the map is written next).
+    if server_state(id, &mut p_admin).await?.read_only {
+        replication::set_read_only(id, &mut p_admin, false).await?;
+    }
     topology::add_replica(shards.meta(), p.id, &address_of(dsn)).await?;
-    Ok((p, seeded))
+    Ok((p, how))
+}
+
+/// How a replica got the shard's data.
+enum How {
+    /// It replicated from the primary already.
+    Replicating,
+    /// A server with a history the primary holds, replicating again.
+    Rejoined,
+    /// A copy taken with `mariadb-dump`.
+    Seeded,
+    /// The primary's binary log, from the start.
+    FromLog,
+}
+
+impl How {
+    fn says(&self) -> &'static str {
+        match self {
+            How::Replicating => "it replicated already",
+            How::Rejoined => "rejoined: it holds nothing the primary lacks",
+            How::Seeded => "seeded from a copy",
+            How::FromLog => "from the primary's binary log",
+        }
+    }
 }
 
 /// `shards replicas remove SHARD ADDRESS`.
@@ -275,11 +322,6 @@ async fn seed(
     let db = split_database(primary).map(|(db, _)| db).unwrap_or_default();
     let tables = replication::tables_in(shard, r_admin, &db).await?;
     ensure!(tables == 0, "the replica holds tables in `{db}` already: give it an empty server");
-    let current = server_state(shard, r_admin).await?.current;
-    ensure!(
-        current.is_empty(),
-        "the replica has transactions of its own ({current}): give it a server with no history"
-    );
     if replication::history_complete(shard, p_admin).await? {
         return Ok(None);
     }

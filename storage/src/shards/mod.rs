@@ -176,7 +176,18 @@ impl Shards {
         // Several DSNs may name one physical shard: its servers (a primary
         // and replicas, in any role: seeds to find the primary among).
         let mut servers: BTreeMap<PhysicalId, Vec<(topology::Identity, Dsn)>> = BTreeMap::new();
-        for (dsn, id) in settings.shards.iter().zip(Shards::identities(settings).await?) {
+        let mut silent = 0;
+        for (dsn, id) in settings.shards.iter().zip(Shards::ask_configured(settings).await?) {
+            // A server that does not answer (a dead primary, say) is left
+            // out; the map names its shard's servers.
+            let id = match id {
+                Ok(id) => id,
+                Err(e) => {
+                    tracing::warn!(server = %dsn.redacted(), error = %e, "a configured server does not answer; going on without it");
+                    silent += 1;
+                    continue;
+                }
+            };
             let Some(id) = id else {
                 return Err(StoreError::BadTopology(format!(
                     "{} is not a shard of a bagstore cluster (run `bagstore migrate` for a new cluster, \
@@ -204,7 +215,11 @@ impl Shards {
             StoreError::BadTopology("the metadata shard holds no cluster map (run `bagstore migrate`)".into())
         })?;
         let names: BTreeSet<String> = servers.values().map(|found| found[0].0.name.clone()).collect();
-        t.check_config(&names, settings.logical_shards).map_err(StoreError::Topology)?;
+        match t.check_config(&names, settings.logical_shards) {
+            // Its configured server is among the silent ones.
+            Err(schemas::topology::TopologyError::MissingShard { .. }) if silent > 0 => {}
+            checked => checked.map_err(StoreError::Topology)?,
+        }
         shards.settle_primaries(&t).await?;
         shards.install(t)?;
         if !discovery::is_writable(META_SHARD, shards.meta()).await.unwrap_or(false) {
@@ -236,16 +251,28 @@ impl Shards {
     /// such database yet), in configuration order. Writes nothing. Waits up
     /// to `connect_timeout_ms` for the servers to answer.
     pub async fn identities(settings: &MysqlSettings) -> Result<Vec<Option<topology::Identity>>> {
+        Shards::ask_configured(settings).await?.into_iter().collect()
+    }
+
+    /// [`Shards::identities`], with each server that did not answer in
+    /// time as its error rather than the whole answer's.
+    async fn ask_configured(settings: &MysqlSettings) -> Result<Vec<Result<Option<topology::Identity>>>> {
         let probe = Shards::configured(settings)?;
         let until = Instant::now() + Duration::from_millis(settings.connect_timeout_ms);
         let mut out = Vec::new();
         for i in 0..settings.shards.len() {
             let id = loop {
                 match topology::identity(i, probe.pool(i)).await {
-                    Ok(id) => break id,
-                    Err(e) if e.mysql_number() == Some(1049) => break None,
+                    Ok(id) => break Ok(id),
+                    Err(e) if e.mysql_number() == Some(1049) => break Ok(None),
                     Err(e) if e.is_dead_connection() && Instant::now() < until => {
                         tokio::time::sleep(Duration::from_millis(200)).await
+                    }
+                    Err(e)
+                        if e.is_dead_connection()
+                            || matches!(e, StoreError::Shard { source: sqlx::Error::PoolTimedOut, .. }) =>
+                    {
+                        break Err(e)
                     }
                     Err(e) => {
                         probe.close().await;

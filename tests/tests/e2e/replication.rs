@@ -11,6 +11,8 @@ use devstack::mariadb::{MariaDb, MariaDbOptions, Replicated};
 use devstack::replication;
 use sqlx::{Connection, MySqlConnection};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use storage::replication::{check_server, server_state, Role};
 
@@ -314,7 +316,6 @@ async fn a_replica_is_checked_seeded_listed_and_removed_while_the_shard_serves()
 async fn a_switchover_loses_no_acknowledged_write_and_the_running_writer_follows_it() {
     use bagstore_tests::TestEnv;
     use serde_json::{json, Value};
-    use std::sync::{Arc, Mutex};
     let mut env = TestEnv::new("switchover", "").await;
     let dir = env.dir.path().to_path_buf();
     let (a, b) = (start(&dir.join("a"), 1, false).await, start(&dir.join("b"), 2, false).await);
@@ -342,35 +343,8 @@ async fn a_switchover_loses_no_acknowledged_write_and_the_running_writer_follows
     let writer = env.spawn(&["writer"]).await;
     let api = writer.api();
 
-    // A client writes without pause; each acknowledged write is recorded.
-    let acked: Arc<Mutex<Vec<(String, u64)>>> = Arc::default();
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let client = {
-        let (api, acked, stop) = (writer.api(), acked.clone(), stop.clone());
-        tokio::spawn(async move {
-            let mut refused = 0u64;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let id = schemas::EntityId(rand::random()).to_hex();
-                let (status, body) = api.put(&id, &json!({"v": 1})).await;
-                match status {
-                    201 => acked.lock().unwrap().push((id, body["version"].as_u64().unwrap())),
-                    503 => refused += 1,
-                    other => panic!("a write answered {other}: {body}"),
-                }
-            }
-            refused
-        })
-    };
-    let written = |n: usize| {
-        let acked = acked.clone();
-        async move {
-            let start = acked.lock().unwrap().len();
-            eventually("writes to be acknowledged", Duration::from_secs(30), || async {
-                (acked.lock().unwrap().len() >= start + n).then_some(())
-            })
-            .await;
-        }
-    };
+    let client = SteadyWriter::start(writer.api());
+    let written = |n: usize| client.more(n);
     written(20).await;
     let shard_doc = |name: &'static str| {
         let env = &env;
@@ -406,19 +380,186 @@ async fn a_switchover_loses_no_acknowledged_write_and_the_running_writer_follows
         // The running writer follows: writes are acknowledged again.
         written(20).await;
     }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let refused = client.await.unwrap();
-    let acked = acked.lock().unwrap().clone();
+    let (acked, refused) = client.finish().await;
     eprintln!("{} writes acknowledged, {refused} answered 503 across three switchovers", acked.len());
     let reader = env.spawn(&["reader"]).await;
-    for (id, version) in &acked {
-        let (status, body) = reader.api().get(id).await;
-        assert_eq!(status, 200, "acknowledged write {id} is gone: {body}");
-        assert_eq!(body["version"].as_u64(), Some(*version), "{id}: {body}");
-    }
+    all_read_back(&reader.api(), &acked).await;
     assert_eq!(api.put(&acked[0].0, &json!({"v": 2})).await.0, 200);
     drop((writer, reader));
     for server in [a, b, c, d] {
         server.stop().await.expect("a clean stop");
+    }
+}
+
+/// A client writing new entities without pause, each acknowledged write
+/// recorded (id, version), 503s counted (a write that may be retried);
+/// any other answer fails the test.
+struct SteadyWriter {
+    acked: Arc<Mutex<Vec<(String, u64)>>>,
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<u64>,
+}
+
+impl SteadyWriter {
+    fn start(api: bagstore_tests::api::Api) -> SteadyWriter {
+        let acked: Arc<Mutex<Vec<(String, u64)>>> = Arc::default();
+        let stop: Arc<AtomicBool> = Arc::default();
+        let task = {
+            let (acked, stop) = (acked.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut refused = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let id = schemas::EntityId(rand::random()).to_hex();
+                    let (status, body) = api.put(&id, &serde_json::json!({"v": 1})).await;
+                    match status {
+                        201 => acked.lock().unwrap().push((id, body["version"].as_u64().unwrap())),
+                        // As Retry-After asks, though sooner.
+                        503 => {
+                            refused += 1;
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                        other => panic!("a write answered {other}: {body}"),
+                    }
+                }
+                refused
+            })
+        };
+        SteadyWriter { acked, stop, task }
+    }
+
+    /// Waits for `n` more acknowledged writes.
+    async fn more(&self, n: usize) {
+        let start = self.acked.lock().unwrap().len();
+        eventually("writes to be acknowledged", Duration::from_secs(60), || async {
+            (self.acked.lock().unwrap().len() >= start + n).then_some(())
+        })
+        .await;
+    }
+
+    /// Stops it: the acknowledged writes, and how many were answered 503.
+    async fn finish(self) -> (Vec<(String, u64)>, u64) {
+        self.stop.store(true, Ordering::Relaxed);
+        let refused = self.task.await.expect("the writing client");
+        let acked = self.acked.lock().unwrap().clone();
+        (acked, refused)
+    }
+}
+
+/// `shards failover` after the primary of a shard with one replica is
+/// killed with `kill -9` under a steady writer: the replica is promoted
+/// (after the revocation and its relay log applied), the shard refuses
+/// writes while no replica is left to acknowledge them (503, nothing
+/// written), the dead server restarted as a replica rejoins through
+/// `replicas add` (its history is the new primary's), writes to the shard
+/// resume without restarting the writer, and every acknowledged write
+/// reads back at its version. A failover while the primary answers is
+/// refused (that is a switchover).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_promotes_the_replica_and_the_dead_primary_rejoins_as_a_replica() {
+    use bagstore_tests::TestEnv;
+    use serde_json::Value;
+    let mut env = TestEnv::new("failover", "").await;
+    let dir = env.dir.path().to_path_buf();
+    let (a, b) = (start(&dir.join("a"), 1, false).await, start(&dir.join("b"), 2, false).await);
+    let c = start(&dir.join("c"), 3, true).await;
+    for s in [&a, &b, &c] {
+        replication::create_accounts(s).await.expect("accounts");
+    }
+    let db = |i: usize| format!("{}_s{i}", env.name);
+    env.dsns = vec![replication::service_dsn(&a, &db(0)), replication::service_dsn(&b, &db(1))];
+    env.migrate().await;
+    let admin = [
+        ("BAGSTORE_MYSQL__ADMIN_USER", "root"),
+        ("BAGSTORE_MYSQL__REPLICATION_USER", replication::REPLICATION_USER),
+        ("BAGSTORE_MYSQL__REPLICATION_PASSWORD", replication::REPLICATION_PASSWORD),
+    ];
+    let run = |args: &[&str]| {
+        let (env, args) = (&env, env.args(args));
+        async move { env.run(&args, &admin).await }
+    };
+    let (ok, out, err) =
+        run(&["shards", "replicas", "add", "s1", &replication::service_dsn(&c, &db(1))]).await;
+    assert!(ok, "replicas add: {out}{err}");
+    let (ok, _, err) = run(&["shards", "failover", "s1"]).await;
+    assert!(!ok && err.contains("use `bagstore shards switchover`"), "{err}");
+
+    let writer = env.spawn(&["writer"]).await;
+    let client = SteadyWriter::start(writer.api());
+    client.more(30).await;
+    let dead = b.pid();
+    assert!(bagstore_tests::std_command("kill").args(["-9", &dead.to_string()]).status().unwrap().success());
+    drop(b);
+    let (ok, out, err) = run(&["shards", "failover", "s1"]).await;
+    assert!(ok, "failover: {out}{err}");
+    assert!(out.contains("no replica left"), "{out}");
+    // s0's writes go on; s1's are refused until a replica acknowledges.
+    client.more(20).await;
+
+    let revived = start(&dir.join("b"), 2, true).await;
+    let old_dsn = replication::service_dsn(&revived, &db(1));
+    let (ok, out, err) = run(&["shards", "replicas", "add", "s1", &old_dsn]).await;
+    assert!(ok, "the old primary's rejoin: {out}{err}");
+    assert!(out.contains("rejoined"), "{out}");
+    // The map lists the new primary, the dead server's old address (down:
+    // the revived server listens elsewhere) and the rejoined one; the
+    // operator then removes the old address.
+    let servers = || async {
+        let (ok, list, err) = run(&["shards", "list", "--json"]).await;
+        assert!(ok, "{err}");
+        let doc: Value = serde_json::from_str(&list).unwrap();
+        let s1 = doc["shards"].as_array().unwrap().iter().find(|s| s["name"] == "s1").cloned().unwrap();
+        s1["servers"].as_array().unwrap().clone()
+    };
+    let address = |server: &MariaDb| format!("mysql://bagstore@127.0.0.1:{}/{}", server.port(), db(1));
+    let states: Vec<(String, String)> = servers()
+        .await
+        .iter()
+        .map(|s| (s["address"].as_str().unwrap().to_string(), s["state"].as_str().unwrap().to_string()))
+        .collect();
+    assert_eq!(states.len(), 3, "{states:?}");
+    assert_eq!(states[0], (address(&c), "online".to_string()), "{states:?}");
+    assert!(states.contains(&(address(&revived), "online".to_string())), "{states:?}");
+    let gone =
+        states.iter().find(|(_, state)| state == "down").map(|(a, _)| a.clone()).expect("the dead address");
+    let (ok, out, err) = run(&["shards", "replicas", "remove", "s1", &gone]).await;
+    assert!(ok, "removing the dead address: {out}{err}");
+    assert_eq!(servers().await.len(), 2);
+    // s1 takes writes again: wait for one of its entities to be written.
+    let mut cs = connect(&replication::service_dsn(&c, &db(1))).await;
+    let before: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM entities").fetch_one(&mut cs).await.unwrap();
+    eventually("writes to s1 to resume on its new primary", Duration::from_secs(30), || async {
+        let mut cs = connect(&replication::service_dsn(&c, &db(1))).await;
+        let now: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM entities").fetch_one(&mut cs).await.unwrap();
+        (now > before).then_some(())
+    })
+    .await;
+    let (acked, refused) = client.finish().await;
+    eprintln!(
+        "{} writes acknowledged, {refused} answered 503 across the failover and the rejoin",
+        acked.len()
+    );
+    let reader = env.spawn(&["reader"]).await;
+    all_read_back(&reader.api(), &acked).await;
+    drop((writer, reader));
+    for server in [a, c, revived] {
+        server.stop().await.expect("a clean stop");
+    }
+}
+
+/// Every acknowledged write reads back at its version (batch gets).
+async fn all_read_back(api: &bagstore_tests::api::Api, acked: &[(String, u64)]) {
+    for chunk in acked.chunks(100) {
+        let ids: Vec<&str> = chunk.iter().map(|(id, _)| id.as_str()).collect();
+        let (status, doc) = api.get_many(&ids).await;
+        assert_eq!(status, 200, "{doc}");
+        let found: std::collections::HashMap<&str, u64> = doc["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| (e["id"].as_str().unwrap(), e["version"].as_u64().unwrap()))
+            .collect();
+        for (id, version) in chunk {
+            assert_eq!(found.get(id.as_str()), Some(version), "acknowledged write {id} (version {version})");
+        }
     }
 }
