@@ -173,7 +173,10 @@ async fn dev_started_as_the_readme_says_keeps_its_data_across_a_restart() {
     // On the embedded broker the indexers fetch with the short wait
     // (`schemas::settings::EMBEDDED_FETCH_WAIT_MS`, 5 ms; 20 ms elsewhere).
     let log = dev.log_text();
-    let joins: Vec<&str> = log.lines().filter(|l| l.contains("index consumer joining its group")).collect();
+    let joins: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("\"joining its group\"") && l.contains("\"consumer\":\"consumer index_"))
+        .collect();
     assert!(joins.len() >= 4, "one per index:\n{log}");
     assert!(joins.iter().all(|l| l.contains("\"fetch_wait_ms\":5")), "{joins:#?}");
     assert_eq!(dev.terminate().await, Some(0));
