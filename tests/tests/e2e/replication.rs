@@ -16,6 +16,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use storage::replication::{check_server, server_state, Role};
 
+/// The settings a `shards replicas` or failover command needs on the
+/// private servers: root as the admin account, the replication account.
+const ADMIN_ENV: [(&str, &str); 3] = [
+    ("BAGSTORE_MYSQL__ADMIN_USER", "root"),
+    ("BAGSTORE_MYSQL__REPLICATION_USER", replication::REPLICATION_USER),
+    ("BAGSTORE_MYSQL__REPLICATION_PASSWORD", replication::REPLICATION_PASSWORD),
+];
+
 async fn start(dir: &Path, server_id: u32, as_replica: bool) -> MariaDb {
     let opts = MariaDbOptions {
         innodb_buffer_pool_size: Some("16M".into()),
@@ -184,11 +192,7 @@ async fn a_replica_is_checked_seeded_listed_and_removed_while_the_shard_serves()
     })
     .await;
 
-    let admin = [
-        ("BAGSTORE_MYSQL__ADMIN_USER", "root"),
-        ("BAGSTORE_MYSQL__REPLICATION_USER", replication::REPLICATION_USER),
-        ("BAGSTORE_MYSQL__REPLICATION_PASSWORD", replication::REPLICATION_PASSWORD),
-    ];
+    let admin = ADMIN_ENV;
     let run = |args: &[&str]| {
         let args = env.args(args);
         let env = &env;
@@ -326,11 +330,7 @@ async fn a_switchover_loses_no_acknowledged_write_and_the_running_writer_follows
     let db = |i: usize| format!("{}_s{i}", env.name);
     env.dsns = vec![replication::service_dsn(&a, &db(0)), replication::service_dsn(&b, &db(1))];
     env.migrate().await;
-    let admin = [
-        ("BAGSTORE_MYSQL__ADMIN_USER", "root"),
-        ("BAGSTORE_MYSQL__REPLICATION_USER", replication::REPLICATION_USER),
-        ("BAGSTORE_MYSQL__REPLICATION_PASSWORD", replication::REPLICATION_PASSWORD),
-    ];
+    let admin = ADMIN_ENV;
     let run = |args: Vec<String>| {
         let env = &env;
         async move { env.run(&args, &admin).await }
@@ -468,11 +468,7 @@ async fn a_failover_promotes_the_replica_and_the_dead_primary_rejoins_as_a_repli
     let db = |i: usize| format!("{}_s{i}", env.name);
     env.dsns = vec![replication::service_dsn(&a, &db(0)), replication::service_dsn(&b, &db(1))];
     env.migrate().await;
-    let admin = [
-        ("BAGSTORE_MYSQL__ADMIN_USER", "root"),
-        ("BAGSTORE_MYSQL__REPLICATION_USER", replication::REPLICATION_USER),
-        ("BAGSTORE_MYSQL__REPLICATION_PASSWORD", replication::REPLICATION_PASSWORD),
-    ];
+    let admin = ADMIN_ENV;
     let run = |args: &[&str]| {
         let (env, args) = (&env, env.args(args));
         async move { env.run(&args, &admin).await }
