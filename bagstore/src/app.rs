@@ -117,6 +117,12 @@ pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running>
         let m =
             mover::Mover::new(settings.clone(), shards.clone(), mover::MoverMetrics::register(&registry)?);
         pipeline.tracker.spawn(m.serve(pipeline.stop.clone()));
+        pipeline.tracker.spawn(failover::watch::watch(
+            settings.clone(),
+            shards.clone(),
+            failover::FailoverMetrics::register(&registry)?,
+            pipeline.stop.clone(),
+        ));
         let c = cleaner::Cleaner::new(
             settings.clone(),
             shards.clone(),

@@ -16,16 +16,15 @@
 //! `mysql.admin_user`; the services' account must not be able to.
 
 use anyhow::{bail, ensure, Context};
+use failover::servers::{admin, connect, shard_named, source};
 use schemas::gtid::GtidPos;
 use schemas::settings::Dsn;
 use schemas::topology::PhysicalShard;
 use schemas::Settings;
 use std::process::Stdio;
 use std::time::Duration;
-use storage::dsn::{
-    address_of, dedicated_connection, place_of, split_database, ServerConnection as MySqlConnection,
-};
-use storage::replication::{self, check_server, server_state, Role, Source};
+use storage::dsn::{address_of, place_of, split_database, ServerConnection as MySqlConnection};
+use storage::replication::{self, check_server, server_state, Role};
 use storage::{topology, Shards};
 
 /// How long `replicas add` waits for a new replica to catch up.
@@ -239,21 +238,6 @@ pub async fn check_cluster(shards: &Shards) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub(crate) fn shard_named(shards: &Shards, name: &str) -> anyhow::Result<PhysicalShard> {
-    let t = shards.topology();
-    match t.shards.iter().find(|p| p.name == name) {
-        Some(p) => Ok(p.clone()),
-        None => {
-            let names: Vec<&str> = t.shards.iter().map(|p| p.name.as_str()).collect();
-            bail!("no physical shard is named {name} (the shards: {})", names.join(", "))
-        }
-    }
-}
-
-pub(crate) async fn connect(dsn: &Dsn, what: &str) -> anyhow::Result<MySqlConnection> {
-    dedicated_connection(dsn).await.with_context(|| format!("connecting to {what} ({})", dsn.redacted()))
-}
-
 async fn refuse_unless_ready(
     shard: usize,
     conn: &mut MySqlConnection,
@@ -267,43 +251,6 @@ async fn refuse_unless_ready(
         wrong.join("\n  - ")
     );
     Ok(())
-}
-
-/// `dsn` as `mysql.admin_user` (unchanged when that is empty).
-pub(crate) fn admin(settings: &Settings, dsn: &Dsn) -> Dsn {
-    let m = &settings.mysql;
-    if m.admin_user.is_empty() {
-        return dsn.clone();
-    }
-    let userinfo = if m.admin_password.0.is_empty() {
-        format!("mysql://{}@x", encode(&m.admin_user))
-    } else {
-        format!("mysql://{}:{}@x", encode(&m.admin_user), encode(&m.admin_password.0))
-    };
-    Dsn(storage::dsn::with_credentials_of(&address_of(dsn), &userinfo))
-}
-
-/// Percent-encodes what a DSN's user info cannot hold as it is.
-fn encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => (b as char).to_string(),
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
-
-/// Where replicas of the primary at `address` replicate from.
-pub(crate) fn source(settings: &Settings, address: &str) -> anyhow::Result<Source> {
-    let m = &settings.mysql;
-    ensure!(!m.replication_user.is_empty(), "set mysql.replication_user: the account replicas replicate as");
-    let opts = storage::dsn::connect_options(&Dsn(address.to_string()))?;
-    Ok(Source {
-        host: opts.get_host().to_string(),
-        port: opts.get_port(),
-        user: m.replication_user.clone(),
-        password: m.replication_password.0.clone(),
-    })
 }
 
 /// Gives the replica the shard's data: nothing to do when the primary's

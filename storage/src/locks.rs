@@ -1,5 +1,5 @@
 //! MySQL named locks: who publishes a shard's outbox, who backfills an
-//! index. A named lock lives as long as the connection that took it, so a
+//! index, who coordinates failovers. A named lock lives as long as the connection that took it, so a
 //! holder that dies frees it, and another process takes over. Lock names
 //! are server-wide, so they include the database name (two shards may
 //! share one server).
@@ -23,6 +23,31 @@ pub async fn try_relay_lock(shard: usize, conn: &mut MySqlConnection) -> Result<
 /// someone else took over).
 pub async fn holds_relay_lock(shard: usize, conn: &mut MySqlConnection) -> Result<bool> {
     let row = sqlx::query(&format!("SELECT IS_USED_LOCK({RELAY_LOCK}) = CONNECTION_ID() AS mine"))
+        .fetch_one(conn)
+        .await
+        .on(shard)?;
+    Ok(row.try_get::<Option<i64>, _>("mine").on(shard)? == Some(1))
+}
+
+/// "The failover coordinator", on the shard whose lock elects it.
+const FAILOVER_LOCK: &str = "CONCAT('bagstore.failover.', DATABASE())";
+
+/// Makes `conn` (on `shard`) the one failover coordinator of the shards
+/// this lock's shard elects for, if no one else is. Held already: true.
+pub async fn try_failover_lock(shard: usize, conn: &mut MySqlConnection) -> Result<bool> {
+    if holds_failover_lock(shard, conn).await? {
+        return Ok(true);
+    }
+    let row = sqlx::query(&format!("SELECT GET_LOCK({FAILOVER_LOCK}, 0) AS got"))
+        .fetch_one(conn)
+        .await
+        .on(shard)?;
+    Ok(row.try_get::<Option<i64>, _>("got").on(shard)? == Some(1))
+}
+
+/// Whether `conn` holds the failover lock of its shard.
+pub async fn holds_failover_lock(shard: usize, conn: &mut MySqlConnection) -> Result<bool> {
+    let row = sqlx::query(&format!("SELECT IS_USED_LOCK({FAILOVER_LOCK}) = CONNECTION_ID() AS mine"))
         .fetch_one(conn)
         .await
         .on(shard)?;

@@ -66,6 +66,10 @@ pub struct ServerState {
     /// Whether its commits wait for an acknowledgement now
     /// (`Rpl_semi_sync_master_status`): off means asynchronous.
     pub semi_sync_on: bool,
+    /// Commits waiting for an acknowledgement now
+    /// (`Rpl_semi_sync_master_wait_sessions`): a primary a failover left
+    /// behind has them until it is restarted.
+    pub waiting_commits: u64,
 }
 
 fn bad_gtid(shard: usize, e: BadGtid) -> StoreError {
@@ -81,7 +85,7 @@ pub async fn server_state(shard: usize, conn: &mut MySqlConnection) -> Result<Se
     .fetch_one(&mut *conn)
     .await
     .on(shard)?;
-    let (clients, on) = semi_sync(shard, conn).await?;
+    let SemiSync { clients, on, waiting } = semi_sync(shard, conn).await?;
     Ok(ServerState {
         server_id: server_id.trim().parse().unwrap_or(0),
         read_only: is_on(&read_only),
@@ -89,34 +93,46 @@ pub async fn server_state(shard: usize, conn: &mut MySqlConnection) -> Result<Se
         replica: replica_state(shard, conn).await?,
         semi_sync_clients: clients,
         semi_sync_on: on,
+        waiting_commits: waiting,
     })
 }
 
-/// Semi-sync replicas connected now (`Rpl_semi_sync_master_clients`), and
-/// whether commits wait for one (`Rpl_semi_sync_master_status`).
-async fn semi_sync(shard: usize, conn: &mut MySqlConnection) -> Result<(u64, bool)> {
+/// A primary's semi-sync status.
+struct SemiSync {
+    /// Replicas connected now (`Rpl_semi_sync_master_clients`).
+    clients: u64,
+    /// Whether commits wait for one (`Rpl_semi_sync_master_status`).
+    on: bool,
+    /// Commits waiting now (`Rpl_semi_sync_master_wait_sessions`).
+    waiting: u64,
+}
+
+async fn semi_sync(shard: usize, conn: &mut MySqlConnection) -> Result<SemiSync> {
     let status = sqlx::query(
-        "SHOW GLOBAL STATUS WHERE Variable_name IN ('Rpl_semi_sync_master_clients', 'Rpl_semi_sync_master_status')",
+        "SHOW GLOBAL STATUS WHERE Variable_name IN ('Rpl_semi_sync_master_clients', \
+         'Rpl_semi_sync_master_status', 'Rpl_semi_sync_master_wait_sessions')",
     )
     .fetch_all(&mut *conn)
     .await
     .on(shard)?;
-    let (mut clients, mut on) = (0, false);
+    let mut out = SemiSync { clients: 0, on: false, waiting: 0 };
     for row in status {
         let (name, value): (String, String) = (row.try_get(0).on(shard)?, row.try_get(1).on(shard)?);
         match name.as_str() {
-            "Rpl_semi_sync_master_clients" => clients = value.trim().parse().unwrap_or(0),
-            _ => on = value.eq_ignore_ascii_case("ON"),
+            "Rpl_semi_sync_master_clients" => out.clients = value.trim().parse().unwrap_or(0),
+            "Rpl_semi_sync_master_wait_sessions" => out.waiting = value.trim().parse().unwrap_or(0),
+            _ => out.on = value.eq_ignore_ascii_case("ON"),
         }
     }
-    Ok((clients, on))
+    Ok(out)
 }
 
 /// [`semi_sync`] of the primary behind `pool` (the writer's watch, see
 /// the acks module): acknowledging replicas connected, commits waiting.
 pub async fn acknowledging(shard: usize, pool: &sqlx::MySqlPool) -> Result<(u64, bool)> {
     let mut conn = pool.acquire().await.on(shard)?;
-    semi_sync(shard, &mut conn).await
+    let s = semi_sync(shard, &mut conn).await?;
+    Ok((s.clients, s.on))
 }
 
 /// `SHOW SLAVE STATUS`, when the server has a primary configured.
@@ -284,7 +300,7 @@ pub async fn replicate_from(
         quote(&source.user),
         quote(&source.password)
     );
-    sqlx::raw_sql(&sql).execute(&mut *conn).await.on(shard)?;
+    sqlx::Executor::execute(&mut *conn, sql.as_str()).await.on(shard)?;
     sqlx::query("START SLAVE").execute(&mut *conn).await.on(shard)?;
     Ok(())
 }

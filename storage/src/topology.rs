@@ -268,12 +268,24 @@ pub async fn switch_primary(
     let s = META_SHARD;
     sqlx::query("BEGIN").execute(&mut *meta).await.on(s)?;
     let work = async {
-        sqlx::query("UPDATE bagstore_physical SET address = ?, failovers = failovers + 1 WHERE id = ?")
-            .bind(new_address)
-            .bind(physical)
-            .execute(&mut *meta)
-            .await
-            .on(s)?;
+        // Only from the primary the caller replaced: two coordinators that
+        // both promoted (they cannot, see the failover crate; this is the
+        // last guard) record one change, and the second learns it.
+        let changed = sqlx::query(
+            "UPDATE bagstore_physical SET address = ?, failovers = failovers + 1 WHERE id = ? AND address = ?",
+        )
+        .bind(new_address)
+        .bind(physical)
+        .bind(old_address)
+        .execute(&mut *meta)
+        .await
+        .on(s)?;
+        if changed.rows_affected() == 0 {
+            return Err(StoreError::BadTopology(format!(
+                "physical shard {physical}'s primary is no longer {old_address} in the map: another \
+                 switchover or failover recorded a change first"
+            )));
+        }
         sqlx::query("DELETE FROM bagstore_replicas WHERE physical = ? AND address = ?")
             .bind(physical)
             .bind(new_address)

@@ -13,16 +13,18 @@ use serde::{Deserialize, Serialize};
 
 use crate::index::IndexSpec;
 
+mod mysql;
 #[cfg(test)]
 mod reference;
 mod secrets;
 mod sections;
 
+pub use mysql::{FailoverMode, MysqlSettings};
 pub use secrets::{is_secret_kafka_option, Dsn, Secret};
 pub use sections::{
     Assignment, AuthSettings, ChangesSettings, CleanerSettings, ExpirySettings, HttpSettings,
-    IndexerSettings, IngestSettings, KafkaSettings, MoverSettings, MysqlSettings, ReaderSettings,
-    WriterSettings, EMBEDDED_FETCH_WAIT_MS, FETCH_WAIT_MS,
+    IndexerSettings, IngestSettings, KafkaSettings, MoverSettings, ReaderSettings, WriterSettings,
+    EMBEDDED_FETCH_WAIT_MS, FETCH_WAIT_MS,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -253,9 +255,12 @@ impl Settings {
             || self.mover.logicals_per_move == 0
             || self.mover.cutover_attempts == 0
             || self.mysql.map_refresh_ms == 0
+            || self.mysql.failover_after_ms == 0
         {
             return Err(SettingsError::Invalid(
-                "mover.batch, mover.logicals_per_move, mover.cutover_attempts and mysql.map_refresh_ms must be positive".into(),
+                "mover.batch, mover.logicals_per_move, mover.cutover_attempts, mysql.map_refresh_ms and \
+                 mysql.failover_after_ms must be positive"
+                    .into(),
             ));
         }
         if self.indexer.batch_max == 0 || self.reader.max_limit == 0 || self.reader.max_in == 0 {

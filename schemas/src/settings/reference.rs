@@ -1,6 +1,6 @@
 //! The configuration reference, `docs/configuration.md`, generated from the
 //! settings' own sources so it cannot drift from them: every section struct
-//! of `sections.rs` in the order of [`Settings`]'s fields, every field with
+//! of `sections.rs` and `mysql.rs` in the order of [`Settings`]'s fields, every field with
 //! its doc comment, its type as a configuration file spells it, its default
 //! (from `Settings::default()`, serialized) and its environment variable;
 //! then the keys earlier releases had (`REMOVED` in `mod.rs`), which are
@@ -23,7 +23,9 @@ use std::fmt::Write as _;
 use super::Settings;
 
 const MOD_RS: &str = include_str!("mod.rs");
-const SECTIONS_RS: &str = include_str!("sections.rs");
+/// The section structs: `sections.rs`, and `mysql.rs` (the `[mysql]`
+/// section, in a file of its own for its length).
+const SECTIONS_RS: &str = concat!(include_str!("sections.rs"), "\n", include_str!("mysql.rs"));
 const DOC_PATH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/configuration.md");
 const REGENERATE: &str = "BAGSTORE_BLESS=1 cargo test -p schemas config_reference";
 

@@ -1,10 +1,12 @@
 //! Which server of a physical shard is its primary, when a process knows
 //! several (the configuration may list a shard's servers in any role, and
 //! the map lists its replicas): the one that takes writes (`read_only`
-//! off) with the highest epoch. A promotion raises the new primary's epoch
-//! (`bagstore_shard.epoch`, which replicates to its replicas); a primary a
-//! failover fenced keeps its older one, and is read-only if the failover
-//! could reach it.
+//! off), the one with the highest identity epoch if several do (two at
+//! one epoch is an error no process can settle). A failover sets
+//! `read_only` on the old primary where it can reach it, and a revived one
+//! starts read-only (`--read-only`, as a replica). The metadata shard's
+//! primary may be read-only too (left alone by a failover until a replica
+//! joins): then the newest map among its servers names it.
 
 use schemas::settings::Dsn;
 use sqlx::mysql::MySqlPool;
@@ -83,6 +85,9 @@ pub(super) async fn primary_among(shard: usize, found: &[(Identity, Dsn)]) -> Re
         .collect();
     writable.sort_by_key(|(id, _)| std::cmp::Reverse(id.epoch));
     match writable.as_slice() {
+        [] if shard == topology::META_SHARD => named_by_newest_map(&distinct)
+            .await
+            .ok_or(StoreError::NoPrimary { shard, servers: distinct.len() }),
         [] => Err(StoreError::NoPrimary { shard, servers: distinct.len() }),
         [a, b, ..] if a.0.epoch == b.0.epoch => Err(StoreError::BadTopology(format!(
             "physical shard {shard} has two writable servers at epoch {} ({} and {}): fence one \
@@ -93,4 +98,34 @@ pub(super) async fn primary_among(shard: usize, found: &[(Identity, Dsn)]) -> Re
         ))),
         [first, ..] => Ok(first.clone()),
     }
+}
+
+/// The metadata shard's server that the newest map among `found` names
+/// its primary, when none takes writes: a primary a failover left alone
+/// stays read-only until a replica joins, and the map it holds (recorded
+/// there by the failover) is newer than any a fenced or revived former
+/// primary holds.
+async fn named_by_newest_map(found: &[&(Identity, Dsn)]) -> Option<(Identity, Dsn)> {
+    let maps = futures::future::join_all(found.iter().map(|(_, d)| map_names(d))).await;
+    let (_, primary) = maps.into_iter().flatten().max_by_key(|(epoch, _)| *epoch)?;
+    found.iter().find(|(_, d)| place_of(d.expose()) == place_of(&primary)).map(|f| (*f).clone())
+}
+
+/// The map's epoch on the server behind `dsn`, and the address it gives
+/// the metadata shard's primary.
+async fn map_names(dsn: &Dsn) -> Option<(u64, String)> {
+    let ask = async {
+        let mut conn = dedicated_connection(dsn).await.ok()?;
+        let epoch: u64 = sqlx::query_scalar("SELECT epoch FROM bagstore_cluster WHERE id = 1")
+            .fetch_one(&mut conn)
+            .await
+            .ok()?;
+        let address: String = sqlx::query_scalar("SELECT address FROM bagstore_physical WHERE id = ?")
+            .bind(topology::META_SHARD as u32)
+            .fetch_one(&mut conn)
+            .await
+            .ok()?;
+        Some((epoch, address))
+    };
+    tokio::time::timeout(PROBE_TIMEOUT, ask).await.ok().flatten()
 }

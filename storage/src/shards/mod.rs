@@ -36,6 +36,10 @@ use slot::{PoolSizes, Server, Slot};
 /// The most physical shards a cluster can ever have registered.
 pub const MAX_PHYSICAL: usize = 1024;
 
+/// How long a starting process waits for a configured server that
+/// refuses connections once another configured server has answered.
+const SILENT_GRACE: Duration = Duration::from_secs(1);
+
 /// Reloads of the map closer together than this are served by the last.
 const RELOAD_EVERY: Duration = Duration::from_millis(50);
 
@@ -255,35 +259,48 @@ impl Shards {
     }
 
     /// [`Shards::identities`], with each server that did not answer in
-    /// time as its error rather than the whole answer's.
+    /// time as its error rather than the whole answer's. A server that
+    /// refuses connections is waited for up to `connect_timeout_ms` while
+    /// no configured server has answered (a cluster starting), and for
+    /// [`SILENT_GRACE`] once one has (a dead server of a running cluster:
+    /// its shard's other servers are asked instead).
     async fn ask_configured(settings: &MysqlSettings) -> Result<Vec<Result<Option<topology::Identity>>>> {
         let probe = Shards::configured(settings)?;
-        let until = Instant::now() + Duration::from_millis(settings.connect_timeout_ms);
-        let mut out = Vec::new();
-        for i in 0..settings.shards.len() {
-            let id = loop {
-                match topology::identity(i, probe.pool(i)).await {
-                    Ok(id) => break Ok(id),
-                    Err(e) if e.mysql_number() == Some(1049) => break Ok(None),
-                    Err(e) if e.is_dead_connection() && Instant::now() < until => {
-                        tokio::time::sleep(Duration::from_millis(200)).await
-                    }
-                    Err(e)
-                        if e.is_dead_connection()
-                            || matches!(e, StoreError::Shard { source: sqlx::Error::PoolTimedOut, .. }) =>
-                    {
-                        break Err(e)
-                    }
-                    Err(e) => {
-                        probe.close().await;
-                        return Err(e);
+        let deadline = Instant::now() + Duration::from_millis(settings.connect_timeout_ms);
+        // When a configured server first answered.
+        let answered: std::sync::Mutex<Option<Instant>> = std::sync::Mutex::new(None);
+        let ask = |i: usize| {
+            let (probe, answered) = (&probe, &answered);
+            async move {
+                loop {
+                    let first = *answered.lock().expect("not poisoned");
+                    let until = first.map_or(deadline, |at| deadline.min(at + SILENT_GRACE));
+                    match topology::identity(i, probe.pool(i)).await {
+                        Ok(id) => {
+                            answered.lock().expect("not poisoned").get_or_insert_with(Instant::now);
+                            return Ok(Ok(id));
+                        }
+                        Err(e) if e.mysql_number() == Some(1049) => return Ok(Ok(None)),
+                        Err(e) if e.is_dead_connection() && Instant::now() < until => {
+                            tokio::time::sleep(Duration::from_millis(200)).await
+                        }
+                        Err(e)
+                            if e.is_dead_connection()
+                                || matches!(
+                                    e,
+                                    StoreError::Shard { source: sqlx::Error::PoolTimedOut, .. }
+                                ) =>
+                        {
+                            return Ok(Err(e))
+                        }
+                        Err(e) => return Err(e),
                     }
                 }
-            };
-            out.push(id);
-        }
+            }
+        };
+        let answers = futures::future::join_all((0..settings.shards.len()).map(ask)).await;
         probe.close().await;
-        Ok(out)
+        answers.into_iter().collect()
     }
 
     /// Makes `t` the map routed with, reaching shards registered since, and

@@ -34,7 +34,7 @@ const FLAT_TABLES: &[(&str, &str, &str)] = &[(
 /// The service crates, and the only workspace crates they may build on:
 /// services meet through the database and Kafka, never through each
 /// other's code.
-const SERVICES: &[&str] = &["writer", "indexer", "cleaner", "reader", "mover"];
+const SERVICES: &[&str] = &["writer", "indexer", "cleaner", "reader", "mover", "failover"];
 const SERVICE_BASE: &[&str] = &["schemas", "storage", "service"];
 
 /// Workspace members not scanned: test and benchmark code.

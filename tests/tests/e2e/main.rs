@@ -37,6 +37,9 @@
 //! - `bench_quick`: the benchmark's smoke run.
 //! - `replication`: MariaDB replication as bagstore runs it: the checks,
 //!   the unacknowledged commit a failover must lose, a primary rejoining.
+//! - `failover`: the coordinator's automatic failover after a `kill -9`
+//!   (a data shard's primary and the metadata shard's), the dead server
+//!   restarted and taken back as a replica, every acknowledged write kept.
 //! - `upgrade`: what removed features left, dropped by `migrate` once it
 //!   loses nothing; removed settings refused.
 //! - `docs`: every repository path the docs name exists (no servers).
@@ -58,6 +61,7 @@ mod delivery;
 mod docs;
 mod edges;
 mod expiry;
+mod failover;
 mod group_commit;
 mod health;
 mod idempotency;

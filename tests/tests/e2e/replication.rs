@@ -18,22 +18,29 @@ use storage::replication::{check_server, server_state, Role};
 
 /// The settings a `shards replicas` or failover command needs on the
 /// private servers: root as the admin account, the replication account.
-const ADMIN_ENV: [(&str, &str); 3] = [
+pub(crate) const ADMIN_ENV: [(&str, &str); 3] = [
     ("BAGSTORE_MYSQL__ADMIN_USER", "root"),
     ("BAGSTORE_MYSQL__REPLICATION_USER", replication::REPLICATION_USER),
     ("BAGSTORE_MYSQL__REPLICATION_PASSWORD", replication::REPLICATION_PASSWORD),
 ];
 
-async fn start(dir: &Path, server_id: u32, as_replica: bool) -> MariaDb {
+pub(crate) async fn start(dir: &Path, server_id: u32, as_replica: bool) -> MariaDb {
+    start_on(dir, server_id, as_replica, None).await
+}
+
+/// [`start`] on a given port (a dead server restarted where the map lists
+/// it), or a free one.
+pub(crate) async fn start_on(dir: &Path, server_id: u32, as_replica: bool, port: Option<u16>) -> MariaDb {
     let opts = MariaDbOptions {
         innodb_buffer_pool_size: Some("16M".into()),
         replicated: Some(Replicated { server_id, as_replica }),
+        port,
         ..Default::default()
     };
     MariaDb::start_with(dir, opts).await.expect("a private mariadbd")
 }
 
-async fn connect(dsn: &str) -> MySqlConnection {
+pub(crate) async fn connect(dsn: &str) -> MySqlConnection {
     MySqlConnection::connect(dsn).await.expect("connect")
 }
 
@@ -394,14 +401,14 @@ async fn a_switchover_loses_no_acknowledged_write_and_the_running_writer_follows
 /// A client writing new entities without pause, each acknowledged write
 /// recorded (id, version), 503s counted (a write that may be retried);
 /// any other answer fails the test.
-struct SteadyWriter {
+pub(crate) struct SteadyWriter {
     acked: Arc<Mutex<Vec<(String, u64)>>>,
     stop: Arc<AtomicBool>,
     task: tokio::task::JoinHandle<u64>,
 }
 
 impl SteadyWriter {
-    fn start(api: bagstore_tests::api::Api) -> SteadyWriter {
+    pub(crate) fn start(api: bagstore_tests::api::Api) -> SteadyWriter {
         let acked: Arc<Mutex<Vec<(String, u64)>>> = Arc::default();
         let stop: Arc<AtomicBool> = Arc::default();
         let task = {
@@ -428,7 +435,7 @@ impl SteadyWriter {
     }
 
     /// Waits for `n` more acknowledged writes.
-    async fn more(&self, n: usize) {
+    pub(crate) async fn more(&self, n: usize) {
         let start = self.acked.lock().unwrap().len();
         eventually("writes to be acknowledged", Duration::from_secs(60), || async {
             (self.acked.lock().unwrap().len() >= start + n).then_some(())
@@ -437,7 +444,7 @@ impl SteadyWriter {
     }
 
     /// Stops it: the acknowledged writes, and how many were answered 503.
-    async fn finish(self) -> (Vec<(String, u64)>, u64) {
+    pub(crate) async fn finish(self) -> (Vec<(String, u64)>, u64) {
         self.stop.store(true, Ordering::Relaxed);
         let refused = self.task.await.expect("the writing client");
         let acked = self.acked.lock().unwrap().clone();
@@ -543,7 +550,7 @@ async fn a_failover_promotes_the_replica_and_the_dead_primary_rejoins_as_a_repli
 }
 
 /// Every acknowledged write reads back at its version (batch gets).
-async fn all_read_back(api: &bagstore_tests::api::Api, acked: &[(String, u64)]) {
+pub(crate) async fn all_read_back(api: &bagstore_tests::api::Api, acked: &[(String, u64)]) {
     for chunk in acked.chunks(100) {
         let ids: Vec<&str> = chunk.iter().map(|(id, _)| id.as_str()).collect();
         let (status, doc) = api.get_many(&ids).await;

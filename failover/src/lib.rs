@@ -1,0 +1,24 @@
+//! bagstore's replicated shards: each physical shard is a MariaDB primary
+//! and its replicas (semi-synchronous, GTID; see `storage::replication`
+//! for what each server needs and why).
+//!
+//! - [`switchover`]: a planned change of primary, both servers up
+//!   (`bagstore shards switchover`).
+//! - [`promote`]: a dead primary replaced by its most advanced replica,
+//!   with no acknowledged write lost (`bagstore shards failover`, and the
+//!   coordinator).
+//! - [`rejoin`]: a server listed as a replica taken back once it answers
+//!   (never one holding a transaction the primary lacks).
+//! - [`watch`]: the coordinator every cleaner runs (`mysql.failover =
+//!   "auto"`), its election, and when it acts.
+//! - [`servers`]: reaching a shard's servers as the admin account.
+//! - [`metrics`]: what the coordinator exports.
+
+pub mod metrics;
+pub mod promote;
+pub mod rejoin;
+pub mod servers;
+pub mod switchover;
+pub mod watch;
+
+pub use metrics::FailoverMetrics;

@@ -1,0 +1,197 @@
+//! Automatic failover (issue 33): the cleaner's coordinator promotes a
+//! replica when a primary has not answered for `mysql.failover_after_ms`,
+//! takes the dead server back as a replica once it answers again (started
+//! where the map lists it), and opens the shard for writes; no command is
+//! run, and every acknowledged write reads back at its version.
+
+use bagstore_tests::{eventually, TestEnv};
+use devstack::mariadb::MariaDb;
+use devstack::replication;
+use serde_json::Value;
+use std::time::{Duration, Instant};
+
+use crate::replication::{all_read_back, start, start_on, SteadyWriter, ADMIN_ENV};
+
+/// The coordinator's settings in these tests: the admin and replication
+/// accounts, and a failover after one second without an answer.
+fn coordinator_env() -> Vec<(&'static str, &'static str)> {
+    let mut env = ADMIN_ENV.to_vec();
+    env.push(("BAGSTORE_MYSQL__FAILOVER_AFTER_MS", "1000"));
+    env
+}
+
+/// One shard of `shards list --json`.
+async fn shard(env: &TestEnv, name: &str) -> Value {
+    let (ok, out, err) = env.run(&env.args(&["shards", "list", "--json"]), &[]).await;
+    assert!(ok, "{err}");
+    let doc: Value = serde_json::from_str(&out).unwrap();
+    doc["shards"].as_array().unwrap().iter().find(|s| s["name"] == name).cloned().unwrap()
+}
+
+/// `(address, role, state)` of each server of a shard.
+fn servers(doc: &Value) -> Vec<(String, String, String)> {
+    let text = |s: &Value, k: &str| s[k].as_str().unwrap_or_default().to_string();
+    doc["servers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (text(s, "address"), text(s, "role"), text(s, "state")))
+        .collect()
+}
+
+/// Kills a mariadbd with `kill -9`.
+fn kill_9(server: MariaDb) -> (u16, u32) {
+    let (port, pid) = (server.port(), server.pid());
+    assert!(bagstore_tests::std_command("kill").args(["-9", &pid.to_string()]).status().unwrap().success());
+    drop(server);
+    (port, pid)
+}
+
+/// The value of a sample of `/metrics` whose line starts with `prefix`.
+fn sample(metrics: &str, prefix: &str) -> Option<f64> {
+    metrics.lines().find(|l| l.starts_with(prefix)).and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// A data shard's primary killed under a steady writer: the coordinator
+/// promotes its replica on its own; the shard, left without a replica,
+/// refuses writes (503) until the dead server, restarted on its port as a
+/// replica, is taken back; then writes resume and the cleaner's metrics
+/// count one failover and one rejoin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_coordinator_fails_a_dead_primary_over_and_takes_it_back_as_a_replica() {
+    let mut env = TestEnv::new("autofailover", "").await;
+    let dir = env.dir.path().to_path_buf();
+    let (a, b) = (start(&dir.join("a"), 1, false).await, start(&dir.join("b"), 2, false).await);
+    let c = start(&dir.join("c"), 3, true).await;
+    for s in [&a, &b, &c] {
+        replication::create_accounts(s).await.expect("accounts");
+    }
+    let db = |i: usize| format!("{}_s{i}", env.name);
+    env.dsns = vec![replication::service_dsn(&a, &db(0)), replication::service_dsn(&b, &db(1))];
+    env.migrate().await;
+    let add = env.args(&["shards", "replicas", "add", "s1", &replication::service_dsn(&c, &db(1))]);
+    let (ok, out, err) = env.run(&add, &ADMIN_ENV).await;
+    assert!(ok, "replicas add: {out}{err}");
+    let cleaner = env.spawn_env(&["cleaner"], &coordinator_env()).await;
+    let writer = env.spawn(&["writer"]).await;
+    let client = SteadyWriter::start(writer.api());
+    client.more(30).await;
+
+    let address = |port: u16| format!("mysql://bagstore@127.0.0.1:{port}/{}", db(1));
+    let (b_port, _) = kill_9(b);
+    let killed = Instant::now();
+    let doc = eventually("the coordinator to promote s1's replica", Duration::from_secs(60), || async {
+        let doc = shard(&env, "s1").await;
+        (doc["address"] == address(c.port())).then_some(doc)
+    })
+    .await;
+    eprintln!("s1 failed over {} ms after the kill", killed.elapsed().as_millis());
+    assert!(servers(&doc).contains(&(address(b_port), "replica".into(), "down".into())), "{doc}");
+    // s0's writes go on meanwhile.
+    client.more(20).await;
+
+    let revived = start_on(&dir.join("b"), 2, true, Some(b_port)).await;
+    eventually("the coordinator to take the dead server back", Duration::from_secs(60), || async {
+        let doc = shard(&env, "s1").await;
+        servers(&doc).contains(&(address(b_port), "replica".into(), "online".into())).then_some(())
+    })
+    .await;
+    let count = || async {
+        let mut cs = crate::replication::connect(&replication::service_dsn(&c, &db(1))).await;
+        sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM entities").fetch_one(&mut cs).await.unwrap()
+    };
+    let before = count().await;
+    eventually("writes to s1 to resume on its new primary", Duration::from_secs(30), || async {
+        (count().await > before).then_some(())
+    })
+    .await;
+    eprintln!("s1 took writes again {} ms after the kill", killed.elapsed().as_millis());
+    let (acked, refused) = client.finish().await;
+    eprintln!("{} writes acknowledged, {refused} answered 503", acked.len());
+    let reader = env.spawn(&["reader"]).await;
+    all_read_back(&reader.api(), &acked).await;
+
+    let metrics = cleaner.api().metrics().await;
+    let failovers = sample(&metrics, "bagstore_failovers_total{reason=\"primary_unreachable\",shard=\"s1\"}");
+    assert_eq!(failovers, Some(1.0), "{metrics}");
+    assert_eq!(sample(&metrics, "bagstore_rejoins_total{outcome=\"ok\",shard=\"s1\"}"), Some(1.0));
+    let unavailable = sample(&metrics, "bagstore_failover_unavailable_seconds{shard=\"s1\"}").unwrap();
+    assert!(unavailable >= 1.0, "at least failover_after_ms: {unavailable}");
+    eprintln!("the coordinator measured s1's write unavailability: {unavailable:.2} s");
+    // The rejoined replica's series (the observability suite's stack has
+    // no replica to show them).
+    let replica = format!("127.0.0.1:{b_port}/{}", db(1));
+    let behind = format!("bagstore_replica_gtid_behind{{server=\"{replica}\",shard=\"s1\"}}");
+    let lag = format!("bagstore_replica_lag_seconds{{server=\"{replica}\",shard=\"s1\"}}");
+    let clients = "bagstore_semi_sync_clients{shard=\"s1\"}";
+    eventually("the rejoined replica's series", Duration::from_secs(20), || async {
+        let m = cleaner.api().metrics().await;
+        let shown = sample(&m, &behind) == Some(0.0) && sample(&m, &lag).is_some();
+        (shown && sample(&m, clients) == Some(1.0)).then_some(())
+    })
+    .await;
+    drop((writer, reader, cleaner));
+    for server in [a, c, revived] {
+        server.stop().await.expect("a clean stop");
+    }
+}
+
+/// The metadata shard's primary killed: the coordinator (elected by a
+/// lock on the other shard) promotes its replica; a process started
+/// afterwards with the same configuration (listing the dead server and
+/// the replica) finds the new primary and serves; the dead server,
+/// restarted on its port, is taken back as a replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_metadata_shard_fails_over_and_new_processes_find_its_primary() {
+    let mut env = TestEnv::new("metafailover", "").await;
+    let dir = env.dir.path().to_path_buf();
+    let (a, b) = (start(&dir.join("a"), 1, false).await, start(&dir.join("b"), 2, false).await);
+    let d = start(&dir.join("d"), 4, true).await;
+    for s in [&a, &b, &d] {
+        replication::create_accounts(s).await.expect("accounts");
+    }
+    let db = |i: usize| format!("{}_s{i}", env.name);
+    env.dsns = vec![replication::service_dsn(&a, &db(0)), replication::service_dsn(&b, &db(1))];
+    env.migrate().await;
+    let add = env.args(&["shards", "replicas", "add", "s0", &replication::service_dsn(&d, &db(0))]);
+    let (ok, out, err) = env.run(&add, &ADMIN_ENV).await;
+    assert!(ok, "replicas add: {out}{err}");
+    // The configuration lists the metadata shard's servers: seeds.
+    env.dsns.push(replication::service_dsn(&d, &db(0)));
+    let cleaner = env.spawn_env(&["cleaner"], &coordinator_env()).await;
+    let writer = env.spawn(&["writer"]).await;
+    let client = SteadyWriter::start(writer.api());
+    client.more(30).await;
+
+    let address = |port: u16| format!("mysql://bagstore@127.0.0.1:{port}/{}", db(0));
+    let (a_port, _) = kill_9(a);
+    let killed = Instant::now();
+    let revived = eventually("the metadata shard to fail over", Duration::from_secs(60), || async {
+        let (ok, out, _) = env.run(&env.args(&["shards", "list", "--json"]), &[]).await;
+        let doc: Value = serde_json::from_str(&out).ok()?;
+        let s0 = doc["shards"].as_array()?.iter().find(|s| s["name"] == "s0")?.clone();
+        (ok && s0["address"] == address(d.port())).then_some(())
+    })
+    .await;
+    let _ = revived;
+    eprintln!("s0 failed over {} ms after the kill", killed.elapsed().as_millis());
+    // A process started now, with the same configuration, serves.
+    let reader = env.spawn(&["reader"]).await;
+    let (status, _) = reader.api().get(&schemas::EntityId(rand::random()).to_hex()).await;
+    assert_eq!(status, 404);
+
+    let revived = start_on(&dir.join("a"), 1, true, Some(a_port)).await;
+    eventually("the coordinator to take the dead server back", Duration::from_secs(60), || async {
+        let doc = shard(&env, "s0").await;
+        servers(&doc).contains(&(address(a_port), "replica".into(), "online".into())).then_some(())
+    })
+    .await;
+    client.more(30).await;
+    let (acked, refused) = client.finish().await;
+    eprintln!("{} writes acknowledged, {refused} answered 503", acked.len());
+    all_read_back(&reader.api(), &acked).await;
+    drop((writer, reader, cleaner));
+    for server in [b, d, revived] {
+        server.stop().await.expect("a clean stop");
+    }
+}
