@@ -166,14 +166,13 @@ async fn the_metadata_shard_fails_over_and_new_processes_find_its_primary() {
     let address = |port: u16| format!("mysql://bagstore@127.0.0.1:{port}/{}", db(0));
     let (a_port, _) = kill_9(a);
     let killed = Instant::now();
-    let revived = eventually("the metadata shard to fail over", Duration::from_secs(60), || async {
+    eventually("the metadata shard to fail over", Duration::from_secs(60), || async {
         let (ok, out, _) = env.run(&env.args(&["shards", "list", "--json"]), &[]).await;
         let doc: Value = serde_json::from_str(&out).ok()?;
         let s0 = doc["shards"].as_array()?.iter().find(|s| s["name"] == "s0")?.clone();
         (ok && s0["address"] == address(d.port())).then_some(())
     })
     .await;
-    let _ = revived;
     eprintln!("s0 failed over {} ms after the kill", killed.elapsed().as_millis());
     // A process started now, with the same configuration, serves.
     let reader = env.spawn(&["reader"]).await;
