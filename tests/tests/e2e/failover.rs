@@ -194,3 +194,115 @@ async fn the_metadata_shard_fails_over_and_new_processes_find_its_primary() {
         server.stop().await.expect("a clean stop");
     }
 }
+
+/// The unacknowledged window. With the replica's I/O thread stopped, a
+/// write through the writers' own transaction (`storage::write::commit`)
+/// waits for an acknowledgement that cannot come: it is not acknowledged,
+/// no other session sees it, and the relay publishes no event for it. The
+/// primary is killed with `kill -9` and the replica promoted: the write is
+/// absent there; the dead primary, restarted as a replica, discards it and
+/// rejoins; the write never reaches the topic (writes made after it do).
+/// `scripts/broken-builds semisync` runs this against a build whose
+/// semi-sync falls back to asynchronous replication, and must see it fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_no_replica_acknowledged_is_never_acknowledged_published_or_kept() {
+    use storage::write::{self, Change, Item, Precondition, Rules, WriteContext};
+    let mut env = TestEnv::new("unacked", "").await;
+    let dir = env.dir.path().to_path_buf();
+    let (a, b) = (start(&dir.join("a"), 1, false).await, start(&dir.join("b"), 2, false).await);
+    let c = start(&dir.join("c"), 3, true).await;
+    for s in [&a, &b, &c] {
+        replication::create_accounts(s).await.expect("accounts");
+    }
+    let db = |i: usize| format!("{}_s{i}", env.name);
+    env.dsns = vec![replication::service_dsn(&a, &db(0)), replication::service_dsn(&b, &db(1))];
+    env.migrate().await;
+    let b_dsn = replication::service_dsn(&b, &db(1));
+    let (ok, out, err) = env
+        .run(
+            &env.args(&["shards", "replicas", "add", "s1", &replication::service_dsn(&c, &db(1))]),
+            &ADMIN_ENV,
+        )
+        .await;
+    assert!(ok, "replicas add: {out}{err}");
+    let writer = env.spawn(&["writer"]).await;
+
+    let toml = std::fs::read_to_string(env.config_path()).unwrap();
+    let settings = schemas::Settings::from_toml_and_env(&toml, Vec::new()).unwrap();
+    let shards = storage::Shards::connect(&settings.mysql).await.unwrap();
+    let on_s1 = || loop {
+        let id = schemas::EntityId(rand::random());
+        if shards.of_id(&id) == 1 {
+            return id;
+        }
+    };
+    let (held, after) = (on_s1(), on_s1());
+    let ctx = std::sync::Arc::new(WriteContext::new(shards.clone(), Rules::from_settings(&settings)));
+    let bag = schemas::value::bag_from_json(&serde_json::json!({"v": "never acknowledged"})).unwrap();
+    let item = Item { id: held, change: Change::Put(bag), pre: Precondition::default() };
+
+    let mut root_c = crate::replication::connect(&c.server_dsn()).await;
+    sqlx::query("STOP SLAVE IO_THREAD").execute(&mut root_c).await.unwrap();
+    let commit = {
+        let ctx = ctx.clone();
+        tokio::spawn(async move { write::commit(&ctx, 1, &[item]).await.map(|c| c.results.len()) })
+    };
+    let mut commit = std::pin::pin!(commit);
+    // The deadline is the assertion: a commit that returns within it was
+    // acknowledged by the primary alone.
+    let early = tokio::time::timeout(Duration::from_secs(5), &mut commit).await;
+    assert!(early.is_err(), "the write was acknowledged with no replica receiving: {early:?}");
+    let mut service_b = crate::replication::connect(&b_dsn).await;
+    let seen: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM entities WHERE id = ?")
+        .bind(&held.0[..])
+        .fetch_one(&mut service_b)
+        .await
+        .unwrap();
+    assert_eq!(seen, 0, "another session saw a write no replica acknowledged");
+    drop(service_b);
+
+    let (b_port, _) = kill_9(b);
+    let ended = tokio::time::timeout(Duration::from_secs(30), &mut commit).await.expect("the commit ends");
+    assert!(!matches!(ended, Ok(Ok(_))), "the write was acknowledged: {ended:?}");
+    let (ok, out, err) = env.run(&env.args(&["shards", "failover", "s1"]), &ADMIN_ENV).await;
+    assert!(ok, "failover: {out}{err}");
+    let mut service_c = crate::replication::connect(&replication::service_dsn(&c, &db(1))).await;
+    assert_eq!(count(&mut service_c, held).await, 0, "the promoted replica holds the unacknowledged write");
+
+    let revived = start_on(&dir.join("b"), 2, true, Some(b_port)).await;
+    let (ok, out, err) = env.run(&env.args(&["shards", "replicas", "add", "s1", &b_dsn]), &ADMIN_ENV).await;
+    assert!(ok && out.contains("rejoined"), "the old primary's rejoin: {out}{err}");
+    let mut service_b = crate::replication::connect(&b_dsn).await;
+    assert_eq!(count(&mut service_b, held).await, 0, "the revived primary kept its unacknowledged tail");
+
+    // A write after it is acknowledged and published; the held one never is.
+    let api = writer.api();
+    let after_hex = after.to_hex();
+    eventually("a write to s1 after the failover", Duration::from_secs(30), || async {
+        (api.put(&after_hex, &serde_json::json!({"v": "after"})).await.0 == 201).then_some(())
+    })
+    .await;
+    let events = eventually("the later write's event on the topic", Duration::from_secs(30), || async {
+        let events = bagstore_tests::model::read_topic(&env.brokers(), &env.topic, 4);
+        events.iter().any(|e| e.event.id == after).then_some(events)
+    })
+    .await;
+    assert!(
+        !events.iter().any(|e| e.event.id == held),
+        "an event was published for a write never acknowledged"
+    );
+    shards.close().await;
+    drop(writer);
+    for server in [a, c, revived] {
+        server.stop().await.expect("a clean stop");
+    }
+}
+
+/// How many rows of `entities` have id `id`, on `conn`.
+async fn count(conn: &mut sqlx::MySqlConnection, id: schemas::EntityId) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM entities WHERE id = ?")
+        .bind(id.0.to_vec())
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
