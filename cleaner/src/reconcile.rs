@@ -195,10 +195,10 @@ async fn write_missing(cleaner: &Cleaner, spec: &IndexSpec, repairs: &Repairs) -
         index_rows::upsert_index_rows(shard, &mut tx, spec, rows).await?;
         tx.commit().await.on(shard)?;
     }
-    // A row the entity's newer write made unneeded meanwhile was a
+    // A row missing for an entity that has moved on since the scan was a
     // race with the indexer, not drift: counted only once confirmed.
-    let undone = undo_overtaken(cleaner, spec, &repairs.missing).await?;
-    let drift = repairs.missing_count - undone.len() as u64;
+    let overtaken = settle_overtaken(cleaner, spec, &repairs.missing).await?;
+    let drift = repairs.missing_count - overtaken.rows.len() as u64;
     let (m, table) = (cleaner.metrics(), spec.table.as_str());
     m.drift_found.with_label_values(&[table, "missing"]).inc_by(drift);
     m.drift_fixed.with_label_values(&[table, "missing"]).inc_by(drift);
@@ -207,14 +207,15 @@ async fn write_missing(cleaner: &Cleaner, spec: &IndexSpec, repairs: &Repairs) -
             .missing
             .iter()
             .flatten()
-            .filter(|r| !undone.iter().any(|(id, key)| *id == r.entity && *key == r.key))
+            .filter(|r| !overtaken.rows.iter().any(|(id, key)| *id == r.entity && *key == r.key))
             .map(|r| r.entity);
-        tracing::warn!(index = table, rows = drift, undone = undone.len(), entities = %some_ids(ids),
-            "wrote missing index rows");
+        tracing::warn!(index = table, rows = drift, overtaken = overtaken.rows.len(), undone = overtaken.undone,
+            entities = %some_ids(ids), "wrote missing index rows");
     } else {
         tracing::debug!(
             index = table,
-            undone = undone.len(),
+            overtaken = overtaken.rows.len(),
+            undone = overtaken.undone,
             "missing index rows were newer writes in flight"
         );
     }
@@ -312,31 +313,49 @@ pub fn some_ids(ids: impl IntoIterator<Item = EntityId>) -> String {
     out
 }
 
-/// Closes the race between writing a missing row and a newer write of the
-/// same entity: the cleaner read version v and wrote key K at v, but v+1
-/// (without K) may have committed, and its event been applied, in between;
-/// the indexer found no K to delete then, so K at v would linger. Re-read
-/// the entities after the write: a row whose entity moved on and no longer
-/// produces its key is deleted, but only at versions no newer than the one
-/// written, so an indexer row of a later version stays. Returns the written
-/// rows (entity, key) the entity's newer version had made unneeded.
-async fn undo_overtaken(
+/// The written rows whose entity had moved on by the time they were
+/// written, and how many of them were taken back.
+struct Overtaken {
+    rows: Vec<(EntityId, IndexKey)>,
+    undone: usize,
+}
+
+/// Tells drift from a race with newer writes, once the missing rows are
+/// written. The cleaner read version v and found key K's row missing, but
+/// the entity may have moved on since the scan: v+1 (without K) committed
+/// and its event removed K before the rows were read. That is the indexer
+/// keeping up, not drift, also when a still newer version produces K again
+/// (its event, not applied yet when the rows were read, writes K itself;
+/// the chaos suite's cleaner counted that as a missing row). So the
+/// entities are read again: a row is drift only if its entity is still at
+/// v (v's event was applied before the settled time, and nothing newer
+/// explains the gap). A row whose entity moved on and no longer produces
+/// its key is taken back (v+1's event found no K to remove, so K at v
+/// would linger), but only at versions no newer than the one written, so
+/// an indexer row of a later version stays.
+async fn settle_overtaken(
     cleaner: &Cleaner,
     spec: &IndexSpec,
     written: &[Vec<IndexRow>],
-) -> Result<Vec<(EntityId, IndexKey)>, CleanerError> {
+) -> Result<Overtaken, CleanerError> {
     let ids: Vec<EntityId> = written.iter().flatten().map(|row| row.entity).collect();
     let now = cleaner.read_any(&ids).await?;
     let now: HashMap<EntityId, &EntityRecord> = now.iter().map(|e| (e.id, e)).collect();
     let shards = cleaner.shards();
-    let mut undone = Vec::new();
+    let mut out = Overtaken { rows: Vec::new(), undone: 0 };
     for (shard, rows) in written.iter().enumerate() {
         for row in rows {
             let (current, keys) = expected_keys(spec, now.get(&row.entity).copied());
-            if current == row.version || keys.contains(&row.key) {
+            if current == row.version {
+                continue; // Unchanged since the scan: drift.
+            }
+            out.rows.push((row.entity, row.key.clone()));
+            if keys.contains(&row.key) {
+                tracing::debug!(index = %spec.table, entity = %row.entity, written = row.version, current,
+                    "a missing row's entity moved on and produces it again: left to the indexer");
                 continue;
             }
-            undone.push((row.entity, row.key.clone()));
+            out.undone += 1;
             let mut tx = topology::begin_owned(shard, shards.pool(shard), &[row.logical]).await?;
             let at = schemas::clock::now_micros();
             index_rows::remove_index_row_upto(shard, &mut tx, spec, &row.key, &row.entity, row.version, at)
@@ -345,7 +364,7 @@ async fn undo_overtaken(
             tracing::debug!(index = %spec.table, entity = %row.entity, "undid a repair overtaken by a newer write");
         }
     }
-    Ok(undone)
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@
 //! - `group_commit`: concurrent writes sharing transactions; locations.
 //! - `convergence`: a seeded random history; indexes end exact.
 //! - `cleaner`: drift repair, online backfill, index drop.
+//! - `drift`: what the cleaner counts as drift, and what as lag.
 //! - `shards`: logical shards: the topology guard, online moves, a frozen
 //!   writer across a cutover, resume and rollback.
 //! - `membership`: one indexer per partition after a broker outage (group
@@ -59,6 +60,7 @@ mod console;
 mod convergence;
 mod delivery;
 mod docs;
+mod drift;
 mod edges;
 mod expiry;
 mod failover;
