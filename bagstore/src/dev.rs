@@ -23,7 +23,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::app::{self, Roles};
-use crate::migrate;
+use crate::{dev_replicas, migrate};
 
 #[derive(Debug, clap::Args)]
 pub struct DevArgs {
@@ -39,6 +39,11 @@ pub struct DevArgs {
     /// Where the private shards keep their data (kept across restarts).
     #[arg(long, default_value = ".bagstore")]
     pub data_dir: PathBuf,
+    /// Private replicas per private shard, the metadata shard included
+    /// (semi-sync, GTID; failed over and rejoined on their own). Chosen when
+    /// the data dir is made (default 0).
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=dev_replicas::MAX_REPLICAS as i64))]
+    pub replicas: Option<u8>,
     /// Longest a graceful stop waits for the pipeline to drain.
     #[arg(long, default_value_t = 30)]
     pub drain_timeout_secs: u64,
@@ -54,7 +59,16 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
 
     let mut servers: Vec<MariaDb> = Vec::new();
     let mut layout = Layout::default();
-    if settings.mysql.shards.is_empty() {
+    let mut group = None;
+    let replicas = match settings.mysql.shards.is_empty() {
+        true => dev_replicas::replicas_of(&args.data_dir, args.replicas)?,
+        false => 0,
+    };
+    if replicas > 0 {
+        let existing = (0..).take_while(|i| args.data_dir.join(format!("shard-{i}")).exists()).count();
+        let total = existing.max(args.shards.map_or(2, usize::from));
+        group = Some(dev_replicas::start(&args.data_dir, total, replicas, &mut settings).await?);
+    } else if settings.mysql.shards.is_empty() {
         let existing = (0..).take_while(|i| args.data_dir.join(format!("shard-{i}")).exists()).count();
         let wanted = args.shards.map(usize::from);
         let total = existing.max(wanted.unwrap_or(2));
@@ -101,8 +115,11 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         settings.indexer.fetch_wait_ms.get_or_insert(schemas::settings::EMBEDDED_FETCH_WAIT_MS);
     }
 
-    let result = serve(settings, &args, layout, cluster.is_none()).await;
+    let result = serve(settings, &args, layout, group.clone(), cluster.is_none()).await;
     drop(cluster);
+    if let Some((group, _)) = group {
+        group.stop().await;
+    }
     for m in servers {
         if let Err(e) = m.stop().await {
             tracing::warn!(error = %e, "mariadbd did not stop cleanly");
@@ -114,7 +131,8 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
 async fn serve(
     mut settings: schemas::Settings,
     args: &DevArgs,
-    layout: Layout,
+    mut layout: Layout,
+    group: Option<(dev_replicas::Group, Vec<usize>)>,
     create_topics: bool,
 ) -> anyhow::Result<()> {
     let (_, shards) = migrate::migrate(&settings, create_topics).await?;
@@ -122,6 +140,9 @@ async fn serve(
         let p = crate::shards::add_shard(&shards, &settings, &format!("s{i}"), dsn).await?;
         tracing::info!(shard = %p.name, id = p.id, "added a private shard");
         settings.mysql.shards.push(dsn.clone());
+    }
+    if let Some((group, new)) = &group {
+        layout = grow_replicated(&shards, &mut settings, group, new).await?;
     }
     shards.close().await;
     let settings = &settings;
@@ -143,6 +164,10 @@ async fn serve(
     }
     let dsns: Vec<String> = settings.mysql.shards.iter().map(Dsn::redacted).collect();
     println!("bagstore dev ready: http={url} shards={} kafka={}", dsns.join(","), settings.kafka.brokers);
+    if let Some((group, _)) = group {
+        tracing::info!(replicas = group.replicas(), "keeping the private replicated shards");
+        running.pipeline.tracker.spawn(group.keep(running.shards.clone(), running.pipeline.stop.clone()));
+    }
     if !layout.add.is_empty() || !layout.remove.is_empty() {
         let (settings, shards, stop) =
             (settings.clone(), running.shards.clone(), running.pipeline.stop.clone());
@@ -172,6 +197,32 @@ async fn serve(
     .await;
     running.shards.close().await;
     Ok(())
+}
+
+/// A replicated cluster's new shards (`new`: all of a new cluster, or
+/// those `--shards` grows it by) registered and given their replicas; the
+/// layout to rebalance onto when it grew.
+async fn grow_replicated(
+    shards: &storage::Shards,
+    settings: &mut schemas::Settings,
+    group: &dev_replicas::Group,
+    new: &[usize],
+) -> anyhow::Result<Layout> {
+    let t = shards.topology();
+    let grown = !t.shards.is_empty() && new.iter().any(|i| t.by_name(&format!("s{i}")).is_none());
+    for i in new.iter().filter(|i| t.by_name(&format!("s{i}")).is_none()) {
+        let dsn = group.primary_dsn(*i).await;
+        let p = crate::shards::add_shard(shards, settings, &format!("s{i}"), &dsn).await?;
+        tracing::info!(shard = %p.name, id = p.id, "added a private shard");
+    }
+    shards.reload().await?;
+    group.add_replicas(shards, settings, new).await?;
+    if !grown {
+        return Ok(Layout::default());
+    }
+    let names: Vec<(usize, String)> = t.shards.iter().map(|p| (p.id as usize, p.name.clone())).collect();
+    let add = new.iter().map(|i| (*i, Dsn(String::new()))).collect();
+    Ok(Layout { serving: Vec::new(), names, add, remove: Vec::new() })
 }
 
 /// How this run's private shards relate to the cluster in the data dir.

@@ -23,6 +23,7 @@ pub mod app;
 pub mod changes;
 pub mod client_commands;
 pub mod dev;
+pub mod dev_replicas;
 pub mod logging;
 pub mod migrate;
 pub mod progress;

@@ -51,7 +51,7 @@ pub async fn add(settings: Settings, shard: &str, dsn: Dsn) -> anyhow::Result<()
     Ok(())
 }
 
-async fn add_to(
+pub(crate) async fn add_to(
     shards: &Shards,
     settings: &Settings,
     name: &str,
@@ -130,7 +130,7 @@ async fn add_to(
 }
 
 /// How a replica got the shard's data.
-enum How {
+pub(crate) enum How {
     /// It replicated from the primary already.
     Replicating,
     /// A server with a history the primary holds, replicating again.

@@ -34,7 +34,7 @@ pub async fn create_accounts(server: &MariaDb) -> Result<()> {
         format!("CREATE USER IF NOT EXISTS '{REPLICATION_USER}'@'127.0.0.1' IDENTIFIED BY '{REPLICATION_PASSWORD}'"),
         format!("GRANT REPLICATION SLAVE ON *.* TO '{REPLICATION_USER}'@'127.0.0.1'"),
     ] {
-        sqlx::raw_sql(&sql).execute(&mut conn).await.with_context(|| format!("running {sql}"))?;
+        sqlx::Executor::execute(&mut conn, sql.as_str()).await.with_context(|| format!("running {sql}"))?;
     }
     let _ = conn.close().await;
     Ok(())

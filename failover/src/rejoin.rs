@@ -53,7 +53,10 @@ pub async fn rejoin(
     let from = source(settings, &p.address)?;
     let mut server = reach(shards, settings, id, address).await?;
     let state = server_state(id, &mut server.conn).await?;
-    if state.replica.as_ref().is_some_and(|r| r.master_host == from.host && r.master_port == from.port) {
+    let follows = |r: &storage::replication::ReplicaState| {
+        r.master_host == from.host && r.master_port == from.port && r.io_running && r.sql_running
+    };
+    if state.replica.as_ref().is_some_and(follows) {
         return Ok(Rejoin::Replicating);
     }
     ensure!(

@@ -195,8 +195,11 @@ impl Coordinator {
                 .set(state.current.behind(&primary.current) as i64);
             let lag = state.replica.as_ref().and_then(|r| r.lag_secs).map_or(-1.0, |s| s as f64);
             m.replica_lag.with_label_values(&[&p.name, &at]).set(lag);
-            let follows =
-                state.replica.is_some_and(|r| r.master_host == from.host && r.master_port == from.port);
+            // Pointed at the primary with a thread running (one stopped by
+            // hand is the operator's); a restarted server has neither.
+            let follows = state.replica.is_some_and(|r| {
+                r.master_host == from.host && r.master_port == from.port && (r.io_running || r.sql_running)
+            });
             if !follows && self.elected(t, id).await {
                 self.rejoin(p, &r.address).await;
             }

@@ -55,6 +55,8 @@ pub(crate) struct Group {
     slots: usize,
     /// `writer.max_batch`: the most writes one transaction takes.
     max: usize,
+    /// `writer.commit_timeout_ms`: how long a write waits for its answer.
+    commit_timeout: std::time::Duration,
 }
 
 impl Group {
@@ -66,6 +68,7 @@ impl Group {
             queues: (0..MAX_PHYSICAL).map(|_| OnceLock::new()).collect(),
             slots: settings.writer.commit_slots,
             max: settings.writer.max_batch,
+            commit_timeout: std::time::Duration::from_millis(settings.writer.commit_timeout_ms),
         }
     }
 
@@ -86,7 +89,13 @@ impl Group {
             self.queue(shard)
                 .send(Pending { item, answer })
                 .expect("a shard's dispatcher lives as long as its queue");
-            match rx.await.expect("every queued write is answered") {
+            // The commit runs in its dispatcher's task: past the timeout the
+            // client is answered, and the commit goes on.
+            let Ok(answer) = tokio::time::timeout(self.commit_timeout, rx).await else {
+                self.metrics.outcome_unknown.inc();
+                return Err(WriteError::OutcomeUnknown { waited_ms: self.commit_timeout.as_millis() as u64 });
+            };
+            match answer.expect("every queued write is answered") {
                 Err(e) if e.is_stale_map() && stale.again(&self.shards).await => {
                     self.metrics.stale_map_retries.inc();
                 }

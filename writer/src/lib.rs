@@ -186,11 +186,23 @@ impl Writer {
         &self,
         items: Vec<(EntityId, Bag, Precondition)>,
     ) -> Vec<Result<Outcome, WriteError>> {
-        let items = items
+        let items: Vec<_> = items
             .into_iter()
             .map(|(id, bag, pre)| storage::write::Item { id, change: Change::Put(bag), pre })
             .collect();
-        self.inner.commit.batch(items).await
+        let n = items.len();
+        // Its own task, so that past the timeout the client is answered and
+        // the commits go on.
+        let commit = self.inner.commit.clone();
+        let committing = tokio::spawn(async move { commit.batch(items).await });
+        let waited = self.settings().writer.commit_timeout_ms;
+        match tokio::time::timeout(std::time::Duration::from_millis(waited), committing).await {
+            Ok(answers) => answers.expect("a batch's commits do not panic"),
+            Err(_) => {
+                self.inner.metrics.outcome_unknown.inc_by(n as u64);
+                (0..n).map(|_| Err(WriteError::OutcomeUnknown { waited_ms: waited })).collect()
+            }
+        }
     }
 
     /// Whether a keyed item's key was used within the window for another

@@ -27,6 +27,9 @@ pub struct Metrics {
     pub pending: prometheus::IntGauge,
     /// Writes refused with 429 because the bound was reached.
     pub refused: prometheus::IntCounter,
+    /// Writes answered 503 `outcome-unknown`: their commit did not answer
+    /// within `writer.commit_timeout_ms` (and may still commit).
+    pub outcome_unknown: prometheus::IntCounter,
     /// Kafka ingest commands by outcome: `applied`, `duplicate` (a replay
     /// under its guard: nothing written), `refused` (the write path said
     /// no), `malformed` (not a command).
@@ -47,7 +50,8 @@ impl Metrics {
         for outcome in ["applied", "duplicate", "refused", "malformed"] {
             m.ingest_commands.with_label_values(&[outcome]);
         }
-        let all: [Box<dyn prometheus::core::Collector>; 15] = [
+        let all: [Box<dyn prometheus::core::Collector>; 16] = [
+            Box::new(m.outcome_unknown.clone()),
             Box::new(m.ingest_commands.clone()),
             Box::new(m.ingest_lag.clone()),
             Box::new(m.ingest_partitions.clone()),
@@ -128,6 +132,10 @@ impl Metrics {
             refused: prometheus::IntCounter::new(
                 "bagstore_writer_overload_refusals_total",
                 "Writes answered 429 because writer.max_pending_writes were in hand",
+            )?,
+            outcome_unknown: prometheus::IntCounter::new(
+                "bagstore_writer_outcome_unknown_total",
+                "Writes answered 503 outcome-unknown: the commit did not answer within writer.commit_timeout_ms",
             )?,
             ingest_commands: IntCounterVec::new(
                 Opts::new(

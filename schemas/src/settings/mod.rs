@@ -256,10 +256,11 @@ impl Settings {
             || self.mover.cutover_attempts == 0
             || self.mysql.map_refresh_ms == 0
             || self.mysql.failover_after_ms == 0
+            || self.writer.commit_timeout_ms == 0
         {
             return Err(SettingsError::Invalid(
-                "mover.batch, mover.logicals_per_move, mover.cutover_attempts, mysql.map_refresh_ms and \
-                 mysql.failover_after_ms must be positive"
+                "mover.batch, mover.logicals_per_move, mover.cutover_attempts, mysql.map_refresh_ms, \
+                 mysql.failover_after_ms and writer.commit_timeout_ms must be positive"
                     .into(),
             ));
         }

@@ -181,6 +181,12 @@ pub struct WriterSettings {
     /// the first answer and writes nothing. The cleaner purges older
     /// records once a minute.
     pub idempotency_window_secs: u64,
+    /// How long a write waits for its commit's answer before it is answered
+    /// 503 `outcome-unknown` (`Retry-After: 1`): the commit goes on (one
+    /// waiting for a replica's acknowledgement is never killed, see
+    /// docs/operations.md, "Replicas"), and a retry with the same
+    /// `Idempotency-Key` learns its outcome.
+    pub commit_timeout_ms: u64,
     /// Test drill: exit the process right after committing a write that
     /// carries an `Idempotency-Key`, before answering (a crash between
     /// commit and answer). Never set it in production.
@@ -197,6 +203,7 @@ impl Default for WriterSettings {
             commit_slots: 2,
             max_pending_writes: 10_000,
             idempotency_window_secs: 86_400,
+            commit_timeout_ms: 10_000,
             drill_exit_after_commit: false,
         }
     }

@@ -29,6 +29,12 @@ pub(super) async fn is_writable(shard: usize, pool: &MySqlPool) -> Result<bool> 
     }
 }
 
+/// Whether the server behind `dsn` (of physical shard `shard`) answers and
+/// takes writes.
+pub(super) async fn answers_writable(shard: usize, dsn: &Dsn) -> bool {
+    probe(dsn).await.is_some_and(|(id, writable)| writable && id.physical as usize == shard)
+}
+
 /// What a server says of itself: who it is, and whether it takes writes.
 async fn probe(dsn: &Dsn) -> Option<(Identity, bool)> {
     let ask = async {
@@ -62,8 +68,10 @@ pub(super) async fn identify(shard: usize, dsns: &[Dsn]) -> Vec<(Identity, Dsn)>
 
 /// The primary among `found` (servers of physical shard `shard`): a lone
 /// server is taken as it is; of several, the one that takes writes with
-/// the highest epoch. None taking writes is a shard mid-failover; two at
-/// one epoch is a split no process can settle: both are errors.
+/// the highest epoch. None taking writes is a shard mid-failover (or
+/// restarted): the metadata shard's is the one its newest map names, a
+/// data shard's any of them until the map names one. Two at one epoch is
+/// a split no process can settle: an error.
 pub(super) async fn primary_among(shard: usize, found: &[(Identity, Dsn)]) -> Result<(Identity, Dsn)> {
     let distinct: Vec<&(Identity, Dsn)> = {
         let mut out: Vec<&(Identity, Dsn)> = Vec::new();
@@ -88,7 +96,9 @@ pub(super) async fn primary_among(shard: usize, found: &[(Identity, Dsn)]) -> Re
         [] if shard == topology::META_SHARD => named_by_newest_map(&distinct)
             .await
             .ok_or(StoreError::NoPrimary { shard, servers: distinct.len() }),
-        [] => Err(StoreError::NoPrimary { shard, servers: distinct.len() }),
+        // A data shard's primary is the map's to name (`settle_primaries`):
+        // none takes writes while a failover or a restart settles roles.
+        [] => distinct.first().map(|f| (*f).clone()).ok_or(StoreError::NoPrimary { shard, servers: 0 }),
         [a, b, ..] if a.0.epoch == b.0.epoch => Err(StoreError::BadTopology(format!(
             "physical shard {shard} has two writable servers at epoch {} ({} and {}): fence one \
              (set read_only) before bagstore goes on",

@@ -232,20 +232,30 @@ impl Shards {
         Ok(shards)
     }
 
-    /// A configured server that takes writes is its shard's primary, as of
-    /// the map's failover count; one that does not (a replica, or a primary
-    /// a failover fenced, listed in a configuration written before) gives
-    /// way to the primary the map names. The metadata shard's is found
-    /// among its servers instead ([`Shards::follow_meta_primary`]).
+    /// A data shard's primary is the one the map names, when it takes
+    /// writes: a configured server elsewhere (a replica, or a former
+    /// primary listed in a configuration written before a failover,
+    /// writable or not: one a failover could not reach is not fenced)
+    /// gives way to it. When the map's address does not take writes and
+    /// the configured server does, the configured one stays (`bagstore dev`
+    /// restarted its servers on other ports than the map recorded). The
+    /// metadata shard's is found among its servers instead
+    /// ([`Shards::follow_meta_primary`]).
     async fn settle_primaries(&self, t: &Topology) -> Result<()> {
         for p in &t.shards {
             let id = p.id as usize;
             let Some(slot) = self.inner.slots.get(id).and_then(OnceLock::get) else { continue };
-            if discovery::is_writable(id, &slot.current().pool).await.unwrap_or(false) {
+            if id == META_SHARD || slot.current().place == crate::dsn::place_of(&p.address) {
                 slot.adopt(p.failovers);
-            } else if id != META_SHARD {
-                let dsn = self.credentials_for(&p.address)?;
-                self.set_slot(id, &p.name, dsn, p.failovers)?;
+                continue;
+            }
+            let named = self.credentials_for(&p.address)?;
+            if discovery::answers_writable(id, &named).await
+                || !discovery::is_writable(id, &slot.current().pool).await.unwrap_or(false)
+            {
+                self.set_slot(id, &p.name, named, p.failovers)?;
+            } else {
+                slot.adopt(p.failovers);
             }
         }
         Ok(())

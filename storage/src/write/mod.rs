@@ -99,6 +99,12 @@ pub enum WriteError {
     NotExpired,
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The commit did not answer within `writer.commit_timeout_ms`: it may
+    /// still commit (a commit waiting for a replica's acknowledgement is
+    /// never killed). A retry with the same `Idempotency-Key` learns what
+    /// happened.
+    #[error("the write's commit has not answered within {waited_ms} ms and may still commit: retry with the same Idempotency-Key to learn its outcome")]
+    OutcomeUnknown { waited_ms: u64 },
     /// The transaction this item shared with others (a batch, or a group
     /// commit) failed on its shard; the error is shared by those items.
     #[error("the shared transaction on shard {shard} failed")]

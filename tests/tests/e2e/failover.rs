@@ -306,3 +306,192 @@ async fn count(conn: &mut sqlx::MySqlConnection, id: schemas::EntityId) -> i64 {
         .await
         .unwrap()
 }
+
+/// A stale primary: frozen with `SIGSTOP` under a steady writer, failed
+/// over by the coordinator, then let go with `SIGCONT`. No client gets an
+/// acknowledgement from it: its commits wait for acknowledgements no
+/// replica gives (their writes are answered 503 `outcome-unknown` after
+/// `writer.commit_timeout_ms`, and a process started now routes to the
+/// primary the map names, not to it). The coordinator refuses to take it
+/// back while it holds commits of its own; killed and restarted as a
+/// replica, its recovery discards them and it rejoins. Every acknowledged
+/// write reads back at its version, and the writes answered 503 are
+/// either stored at their version or absent, never half there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_primary_never_acknowledges_after_its_failover_and_rejoins_clean() {
+    let mut env = TestEnv::new("stalefailover", "").await;
+    let dir = env.dir.path().to_path_buf();
+    let (a, b) = (start(&dir.join("a"), 1, false).await, start(&dir.join("b"), 2, false).await);
+    let (c, d) = (start(&dir.join("c"), 3, true).await, start(&dir.join("d"), 4, true).await);
+    for s in [&a, &b, &c, &d] {
+        replication::create_accounts(s).await.expect("accounts");
+    }
+    let db = |i: usize| format!("{}_s{i}", env.name);
+    env.dsns = vec![replication::service_dsn(&a, &db(0)), replication::service_dsn(&b, &db(1))];
+    env.migrate().await;
+    for replica in [&c, &d] {
+        let add = env.args(&["shards", "replicas", "add", "s1", &replication::service_dsn(replica, &db(1))]);
+        let (ok, out, err) = env.run(&add, &ADMIN_ENV).await;
+        assert!(ok, "replicas add: {out}{err}");
+    }
+    let cleaner = env.spawn_env(&["cleaner"], &coordinator_env()).await;
+    let writer = env.spawn_env(&["writer"], &[("BAGSTORE_WRITER__COMMIT_TIMEOUT_MS", "2000")]).await;
+    let client = SteadyWriter::start(writer.api());
+    client.more(30).await;
+
+    let (b_port, b_pid) = (b.port(), b.pid().to_string());
+    let signal = |sig: &str| {
+        assert!(bagstore_tests::std_command("kill").args([sig, &b_pid]).status().unwrap().success());
+    };
+    signal("-STOP");
+    let address = |port: u16| format!("mysql://bagstore@127.0.0.1:{port}/{}", db(1));
+    let promoted =
+        eventually("the coordinator to fail the frozen primary over", Duration::from_secs(60), || async {
+            let doc = shard(&env, "s1").await;
+            (doc["address"] != address(b_port)).then_some(doc)
+        })
+        .await;
+    // Two replicas: the other one acknowledges, so the shard takes writes.
+    client.more(20).await;
+    signal("-CONT");
+    let new_primary = promoted["address"].as_str().unwrap().to_string();
+    // It answers again, holding commits nobody will acknowledge: the
+    // coordinator refuses to take it back.
+    eventually("the coordinator to refuse the stale primary", Duration::from_secs(30), || async {
+        let m = cleaner.api().metrics().await;
+        (sample(&m, "bagstore_rejoins_total{outcome=\"refused\",shard=\"s1\"}") >= Some(1.0)).then_some(())
+    })
+    .await;
+    assert!(cleaner.log_text().contains("still waits for acknowledgements"), "{}", cleaner.log_text());
+    // A process started now routes s1 to the map's primary, not to it.
+    let late = env.spawn(&["writer"]).await;
+    let late_client = SteadyWriter::start(late.api());
+    late_client.more(10).await;
+    client.more(10).await;
+
+    // Killed and restarted as a replica, it discards its tail and rejoins.
+    kill_9(b);
+    let revived = start_on(&dir.join("b"), 2, true, Some(b_port)).await;
+    eventually("the coordinator to take the old primary back", Duration::from_secs(60), || async {
+        let doc = shard(&env, "s1").await;
+        let back = servers(&doc).contains(&(address(b_port), "replica".into(), "online".into()));
+        (back && doc["address"] == new_primary).then_some(())
+    })
+    .await;
+    let (mut acked, refused) = client.finish().await;
+    let (late_acked, _) = late_client.finish().await;
+    acked.extend(late_acked);
+    eprintln!("{} writes acknowledged, {refused} answered 503 across the freeze", acked.len());
+    let reader = env.spawn(&["reader"]).await;
+    all_read_back(&reader.api(), &acked).await;
+    let m = writer.api().metrics().await;
+    eprintln!("outcome-unknown answers: {:?}", sample(&m, "bagstore_writer_outcome_unknown_total"));
+    drop((writer, late, reader, cleaner));
+    for server in [a, c, d, revived] {
+        server.stop().await.expect("a clean stop");
+    }
+}
+
+/// `bagstore dev --replicas 1`: every private shard (the metadata shard
+/// included) gets a semi-sync replica, and `GET /v1/shards` shows them. A
+/// client writes continuously; one shard's primary is killed with
+/// `kill -9`: writes to that shard resume on their own (the coordinator
+/// fails it over, dev restarts the dead server as a replica and the
+/// coordinator takes it back, each step logged), every acknowledged write
+/// reads back at its version, and a query equals the truth.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bagstore_dev_with_replicas_fails_a_dead_primary_over_on_its_own() {
+    use bagstore_tests::{until_query_is, Proc, STANDARD_INDEXES};
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("indexes.toml");
+    std::fs::write(&config, STANDARD_INDEXES).unwrap();
+    let data = dir.path().join("data");
+    let args: Vec<String> = ["dev", "--http", "127.0.0.1:0", "--replicas", "1", "--data-dir"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([data.display().to_string(), "--config".into(), config.display().to_string()])
+        .collect();
+    let dev = Proc::start(&args, dir.path(), &[("BAGSTORE_MYSQL__FAILOVER_AFTER_MS", "1000")]).await.unwrap();
+    let api = dev.api();
+    let shards = || shards_of(&api);
+    let before = shards().await;
+    assert_eq!(before.len(), 2, "{before:?}");
+    for s in &before {
+        let servers = servers(s);
+        assert_eq!(servers.len(), 2, "{s}");
+        assert_eq!((servers[1].1.as_str(), servers[1].2.as_str()), ("replica", "online"), "{s}");
+    }
+    let client = SteadyWriter::start(api.clone());
+    client.more(30).await;
+
+    // s1's primary: the private server whose recorded port it listens on.
+    let s1 = before.iter().find(|s| s["name"] == "s1").unwrap().clone();
+    let primary = s1["address"].as_str().unwrap().to_string();
+    let port = primary.rsplit_once(':').unwrap().1.split('/').next().unwrap().to_string();
+    let server_dir = std::fs::read_dir(&data)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|d| std::fs::read_to_string(d.join("port")).is_ok_and(|p| p.trim() == port))
+        .expect("the primary's directory");
+    let pid = std::fs::read_to_string(server_dir.join("mysqld.pid")).unwrap();
+    assert!(bagstore_tests::std_command("kill").args(["-9", pid.trim()]).status().unwrap().success());
+    let killed = Instant::now();
+    eventually(
+        "s1 to fail over and the dead server to be back as a replica",
+        Duration::from_secs(90),
+        || async {
+            let now = shards().await;
+            let s1 = now.iter().find(|s| s["name"] == "s1").unwrap();
+            let back = servers(s1).contains(&(primary.clone(), "replica".into(), "online".into()));
+            (s1["address"] != primary.as_str() && back).then_some(())
+        },
+    )
+    .await;
+    eprintln!(
+        "s1 failed over and its old primary rejoined {} ms after the kill",
+        killed.elapsed().as_millis()
+    );
+    client.more(30).await;
+    let log = dev.log_text();
+    for step in [
+        "a private mariadbd died",
+        "failed over",
+        "restarted the dead mariadbd as a replica",
+        "took a server back as a replica",
+    ] {
+        assert!(log.contains(step), "dev's log lacks {step:?}");
+    }
+    let (acked, refused) = client.finish().await;
+    eprintln!("{} writes acknowledged, {refused} answered 503", acked.len());
+    all_read_back(&api, &acked).await;
+    // Queries equal the truth: entities written after the failover, found
+    // through their index on every shard.
+    let user = schemas::EntityId(rand::random()).to_hex();
+    let ids: Vec<String> = (0..6).map(|_| schemas::EntityId(rand::random()).to_hex()).collect();
+    for id in &ids {
+        assert_eq!(api.put(id, &serde_json::json!({"user_id": user})).await.0, 201);
+    }
+    let want: Vec<&str> = ids.iter().map(String::as_str).collect();
+    until_query_is(&api, &serde_json::json!({"where": {"user_id": user}}), &want).await;
+    dev.terminate().await;
+
+    // Started again on its data dir (the replica count is the dir's): the
+    // servers come back in the roles the map gives them, and serve.
+    let again: Vec<String> = args.iter().filter(|a| *a != "--replicas" && *a != "1").cloned().collect();
+    let dev = Proc::start(&again, dir.path(), &[]).await.unwrap();
+    let api = dev.api();
+    for s in shards_of(&api).await {
+        let servers = servers(&s);
+        assert!(servers.iter().all(|(_, _, state)| state == "online"), "{s}");
+    }
+    all_read_back(&api, &acked).await;
+    assert_eq!(api.put(&ids[0], &serde_json::json!({"user_id": user, "again": true})).await.0, 200);
+    dev.terminate().await;
+}
+
+/// `GET /v1/shards`' shards.
+async fn shards_of(api: &bagstore_tests::Api) -> Vec<Value> {
+    let (status, doc) = api.shards().await;
+    assert_eq!(status, 200, "{doc}");
+    doc["shards"].as_array().unwrap().clone()
+}

@@ -73,6 +73,10 @@ pub(crate) fn write_problem(e: WriteError) -> Problem {
             e.to_string(),
         )
         .retry_after(1),
+        WriteError::OutcomeUnknown { .. } => {
+            Problem::new(StatusCode::SERVICE_UNAVAILABLE, "outcome-unknown", "Outcome unknown", e.to_string())
+                .retry_after(1)
+        }
         WriteError::Store(_) | WriteError::ShardFailed { .. } if e.is_transient() => Problem::unavailable(&e),
         WriteError::Store(_) | WriteError::ShardFailed { .. } => Problem::internal(&e),
     }

@@ -200,6 +200,8 @@ async fn apply_command(
             None => true,
             Some(Err(WriteError::Store(e))) => e.is_transient(),
             Some(Err(WriteError::ShardFailed { source, .. })) => source.is_transient(),
+            // Every command carries a guard: the retry learns the outcome.
+            Some(Err(WriteError::OutcomeUnknown { .. })) => true,
             Some(_) => false,
         };
         if !transient {
