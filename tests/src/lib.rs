@@ -18,6 +18,8 @@
 //!   tansu_leases).
 //! - [`membership`]: no partition worked on by two indexers after an
 //!   outage, also run against both brokers.
+//! - [`replicated`]: private replicated shards (issue 33's suites and
+//!   benchmark).
 
 pub mod api;
 pub mod chaos;
@@ -28,6 +30,7 @@ pub mod model;
 pub mod poll;
 pub mod process;
 pub mod python;
+pub mod replicated;
 mod servers;
 pub mod tansu;
 

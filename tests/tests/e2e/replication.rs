@@ -7,7 +7,7 @@
 //! started again as a replica, truncates it before it rejoins.
 
 use bagstore_tests::eventually;
-use devstack::mariadb::{MariaDb, MariaDbOptions, Replicated};
+use devstack::mariadb::MariaDb;
 use devstack::replication;
 use sqlx::{Connection, MySqlConnection};
 use std::path::Path;
@@ -16,28 +16,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use storage::replication::{check_server, server_state, Role};
 
-/// The settings a `shards replicas` or failover command needs on the
-/// private servers: root as the admin account, the replication account.
-pub(crate) const ADMIN_ENV: [(&str, &str); 3] = [
-    ("BAGSTORE_MYSQL__ADMIN_USER", "root"),
-    ("BAGSTORE_MYSQL__REPLICATION_USER", replication::REPLICATION_USER),
-    ("BAGSTORE_MYSQL__REPLICATION_PASSWORD", replication::REPLICATION_PASSWORD),
-];
+pub(crate) use bagstore_tests::replicated::{start_on, ADMIN_ENV};
 
 pub(crate) async fn start(dir: &Path, server_id: u32, as_replica: bool) -> MariaDb {
     start_on(dir, server_id, as_replica, None).await
-}
-
-/// [`start`] on a given port (a dead server restarted where the map lists
-/// it), or a free one.
-pub(crate) async fn start_on(dir: &Path, server_id: u32, as_replica: bool, port: Option<u16>) -> MariaDb {
-    let opts = MariaDbOptions {
-        innodb_buffer_pool_size: Some("16M".into()),
-        replicated: Some(Replicated { server_id, as_replica }),
-        port,
-        ..Default::default()
-    };
-    MariaDb::start_with(dir, opts).await.expect("a private mariadbd")
 }
 
 pub(crate) async fn connect(dsn: &str) -> MySqlConnection {
