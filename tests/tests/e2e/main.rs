@@ -1,9 +1,10 @@
 //! The end-to-end suites, one module each, in one test binary: one build
 //! and link instead of fifteen, and one pair of private MariaDB servers for
 //! all of them (every test still gets its own databases, topics and Kafka,
-//! so they run in parallel). The chaos matrix and the tests against the
-//! standalone broker are binaries of their own (`tests/tests/`): long, and
-//! each wants the machine. What each suite proves: `docs/testing.md`.
+//! so they run in parallel). The chaos matrix, the tests against the
+//! standalone broker and the membership tests (one indexer per partition
+//! after a broker outage) are binaries of their own (`tests/tests/`): long,
+//! or sensitive to the load of the others. What each suite proves: `docs/testing.md`.
 //!
 //! - `pipeline`: the seed entity's lifecycle through every index kind.
 //! - `queries`: ordered pages, ranges, merges across shards, the planner.
@@ -16,8 +17,6 @@
 //! - `drift`: what the cleaner counts as drift, and what as lag.
 //! - `shards`: logical shards: the topology guard, online moves, a frozen
 //!   writer across a cutover, resume and rollback.
-//! - `membership`: one indexer per partition after a broker outage (group
-//!   protocol and member leases); leases after kills and restarts.
 //! - `idempotency`: keyed retries (single and batch) after a crash between
 //!   commit and answer.
 //! - `ingest`: Kafka ingest answers each command once, also when its
@@ -70,7 +69,6 @@ mod idempotency;
 mod ingest;
 mod layout;
 mod limits;
-mod membership;
 mod observability;
 mod patch;
 mod pipeline;

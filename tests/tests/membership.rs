@@ -5,6 +5,11 @@
 //! killed and restarted under its name takes its own partitions back and
 //! no other member touches them; one not restarted is replaced within its
 //! lease; a second process under a taken name wins and the first stops.
+//!
+//! A binary of its own, run after the end-to-end suites: librdkafka's mock
+//! cluster can abort the whole test process (`rd_kafka_mock_cgrp_classic_
+//! member_add: Assertion '!member->resp' failed`) when these outages' rejoins
+//! meet the load of the other suites running beside them; alone, they pass.
 
 use bagstore_tests::membership::{
     counts, no_partition_is_worked_twice_after_an_outage, no_partition_is_worked_twice_after_an_outage_with,
