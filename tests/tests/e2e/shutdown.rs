@@ -203,7 +203,8 @@ async fn sigterm_to_each_service_under_load_loses_nothing_and_leaves_nothing_hal
 
     // The reader answers what it accepted, then refuses connections.
     let q_stop = Arc::new(AtomicBool::new(false));
-    let (qs, rurl) = (q_stop.clone(), reader.url.clone());
+    let answered = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (qs, rurl, qa) = (q_stop.clone(), reader.url.clone(), answered.clone());
     let querier = tokio::spawn(async move {
         let http = reqwest::Client::new();
         let (mut ok, mut refused) = (0u64, 0u64);
@@ -215,6 +216,7 @@ async fn sigterm_to_each_service_under_load_loses_nothing_and_leaves_nothing_hal
                     let body: serde_json::Value = r.json().await.expect("a whole answer");
                     assert!(body["items"].is_array());
                     ok += 1;
+                    qa.fetch_add(1, Ordering::Relaxed);
                 }
                 Err(_) => {
                     // Not accepted (refused, or a keep-alive connection the
@@ -227,7 +229,12 @@ async fn sigterm_to_each_service_under_load_loses_nothing_and_leaves_nothing_hal
         }
         (ok, refused)
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Stop the reader only once it has answered queries: a fixed wait
+    // found none answered yet on a loaded machine.
+    eventually("the reader to answer queries", Duration::from_secs(30), || async {
+        (answered.load(Ordering::Relaxed) >= 3).then_some(())
+    })
+    .await;
     stop(reader, "reader").await;
     q_stop.store(true, Ordering::Relaxed);
     let (ok, refused) = querier.await.unwrap();
