@@ -307,8 +307,9 @@ async fn count(conn: &mut sqlx::MySqlConnection, id: schemas::EntityId) -> i64 {
         .unwrap()
 }
 
-/// A stale primary: frozen with `SIGSTOP` under a steady writer, failed
-/// over by the coordinator, then let go with `SIGCONT`. No client gets an
+/// A stale primary: frozen with `SIGSTOP` under a steady writer while a
+/// commit of its own waits for an acknowledgement, failed over by the
+/// coordinator, then let go with `SIGCONT`. No client gets an
 /// acknowledgement from it: its commits wait for acknowledgements no
 /// replica gives (their writes are answered 503 `outcome-unknown` after
 /// `writer.commit_timeout_ms`, and a process started now routes to the
@@ -339,6 +340,19 @@ async fn a_frozen_primary_never_acknowledges_after_its_failover_and_rejoins_clea
     let client = SteadyWriter::start(writer.api());
     client.more(30).await;
 
+    // Both replicas stop receiving, so b's next commits wait for an
+    // acknowledgement nobody gives; b is frozen only once one waits (a
+    // freeze between commits would leave it nothing of its own to refuse).
+    for replica in [&c, &d] {
+        let mut root = crate::replication::connect(&replica.server_dsn()).await;
+        storage::replication::stop_receiving(1, &mut root).await.expect("stop receiving");
+    }
+    eventually("a commit on b to wait for an acknowledgement", Duration::from_secs(30), || async {
+        let mut conn = crate::replication::connect(&replication::service_dsn(&b, "")).await;
+        let state = storage::replication::server_state(1, &mut conn).await.expect("b's state");
+        (state.waiting_commits >= 1).then_some(())
+    })
+    .await;
     let (b_port, b_pid) = (b.port(), b.pid().to_string());
     let signal = |sig: &str| {
         assert!(bagstore_tests::std_command("kill").args([sig, &b_pid]).status().unwrap().success());
