@@ -17,7 +17,7 @@
 //!   Only an epoch *newer* than the map's says the map is stale, and only
 //!   then is it reloaded (a lagging replica never makes a reader reload
 //!   the map in a loop);
-//! - write tokens: see [`crate::consistency`].
+//! - write tokens: see the `consistency` module.
 
 use schemas::settings::ReadFrom;
 use sqlx::mysql::MySqlPool;
