@@ -13,8 +13,11 @@
 //! applying (its SQL thread stopped, its primary gone) keeps the last
 //! instant it was current and leaves routing once that is more than the
 //! bound ago, while the primary takes writes; a replica that does not
-//! answer within [`PROBE_TIMEOUT`], or answers as another shard's server,
-//! is down and leaves routing at once.
+//! answer within [`PROBE_TIMEOUT`], answers as another shard's server, or
+//! has no primary to replicate from (a former primary back but not yet
+//! rejoined) is down and leaves routing at once. Positions compare as
+//! `GtidPos::holds`: a forked history's transaction under the primary's
+//! number does not count.
 //!
 //! What it finds goes on each replica (`storage::shards::Seen`), where
 //! `routing` reads it, and to `bagstore_reader_replicas_usable`.
@@ -113,7 +116,7 @@ impl Reader {
             let seen = match pos {
                 None => Seen { up: false, ..was },
                 Some(pos) => {
-                    let newest = s.at.iter().rev().find(|(_, p)| pos.includes(p)).map(|(t, _)| *t);
+                    let newest = s.at.iter().rev().find(|(_, p)| pos.holds(p)).map(|(t, _)| *t);
                     Seen { up: true, current_as_of: newest.max(was.current_as_of) }
                 }
             };
@@ -131,7 +134,7 @@ impl Reader {
 }
 
 /// A replica's position, if it answers within [`PROBE_TIMEOUT`] as a
-/// server of `shard`.
+/// server of `shard` that replicates (its threads may be stopped).
 async fn probe(shard: usize, r: &Replica) -> Option<GtidPos> {
     let ask = async {
         let mut conn = r.pool().acquire().await.ok()?;
@@ -139,6 +142,7 @@ async fn probe(shard: usize, r: &Replica) -> Option<GtidPos> {
         if id.physical as usize != shard {
             return None;
         }
+        replication::replica_state(shard, &mut conn).await.ok()??;
         replication::current_position(shard, &mut *conn).await.ok()
     };
     tokio::time::timeout(PROBE_TIMEOUT, ask).await.ok().flatten()

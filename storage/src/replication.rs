@@ -144,7 +144,7 @@ pub async fn acknowledging(shard: usize, pool: &sqlx::MySqlPool) -> Result<(u64,
 }
 
 /// `SHOW SLAVE STATUS`, when the server has a primary configured.
-async fn replica_state(shard: usize, conn: &mut MySqlConnection) -> Result<Option<ReplicaState>> {
+pub async fn replica_state(shard: usize, conn: &mut MySqlConnection) -> Result<Option<ReplicaState>> {
     let Some(row) = sqlx::query("SHOW SLAVE STATUS").fetch_optional(&mut *conn).await.on(shard)? else {
         return Ok(None);
     };

@@ -6,7 +6,8 @@
 //! version than the token names (gets, batch gets, queries); without one
 //! an answer may be older, never wrong. A move's cutover that the stopped
 //! replica has not applied is lag, not a stale map. The replica applying
-//! again is used again, and one removed from the map leaves routing.
+//! again is used again, one removed from the map leaves routing, and one
+//! killed is skipped (reads already sent to it go to the primary).
 
 use bagstore_tests::api::{metric_sum, Api};
 use bagstore_tests::{eventually, TestEnv};
@@ -219,9 +220,24 @@ async fn reads_on_a_stopped_replica_never_go_behind_a_write_token_and_are_never_
     assert!(ok, "replicas remove: {out}{err}");
     until_usable(&r, 1, 0.0).await;
     assert_eq!(get(&r, &on1[1], &[]).await.1["version"], 2);
-    drop((writer, lenient, bounded, _indexer));
+
+    // s0's replica dies: reads sent to it before the watch sees it run on
+    // the primary; then it is down and skipped.
     let Servers { a, b, c, d } = servers;
-    for server in [a, b, c, d] {
+    assert!(bagstore_tests::std_command("kill")
+        .args(["-9", &c.pid().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    drop(c);
+    // (on0[0] moved to s1 above.)
+    for id in on0[1..].iter().cycle().take(40) {
+        let (status, doc) = get(&r, id, &[]).await;
+        assert_eq!((status, doc["version"].clone()), (200, json!(2)), "{id} with its replica dead: {doc}");
+    }
+    until_usable(&r, 0, 0.0).await;
+    drop((writer, lenient, bounded, _indexer));
+    for server in [a, b, d] {
         server.stop().await.expect("a clean stop");
     }
 }
