@@ -159,6 +159,7 @@ async fn reads_on_a_stopped_replica_never_go_behind_a_write_token_and_are_never_
     // Caught up: the first versions, from the replicas.
     assert_eq!(query(&r, "g", &tokens).await.len(), all.len());
     assert!(get_many(&r, &all, &tokens).await.values().all(|v| *v == 1));
+    refused_tokens(&r, &all[0]).await;
     let m = r.metrics().await;
     assert!(metric_sum(&m, "bagstore_reader_routed_total", &[("target", "replica")]) > 0.0, "{m}");
     assert_eq!(metric_sum(&m, "bagstore_reader_routed_total", &[("target", "primary")]), 0.0);
@@ -239,6 +240,28 @@ async fn reads_on_a_stopped_replica_never_go_behind_a_write_token_and_are_never_
     drop((writer, lenient, bounded, _indexer));
     for server in [a, b, d] {
         server.stop().await.expect("a clean stop");
+    }
+}
+
+/// Tokens that are not write tokens, and parameters the routes do not
+/// take, are refused with a reason.
+async fn refused_tokens(r: &Api, id: &str) {
+    let kind = |doc: &Value| doc["type"].as_str().unwrap_or_default().rsplit('/').next().unwrap().to_string();
+    for (path, want) in [
+        (format!("/v1/entities/{id}?consistent_with=nope"), "bad-write-token"),
+        (format!("/v1/entities/{id}?consistent_with={id}.x"), "bad-write-token"),
+        (format!("/v1/entities/{id}?consistant_with={id}.1"), "bad-request"),
+    ] {
+        let (status, doc) = r.raw(reqwest::Method::GET, &path, Vec::new()).await;
+        assert_eq!((status, kind(&doc)), (400, want.to_string()), "{path}: {doc}");
+    }
+    for (body, want) in [
+        (json!({"ids": [id], "consistent_with": [id]}), "bad-write-token"),
+        (json!({"ids": [id], "consistent_with": format!("{id}.1")}), "bad-request"),
+    ] {
+        let (status, doc) =
+            r.raw(reqwest::Method::POST, "/v1/entities/get", body.to_string().into_bytes()).await;
+        assert_eq!((status, kind(&doc)), (400, want.to_string()), "{body}: {doc}");
     }
 }
 
