@@ -71,6 +71,7 @@ pub fn routes(
     }
     if roles.reader {
         let r = reader::Reader::new(settings.clone(), shards.clone(), registry)?;
+        r.spawn_replica_watch(&pipeline.tracker, pipeline.stop.clone());
         routes = routes.merge(reader::http::routes(r));
     }
     Ok(routes)

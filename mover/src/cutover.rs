@@ -96,14 +96,16 @@ impl Mover {
         };
         // The hand-over, in the order a kill can interrupt safely (see
         // `recover_cutover`): target owns, with the source's floors (if
-        // this run still holds the move), source gives up, map flips.
+        // this run still holds the move), source gives up, target's epoch
+        // rises to the source's, map flips.
         moves::take_over(target, dst, &logicals, run.token, &floors).await?;
         self.drill_hold().await;
         let source_epoch = moves::cluster_epoch(shards.meta()).await? + 1;
         fence.release(source_epoch).await?;
         self.drill_hold().await;
-        moves::flip(shards.meta(), run.rec.id, &logicals, run.rec.source, run.rec.target, source_epoch)
-            .await?;
+        let target_epoch = moves::raise_epoch(target, dst, source_epoch).await?;
+        let epochs = (source_epoch, target_epoch);
+        moves::flip(shards.meta(), run.rec.id, &logicals, run.rec.source, run.rec.target, epochs).await?;
         let pause = closing.elapsed();
         run.rec.phase = Phase::Cleanup;
         self.metrics().cutover_pause.observe(pause.as_secs_f64());
@@ -129,7 +131,7 @@ impl Mover {
     /// next cutover reads the floors and the last records again). If it
     /// gave them up, the target was granted them first, with the floors in
     /// the same transaction, and the records were copied under the fence:
-    /// flip the map.
+    /// raise the target's epoch (again: it is idempotent) and flip the map.
     ///
     /// "The source still owns them" is judged under the fence, not by a
     /// plain read: a run that lost the mover lock without knowing may be
@@ -176,7 +178,9 @@ impl Mover {
         let me = topology::identity(source, shards.pool(source))
             .await?
             .ok_or_else(|| MoveError::Invalid(format!("physical shard {source} lost its identity")))?;
-        moves::flip(shards.meta(), run.rec.id, &logicals, run.rec.source, run.rec.target, me.epoch).await?;
+        let target_epoch = moves::raise_epoch(target, dst, me.epoch).await?;
+        let epochs = (me.epoch, target_epoch);
+        moves::flip(shards.meta(), run.rec.id, &logicals, run.rec.source, run.rec.target, epochs).await?;
         run.rec.phase = Phase::Cleanup;
         shards.reload().await?;
         tracing::info!(id = run.rec.id, "finished a cutover killed after the release: the map flipped");

@@ -17,6 +17,11 @@
 //! rows of multi-valued properties are skipped, so an entity appears once
 //! across all pages. The page token is the position of the last entity
 //! returned.
+//!
+//! Every statement goes where the attempt's [`Route`] says (a shard's
+//! primary or one of its replicas, see [`crate::routing`]); a statement a
+//! replica cannot answer runs on the primary, and entities a write token
+//! names are brought up to it (see [`crate::consistency`]).
 
 use schemas::clock::now_micros;
 use schemas::index::{IndexKey, KeyValue};
@@ -27,8 +32,10 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use storage::entities::{self, EntityRecord};
 use storage::index_scan::{self, IndexScan, Local, ScannedRow};
 use storage::shards::Routing;
-use storage::{topology, StaleMapRetry, StoreError};
+use storage::{topology, StaleMapRetry};
 
+use crate::consistency::Tokens;
+use crate::routing::{check_epoch, Fallback, Route, Target};
 use crate::{ReadError, Reader};
 
 /// A live entity, decoded.
@@ -50,26 +57,6 @@ pub struct Outcome {
     pub dropped: u64,
 }
 
-/// Runs one read (`$conn` names the connection inside `$read`) on one of
-/// `$conns`' ping-free connections; once more, on a new connection, if the
-/// reused one turned out dead (see `storage::conns`). A macro rather than a
-/// function taking an async closure: such closures, borrowing as these do,
-/// cost the HTTP handlers' futures their `Send`.
-macro_rules! read_on {
-    ($conns:expr, $conn:ident => $read:expr) => {{
-        let conns = $conns;
-        let mut taken = conns.take().await?;
-        loop {
-            let $conn = &mut taken.conn;
-            let r = $read.await;
-            match conns.settle(taken, &r).await? {
-                Some(again) => taken = again,
-                None => break r?,
-            }
-        }
-    }};
-}
-
 /// A live entity's record, decoded (`None` for a tombstone, and for an
 /// entity expired by now under `expiry`, the `expiry.property` setting:
 /// decoded after the read began, so a read that begins at or after the
@@ -84,11 +71,14 @@ fn decode(shard: usize, s: EntityRecord, expiry: Option<&str>) -> Result<Option<
     Ok(Some(Entity { id: s.id, version: s.version, updated_us: s.updated_us, properties }))
 }
 
-/// One attempt of a query: the map it routes with, what it has found.
+/// One attempt of a query: the map it routes with, the servers it reads,
+/// what it has found.
 struct Attempt<'a> {
     plan: &'a Plan,
     q: &'a Query,
     map: &'a Routing,
+    route: &'a Route<'a>,
+    tokens: &'a Tokens,
     out: Outcome,
     /// Entities already on the page (one appears once, at its first key).
     seen: HashSet<EntityId>,
@@ -149,10 +139,11 @@ impl Reader {
         self.settings().expiry.property.as_deref()
     }
 
-    pub async fn get(&self, id: &EntityId) -> Result<Option<Entity>, ReadError> {
+    /// The live entity `id`, never older than `tokens` say.
+    pub async fn get(&self, id: &EntityId, tokens: &Tokens) -> Result<Option<Entity>, ReadError> {
         self.fresh(|| async {
-            let map = self.shards().routing();
-            Ok(self.fetch_on(&map, map.of_id(id), &[(*id, None)]).await?.pop())
+            let (map, route) = (self.shards().routing(), self.route());
+            Ok(self.fetch_on(&route, &map, map.of_id(id), &[(*id, None)], tokens).await?.pop())
         })
         .await
     }
@@ -177,25 +168,14 @@ impl Reader {
         }
     }
 
-    /// Whether `shard`'s epoch, as a read saw it, is the one `map` (the
-    /// map the read was routed with) gives it; a mismatch is
-    /// [`StoreError::StaleMap`]. Never the current map: one reloaded since
-    /// the read was routed would vouch for a shard the read should not
-    /// have asked (a moved-away copy, or nothing once it was removed).
-    fn check_epoch(map: &Routing, shard: usize, seen: Option<u64>) -> Result<(), ReadError> {
-        match seen {
-            Some(e) if e != map.epoch_of(shard) => Err(StoreError::StaleMap { shard }.into()),
-            _ => Ok(()),
-        }
-    }
-
     /// Live entities among `ids`, in the order asked, absent ones and
     /// repeats left out. Shards in parallel, each id fetched once.
-    pub async fn get_many(&self, ids: &[EntityId]) -> Result<Vec<Entity>, ReadError> {
+    /// Never older than `tokens` say.
+    pub async fn get_many(&self, ids: &[EntityId], tokens: &Tokens) -> Result<Vec<Entity>, ReadError> {
         let found = self
             .fresh(|| async {
-                let map = self.shards().routing();
-                self.fetch_located(&map, ids.iter().map(|id| (*id, None))).await
+                let (map, route) = (self.shards().routing(), self.route());
+                self.fetch_located(&map, &route, ids.iter().map(|id| (*id, None)), tokens).await
             })
             .await?;
         let mut found: HashMap<EntityId, Entity> = found.into_iter().map(|e| (e.id, e)).collect();
@@ -207,7 +187,9 @@ impl Reader {
     async fn fetch_located(
         &self,
         map: &Routing,
+        route: &Route<'_>,
         ids: impl Iterator<Item = (EntityId, Option<u64>)>,
+        tokens: &Tokens,
     ) -> Result<Vec<Entity>, ReadError> {
         let mut per_shard: Vec<Vec<(EntityId, Option<u64>)>> = vec![Vec::new(); map.slots_len()];
         let mut asked = HashSet::new();
@@ -216,8 +198,10 @@ impl Reader {
         }
         let mut out = Vec::new();
         let per_shard = &per_shard;
-        for (_, found) in
-            self.shards().each_with(per_shard, |shard, _, ids| self.fetch_on(map, shard, ids)).await
+        for (_, found) in self
+            .shards()
+            .each_with(per_shard, |shard, _, ids| self.fetch_on(route, map, shard, ids, tokens))
+            .await
         {
             out.extend(found?);
         }
@@ -225,17 +209,52 @@ impl Reader {
     }
 
     /// Live entities among `ids` (all on `shard`, no repeats), in no
-    /// particular order: one statement for those whose location is given
-    /// or remembered, one by id for the others and for any whose location
-    /// turned out not to hold them (see [`crate::locations`]).
+    /// particular order, read where `route` says (a replica that cannot
+    /// answer, or answers behind the map, gives way to the primary), none
+    /// older than `tokens` say.
     async fn fetch_on(
         &self,
+        route: &Route<'_>,
         map: &Routing,
         shard: usize,
         ids: &[(EntityId, Option<u64>)],
+        tokens: &Tokens,
     ) -> Result<Vec<Entity>, ReadError> {
+        let (target, mut records) = loop {
+            let target = route.target(shard);
+            match self.records_on(&target, map, shard, ids, tokens).await {
+                Err(e) if target.is_replica() && Fallback::after(&e).is_some() => {
+                    route.demote(shard, Fallback::after(&e).expect("checked"));
+                }
+                r => break (target, r?),
+            }
+        };
+        if target.is_replica() && !tokens.is_empty() {
+            let asked: Vec<EntityId> = ids.iter().map(|(id, _)| *id).collect();
+            self.catch_up(route, &target, map, (shard, &asked), &mut records, tokens).await?;
+        }
+        let mut out = Vec::with_capacity(records.len());
+        for r in records {
+            out.extend(decode(shard, r, self.expiry())?);
+        }
+        Ok(out)
+    }
+
+    /// The rows of `ids` on `target` of `shard` (tombstones among them,
+    /// when a token names an id): one statement for those whose location
+    /// is given or remembered, one by id for the others and for any whose
+    /// location turned out not to hold them (see [`crate::locations`]).
+    async fn records_on(
+        &self,
+        target: &Target,
+        map: &Routing,
+        shard: usize,
+        ids: &[(EntityId, Option<u64>)],
+        tokens: &Tokens,
+    ) -> Result<Vec<EntityRecord>, ReadError> {
         let locations = &self.inner.locations;
         let fetches = &self.inner.metrics.fetches;
+        let conns = target.conns(self, shard);
         let mut out = Vec::with_capacity(ids.len());
         let (mut by_id, mut at) = (Vec::new(), Vec::new());
         for (id, given) in ids {
@@ -250,19 +269,17 @@ impl Reader {
         let mut vouched = false;
         if !at.is_empty() {
             let added: Vec<u64> = at.iter().map(|(_, a)| *a).collect();
-            let fetched =
-                read_on!(self.shards().conns(shard), c => entities::get_entities_at(shard, c, &added));
-            Self::check_epoch(map, shard, fetched.shard_epoch)?;
+            let fetched = read_on!(conns, c => entities::get_entities_at(shard, c, &added));
+            check_epoch(map, shard, fetched.shard_epoch, target)?;
             vouched |= fetched.shard_epoch.is_some();
-            let rows = fetched.records;
             // Keyed by the id each row really holds: a row that is not the
             // asked id's leaves that id unresolved.
-            let mut got: HashMap<EntityId, EntityRecord> = rows.into_iter().map(|r| (r.id, r)).collect();
+            let mut got: HashMap<EntityId, EntityRecord> =
+                fetched.records.into_iter().map(|r| (r.id, r)).collect();
             let mut stale = 0;
             for (id, _) in &at {
                 match got.remove(id) {
-                    // A tombstone decodes to nothing: deleted.
-                    Some(record) => out.extend(decode(shard, record, self.expiry())?),
+                    Some(record) => out.push(record),
                     None => {
                         locations.forget(id);
                         by_id.push(*id);
@@ -274,24 +291,36 @@ impl Reader {
             fetches.with_label_values(&["stale"]).inc_by(stale as u64);
         }
         if !by_id.is_empty() {
-            let fetched = read_on!(self.shards().conns(shard), c => entities::get_entities(shard, c, &by_id));
-            Self::check_epoch(map, shard, fetched.shard_epoch)?;
+            // Tombstones only matter to a token: a deleted entity at its
+            // version is an answer, not a lag.
+            let fetched = if tokens.is_empty() {
+                read_on!(conns, c => entities::get_entities(shard, c, &by_id))
+            } else {
+                read_on!(conns, c => entities::read_entities_any(shard, c, &by_id))
+            };
+            check_epoch(map, shard, fetched.shard_epoch, target)?;
             vouched |= fetched.shard_epoch.is_some();
             locations.learn(fetched.records.iter().map(|s| (s.id, s.added_id)));
-            for s in fetched.records {
-                out.extend(decode(shard, s, self.expiry())?);
-            }
+            out.extend(fetched.records);
         }
         if !vouched && !ids.is_empty() {
-            let epoch = read_on!(self.shards().conns(shard), c => topology::shard_epoch(shard, c));
-            Self::check_epoch(map, shard, Some(epoch))?;
+            let epoch = read_on!(conns, c => topology::shard_epoch(shard, c));
+            check_epoch(map, shard, Some(epoch), target)?;
         }
         Ok(out)
     }
 
     /// Runs `plan` for `q`: from its page token, if any, to a full page or
-    /// the end of the index range.
-    pub async fn run(&self, plan: &Plan, q: &Query) -> Result<Outcome, ReadError> {
+    /// the end of the index range; once the index reflects the query's
+    /// write tokens (`consistent_with`), waiting for that until `deadline`
+    /// (then [`ReadError::IndexBehind`]), and scanning until it too (then
+    /// [`ReadError::Timeout`]).
+    pub async fn run(
+        &self,
+        plan: &Plan,
+        q: &Query,
+        deadline: tokio::time::Instant,
+    ) -> Result<Outcome, ReadError> {
         let start = match &q.page_token {
             Some(text) => {
                 let t = PageToken::decode(text, plan, q).map_err(schemas::query::QueryError::from)?;
@@ -299,23 +328,38 @@ impl Reader {
             }
             None => None,
         };
-        self.fresh(|| self.scan(plan, q, start.clone())).await
+        let tokens = Tokens::new(&q.consistent_with);
+        let ms = u128::from(self.settings().reader.query_timeout_ms);
+        self.fresh(|| async {
+            // One map for the whole attempt: where to read, which rows each
+            // shard answers for and the epochs that vouch for it must
+            // agree; and one route, so the servers a token was checked on
+            // are the ones read.
+            let (map, route) = (self.shards().routing(), self.route());
+            if !tokens.is_empty() {
+                self.wait_applied(&route, &map, &plan.spec, &q.consistent_with, deadline).await?;
+            }
+            let scan = self.scan(&map, &route, &tokens, (plan, q), start.clone());
+            tokio::time::timeout_at(deadline, scan).await.map_err(|_| ReadError::Timeout { ms })?
+        })
+        .await
     }
 
     async fn scan(
         &self,
-        plan: &Plan,
-        q: &Query,
+        map: &Routing,
+        route: &Route<'_>,
+        tokens: &Tokens,
+        (plan, q): (&Plan, &Query),
         start: Option<(IndexKey, EntityId)>,
     ) -> Result<Outcome, ReadError> {
         let table = plan.spec.table.as_str();
-        // One map for the whole attempt: where to read, which rows each
-        // shard answers for and the epochs that vouch for it must agree.
-        let map = self.shards().routing();
         let mut a = Attempt {
             plan,
             q,
-            map: &map,
+            map,
+            route,
+            tokens,
             out: Outcome::default(),
             seen: HashSet::new(),
             touched: HashSet::new(),
@@ -368,7 +412,7 @@ impl Reader {
             let refills = streams
                 .iter_mut()
                 .filter(|s| s.buf.is_empty() && !s.done)
-                .map(|s| self.refill(plan, map, prefix, s, want));
+                .map(|s| self.refill(plan, (map, a.route), prefix, s, want));
             for r in futures::future::join_all(refills).await {
                 r?;
             }
@@ -388,15 +432,15 @@ impl Reader {
     }
 
     /// Reads up to `want` more rows of `prefix` into a stream whose buffer
-    /// ran dry.
+    /// ran dry, where the route says (the primary, if a replica cannot).
     async fn refill(
         &self,
         plan: &Plan,
-        map: &Routing,
+        (map, route): (&Routing, &Route<'_>),
         prefix: &IndexKey,
         s: &mut Stream,
         want: usize,
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), ReadError> {
         let scan = IndexScan {
             prefix,
             range: plan.range.as_ref(),
@@ -405,22 +449,15 @@ impl Reader {
             limit: want,
             with_entities: true,
         };
-        let rows = read_on!(
-            self.shards().conns(s.shard),
-            c => index_scan::scan_index(s.shard, c, &plan.spec, &scan)
-        );
-        // The shard's epoch came with the rows; with no row,
-        // one more statement asks (a stale map must not
-        // read as "nothing here").
-        let epoch = match rows.first() {
-            Some(r) => r.shard_epoch,
-            None => {
-                read_on!(self.shards().conns(s.shard), c => topology::shard_epoch(s.shard, c))
+        let rows = loop {
+            let target = route.target(s.shard);
+            match self.scan_on(&target, map, plan, s.shard, &scan).await {
+                Err(e) if target.is_replica() && Fallback::after(&e).is_some() => {
+                    route.demote(s.shard, Fallback::after(&e).expect("checked"));
+                }
+                r => break r?,
             }
         };
-        if epoch != map.epoch_of(s.shard) {
-            return Err(StoreError::StaleMap { shard: s.shard });
-        }
         s.done = rows.len() < want;
         if let Some(last) = rows.last() {
             s.after = Some((last.key[plan.prefix_len..].to_vec(), last.entity));
@@ -430,6 +467,27 @@ impl Reader {
         let shard = s.shard;
         s.buf.extend(rows.into_iter().filter(|r| map.of_logical(r.logical) == shard));
         Ok(())
+    }
+
+    /// One page of `scan` on `target` of `shard`, its epoch checked.
+    async fn scan_on(
+        &self,
+        target: &Target,
+        map: &Routing,
+        plan: &Plan,
+        shard: usize,
+        scan: &IndexScan<'_>,
+    ) -> Result<Vec<ScannedRow>, ReadError> {
+        let conns = target.conns(self, shard);
+        let rows = read_on!(conns, c => index_scan::scan_index(shard, c, &plan.spec, scan));
+        // The shard's epoch came with the rows; with no row, one more
+        // statement asks (a stale map must not read as "nothing here").
+        let epoch = match rows.first() {
+            Some(r) => r.shard_epoch,
+            None => read_on!(conns, c => topology::shard_epoch(shard, c)),
+        };
+        check_epoch(map, shard, Some(epoch), target)?;
+        Ok(rows)
     }
 
     /// Keeps the candidates whose entities, as stored now, match and are
@@ -449,7 +507,7 @@ impl Reader {
         while candidates.peek().is_some() {
             let need = q.limit - a.out.items.len();
             let chunk: Vec<(ScannedRow, usize)> = candidates.by_ref().take(need).collect();
-            let (rows, mut found) = self.entities_of(a.map, chunk).await?;
+            let (rows, mut found) = self.entities_of(a, chunk).await?;
             for (key, id) in rows {
                 let keep = found.get(&id).is_some_and(|e| {
                     !a.seen.contains(&id)
@@ -476,16 +534,21 @@ impl Reader {
     /// the others fetched.
     async fn entities_of(
         &self,
-        map: &Routing,
+        a: &Attempt<'_>,
         chunk: Vec<(ScannedRow, usize)>,
     ) -> Result<(Vec<(IndexKey, EntityId)>, HashMap<EntityId, Entity>), ReadError> {
+        let map = a.map;
         let mut found = HashMap::new();
         let mut fetch = Vec::new();
         let mut rows = Vec::with_capacity(chunk.len());
         for (row, from) in chunk {
             let here = map.of_id(&row.entity) == from;
+            // An entity a token names came from the server the token was
+            // checked on, so it is at least that version; one that is not
+            // (which would be a bug) is fetched, and brought up to it.
+            let behind = |v: u64| a.tokens.floor(&row.entity).is_some_and(|floor| v < floor);
             match row.local {
-                Local::Live(stored) if here => {
+                Local::Live(stored) if here && !behind(stored.version) => {
                     self.inner.locations.learn([(row.entity, stored.added_id)]);
                     if let Some(entity) = decode(from, stored, self.expiry())? {
                         found.insert(row.entity, entity);
@@ -496,7 +559,8 @@ impl Reader {
             }
             rows.push((row.key, row.entity));
         }
-        found.extend(self.fetch_located(map, fetch.into_iter()).await?.into_iter().map(|e| (e.id, e)));
+        let fetched = self.fetch_located(map, a.route, fetch.into_iter(), a.tokens).await?;
+        found.extend(fetched.into_iter().map(|e| (e.id, e)));
         Ok((rows, found))
     }
 

@@ -1,15 +1,18 @@
 //! Reader routes and JSON shapes, and the one mapping of [`ReadError`] to
 //! problem documents.
 //!
-//! - `GET /v1/entities/{id}` → `{"id","version","updated","properties"}`
-//! - `POST /v1/entities/get` `{"ids": [...]}` → `{"items": [...]}`
+//! - `GET /v1/entities/{id}[?consistent_with=TOKEN,…]` →
+//!   `{"id","version","updated","properties"}`
+//! - `POST /v1/entities/get` `{"ids": [...], "consistent_with": [...]}` →
+//!   `{"items": [...]}`
 //! - `POST /v1/query` → `{"items", "index", "next_page_token", "explain"}`
 //! - `GET /v1/indexes` → `{"indexes": [...]}`
 //! - `DELETE /v1/indexes/{table}` (admin) drops an index
 //! - `GET /v1/lag` → per index, events not yet applied and time lag
 
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -23,6 +26,7 @@ use service::kafka;
 use std::time::Duration;
 use storage::{catalog, IndexMeta, StoreError};
 
+use crate::consistency::Tokens;
 use crate::execute::Entity;
 use crate::{ReadError, Reader};
 
@@ -71,6 +75,7 @@ impl From<ReadError> for Problem {
                 Problem::not_found(format!("no index named {table:?}"))
             }
             ReadError::Store(ref s) if s.is_transient() => Problem::unavailable(&e),
+            ReadError::ReplicaBehind { .. } => Problem::unavailable(&e),
             ReadError::Store(_) | ReadError::Corrupt { .. } => Problem::internal(&e),
         }
     }
@@ -116,14 +121,29 @@ struct QueryAnswer<'a> {
 
 /// `GET /v1/entities/{id}`: the entity with its version as `ETag`; 304
 /// when `If-None-Match` names that version (or is `*`).
+/// With `?consistent_with=TOKEN` (repeated, or comma-separated), never an
+/// older version than a token for this entity names.
 async fn get_one(
     State(r): State<Reader>,
     Path(id): Path<String>,
+    params: Result<Query<Vec<(String, String)>>, QueryRejection>,
     headers: HeaderMap,
 ) -> Result<Response, Problem> {
     let _admitted = admit(&r)?;
     let id = parse_id(&id)?;
-    let Some(e) = r.get(&id).await? else {
+    let Query(params) = params.map_err(|e| Problem::bad_request("bad-request", e.body_text()))?;
+    let mut tokens = Vec::new();
+    for (key, value) in params {
+        if key != "consistent_with" {
+            return Err(Problem::bad_request(
+                "bad-request",
+                format!("unknown query parameter {key:?} (this route takes consistent_with)"),
+            ));
+        }
+        tokens.extend(value.split(',').filter(|t| !t.trim().is_empty()).map(|t| t.trim().to_string()));
+    }
+    let tokens = parse_tokens(&r, tokens.iter().map(String::as_str))?;
+    let Some(e) = r.get(&id, &tokens).await? else {
         return Err(Problem::not_found(format!("no entity {id}")));
     };
     let etag = format!("\"{}\"", e.version);
@@ -134,6 +154,22 @@ async fn get_one(
         return Ok((StatusCode::NOT_MODIFIED, [(header::ETAG, etag)]).into_response());
     }
     Ok(([(header::ETAG, etag)], Json(EntityJson::from(&e))).into_response())
+}
+
+/// Write tokens as a read takes them (as a query's `consistent_with`: at
+/// most `reader.max_in`, each a `write_token` of a write response).
+fn parse_tokens<'a>(r: &Reader, texts: impl ExactSizeIterator<Item = &'a str>) -> Result<Tokens, Problem> {
+    let max = r.settings().reader.max_in;
+    if texts.len() > max {
+        return Err(Problem::bad_request(
+            "bad-request",
+            format!("\"consistent_with\" takes at most {max} tokens"),
+        ));
+    }
+    let parsed = texts
+        .map(|t| query::parse_write_token(t).ok_or(ReadError::Query(query::QueryError::BadWriteToken)))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Tokens::new(&parsed))
 }
 
 /// A read slot (reader.max_concurrent), or 429.
@@ -157,7 +193,20 @@ async fn get_many(State(r): State<Reader>, body: Body) -> Result<Response, Probl
             v.as_str().ok_or_else(|| Problem::bad_request("bad-id", "ids must be strings")).and_then(parse_id)
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let items = r.get_many(&ids).await?;
+    let tokens = match doc.get("consistent_with") {
+        None | Some(JsonValue::Null) => Tokens::default(),
+        Some(JsonValue::Array(list)) => {
+            let texts = list.iter().map(|t| t.as_str().unwrap_or(""));
+            parse_tokens(&r, texts)?
+        }
+        Some(_) => {
+            return Err(Problem::bad_request(
+                "bad-request",
+                "\"consistent_with\" must be a list of write tokens",
+            ))
+        }
+    };
+    let items = r.get_many(&ids, &tokens).await?;
     Ok(Json(Items { items: items.iter().map(EntityJson::from).collect() }).into_response())
 }
 
@@ -177,13 +226,7 @@ async fn run_query(State(r): State<Reader>, body: Body) -> Result<Response, Prob
         return Err(ReadError::IndexNotReady { table: plan.spec.table.clone(), state: shown.into() }.into());
     }
     let timeout = Duration::from_millis(r.settings().reader.query_timeout_ms);
-    let deadline = tokio::time::Instant::now() + timeout;
-    if !q.consistent_with.is_empty() {
-        r.wait_applied(&plan.spec, &q.consistent_with, deadline).await?;
-    }
-    let out = tokio::time::timeout_at(deadline, r.run(&plan, &q))
-        .await
-        .map_err(|_| ReadError::Timeout { ms: timeout.as_millis() })??;
+    let out = r.run(&plan, &q, tokio::time::Instant::now() + timeout).await?;
     let freshness = r.freshness(&plan.spec.table).await.map_err(ReadError::from)?;
     Ok(Json(QueryAnswer {
         items: out.items.iter().map(EntityJson::from).collect(),

@@ -10,26 +10,55 @@
 //! - [`execute`]: scanning the index in order, merging shards, fetching
 //!   entities, re-filtering (`schemas::query` parses and plans queries, and
 //!   holds the re-filter and the page tokens).
-//! - [`consistency`]: read-your-writes (`consistent_with`) and freshness.
+//! - [`consistency`]: read-your-writes (`consistent_with`, on replicas
+//!   too) and freshness.
+//! - [`routing`]: which server of a shard a read goes to (the primary, or
+//!   a replica within `reader.max_replica_lag_ms`).
+//! - [`replicas`]: the replica watch: how old each replica's data may be.
 //! - [`locations`]: where entities live, remembered for point reads.
 //! - [`metrics`]: the series this crate exports.
 //!
 //! Invariant R: index rows are only ever candidates. Every returned entity
 //! was re-checked against every condition (and the index's `match_on`) on
 //! its canonical stored properties, so stale, duplicated or hand-made index
-//! rows can cost time but never produce a wrong answer.
+//! rows can cost time but never produce a wrong answer. A replica changes
+//! nothing there: the re-filter runs on what was fetched, wherever from,
+//! so a replica's answer may be older, never wrong.
+
+/// Runs one read (`$conn` names the connection inside `$read`) on one of
+/// `$conns`' ping-free connections; once more, on a new connection, if the
+/// reused one turned out dead (see `storage::conns`). A macro rather than a
+/// function taking an async closure: such closures, borrowing as these do,
+/// cost the HTTP handlers' futures their `Send`.
+macro_rules! read_on {
+    ($conns:expr, $conn:ident => $read:expr) => {{
+        let conns = $conns;
+        let mut taken = conns.take().await?;
+        loop {
+            let $conn = &mut taken.conn;
+            let r = $read.await;
+            match conns.settle(taken, &r).await? {
+                Some(again) => taken = again,
+                None => break r?,
+            }
+        }
+    }};
+}
 
 pub mod consistency;
 pub mod execute;
 pub mod http;
 pub mod locations;
 pub mod metrics;
+pub mod replicas;
+pub mod routing;
 
 use prometheus::Registry;
 use schemas::query::QueryError;
 use schemas::{EntityId, Settings};
 use service::freshness::Freshness;
 use std::collections::HashMap;
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use storage::{catalog, IndexMeta, Shards, StoreError};
@@ -59,6 +88,11 @@ pub enum ReadError {
     Timeout { ms: u128 },
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// A replica has not applied a move's cutover that the map routed
+    /// with has: lag, so the read goes to the shard's primary (never seen
+    /// by a caller unless the primary cannot be read either).
+    #[error("a replica of shard {shard} has not applied the map's last change to it yet")]
+    ReplicaBehind { shard: usize },
     #[error("entity {id} on shard {shard} has a corrupt body")]
     Corrupt {
         id: EntityId,
@@ -90,6 +124,8 @@ struct Inner {
     locations: locations::Locations,
     /// Read slots (`reader.max_concurrent`).
     admission: Arc<tokio::sync::Semaphore>,
+    /// Turns among a shard's usable replicas, so reads spread over them.
+    next_replica: AtomicUsize,
 }
 
 impl Reader {
@@ -106,6 +142,7 @@ impl Reader {
                 states: Mutex::new(None),
                 freshness: Mutex::new(HashMap::new()),
                 admission,
+                next_replica: AtomicUsize::new(0),
             }),
         })
     }

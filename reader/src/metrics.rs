@@ -1,6 +1,6 @@
 //! Reader series, `bagstore_reader_…`, most labelled by `index`.
 
-use prometheus::{IntCounterVec, Opts, Registry};
+use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
 
 #[derive(Debug, Clone)]
 pub struct Metrics {
@@ -15,7 +15,27 @@ pub struct Metrics {
     pub fetches: IntCounterVec,
     /// Reads run again after a shard's epoch showed the map was stale.
     pub stale_map_retries: prometheus::IntCounter,
+    /// Reads sent to shards, by `target`: `replica`, `primary` (as
+    /// `reader.read_from` says) or `primary_fallback` (meant for a replica).
+    pub routed: IntCounterVec,
+    /// Reads meant for a replica that went to the primary, by `reason`
+    /// (see `routing::Fallback`).
+    pub fallbacks: IntCounterVec,
+    /// Reads carrying a write token that found their replica behind it, by
+    /// `outcome`: `caught_up` (it caught up within the wait) or `primary`
+    /// (read from the primary instead).
+    pub token_waits: IntCounterVec,
+    /// Per shard, its replicas that reads may use now (up, and within
+    /// `reader.max_replica_lag_ms`).
+    pub usable_replicas: IntGaugeVec,
 }
+
+/// `target` values of [`Metrics::routed`].
+pub const TARGETS: [&str; 3] = ["replica", "primary", "primary_fallback"];
+/// `reason` values of [`Metrics::fallbacks`].
+pub const REASONS: [&str; 4] = ["no_replica", "failed", "behind_cutover", "write_token"];
+/// `outcome` values of [`Metrics::token_waits`].
+pub const OUTCOMES: [&str; 2] = ["caught_up", "primary"];
 
 impl Metrics {
     pub fn register(r: &Registry) -> prometheus::Result<Metrics> {
@@ -46,12 +66,50 @@ impl Metrics {
                 ),
                 &["by"],
             )?,
+            routed: IntCounterVec::new(
+                Opts::new("bagstore_reader_routed_total", "Reads sent to shards, by the server they went to"),
+                &["target"],
+            )?,
+            fallbacks: IntCounterVec::new(
+                Opts::new(
+                    "bagstore_reader_replica_fallbacks_total",
+                    "Reads meant for a replica that went to the shard's primary, by reason",
+                ),
+                &["reason"],
+            )?,
+            token_waits: IntCounterVec::new(
+                Opts::new(
+                    "bagstore_reader_token_waits_total",
+                    "Reads with a write token that found their replica behind it, by how they ended",
+                ),
+                &["outcome"],
+            )?,
+            usable_replicas: IntGaugeVec::new(
+                Opts::new(
+                    "bagstore_reader_replicas_usable",
+                    "Replicas of each shard that reads may use now (up, within the lag bound)",
+                ),
+                &["shard"],
+            )?,
         };
+        // Every label value exists from the start: a rate over a series
+        // that appears only with its first event misses that event.
+        for (vec, values) in
+            [(&m.routed, &TARGETS[..]), (&m.fallbacks, &REASONS[..]), (&m.token_waits, &OUTCOMES[..])]
+        {
+            for v in values {
+                vec.with_label_values(&[v]);
+            }
+        }
         r.register(Box::new(m.stale_map_retries.clone()))?;
         r.register(Box::new(m.index_rows.clone()))?;
         r.register(Box::new(m.dropped.clone()))?;
         r.register(Box::new(m.shard_reads.clone()))?;
         r.register(Box::new(m.fetches.clone()))?;
+        r.register(Box::new(m.routed.clone()))?;
+        r.register(Box::new(m.fallbacks.clone()))?;
+        r.register(Box::new(m.token_waits.clone()))?;
+        r.register(Box::new(m.usable_replicas.clone()))?;
         Ok(m)
     }
 }

@@ -64,6 +64,19 @@ impl GtidPos {
         other.by_domain.iter().all(|(d, g)| self.by_domain.get(d).is_some_and(|mine| mine.seq >= g.seq))
     }
 
+    /// [`GtidPos::includes`], and where a domain's sequence numbers are
+    /// equal, the very transaction (the same server id): a server whose
+    /// history forked (a former primary's tail no replica acknowledged,
+    /// not yet truncated) can hold another transaction under the number
+    /// its shard's new primary gave one of its own.
+    pub fn holds(&self, other: &GtidPos) -> bool {
+        other.by_domain.iter().all(|(d, g)| {
+            self.by_domain
+                .get(d)
+                .is_some_and(|mine| mine.seq > g.seq || (mine.seq == g.seq && mine.server == g.server))
+        })
+    }
+
     /// Transactions `other` holds beyond this position, summed over the
     /// domains (0 when this one includes it): how far behind this is.
     pub fn behind(&self, other: &GtidPos) -> u64 {
@@ -114,5 +127,16 @@ mod tests {
         assert!(p("0-1-1").includes(&p("")));
         assert_eq!(p("0-1-40").behind(&p("0-2-42,1-1-3")), 5);
         assert_eq!(p("0-1-50").behind(&p("0-2-42")), 0);
+    }
+
+    #[test]
+    fn holding_a_position_at_its_own_number_takes_the_same_transaction() {
+        let p = |t: &str| GtidPos::parse(t).unwrap();
+        assert!(p("0-1-42").holds(&p("0-1-42")));
+        assert!(p("0-1-43").holds(&p("0-2-42")), "a later number follows it");
+        assert!(!p("0-1-42").holds(&p("0-2-42")), "another transaction under the same number");
+        assert!(!p("0-1-41").holds(&p("0-1-42")));
+        assert!(!p("0-1-42").holds(&p("0-1-42,1-3-7")), "a domain it lacks");
+        assert!(p("0-1-42,1-3-7").holds(&p("0-1-42")));
     }
 }

@@ -294,8 +294,12 @@ pub async fn get_entities_at(
 
 /// Entities among `ids` (all on this shard), tombstones included.
 #[tracing::instrument(level = "debug", skip_all, fields(shard))]
-pub async fn read_entities_any(shard: usize, pool: &MySqlPool, ids: &[EntityId]) -> Result<Fetched> {
-    select(shard, pool, Lookup::Ids(ids), false).await
+pub async fn read_entities_any(
+    shard: usize,
+    conn: impl sqlx::MySqlExecutor<'_>,
+    ids: &[EntityId],
+) -> Result<Fetched> {
+    select(shard, conn, Lookup::Ids(ids), false).await
 }
 
 /// A position in the `(updated, added_id)` order of a shard's entities:

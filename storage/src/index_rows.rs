@@ -295,7 +295,7 @@ pub async fn index_entity_ids(
 /// The version of one live index row, if it exists.
 pub async fn index_row_version(
     shard: usize,
-    pool: &MySqlPool,
+    conn: impl sqlx::MySqlExecutor<'_>,
     spec: &IndexSpec,
     key: &IndexKey,
     entity: &EntityId,
@@ -305,7 +305,7 @@ pub async fn index_row_version(
         spec.table,
         key_equals(spec)
     );
-    let row = bind_key(sqlx::query(&sql), key).bind(&entity.0[..]).fetch_optional(pool).await.on(shard)?;
+    let row = bind_key(sqlx::query(&sql), key).bind(&entity.0[..]).fetch_optional(conn).await.on(shard)?;
     row.map(|r| r.try_get("version").on(shard)).transpose()
 }
 

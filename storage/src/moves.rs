@@ -411,6 +411,24 @@ pub async fn take_over(
     tx.commit().await.on(shard)
 }
 
+/// The target's epoch raised to `epoch` (the one the source's release set)
+/// after the release: the map's flip then gives both shards that epoch.
+/// Before it, the target already served what it had; a server of the
+/// target (a replica) that shows the older epoch has not applied the copy
+/// and the take-over, so a reader routed by the flipped map takes it for
+/// lag rather than reading the moved rows there as absent. Not in the
+/// take-over itself: a cutover that never releases takes the grant back,
+/// and the map would never learn an epoch raised with it. Idempotent;
+/// returns the target's epoch now.
+pub async fn raise_epoch(shard: usize, pool: &MySqlPool, epoch: u64) -> Result<u64> {
+    sqlx::query("UPDATE bagstore_shard SET epoch = GREATEST(epoch, ?) WHERE id = 1")
+        .bind(epoch)
+        .execute(pool)
+        .await
+        .on(shard)?;
+    crate::topology::shard_epoch(shard, pool).await
+}
+
 /// Forgets the incoming rows of `logicals` (a rolled-back move).
 pub async fn drop_incoming(shard: usize, pool: &MySqlPool, logicals: &[u16]) -> Result<()> {
     let forget = logicals_in("DELETE FROM bagstore_incoming WHERE logical", "");
@@ -435,8 +453,10 @@ pub async fn owns(shard: usize, pool: &MySqlPool, logicals: &[u16]) -> Result<Ve
 }
 
 /// Flips the map: `logicals` now belong to `target`; the cluster's epoch
-/// rises past `source_epoch` (what the source's database now says) and the
-/// source's entry records it; the move enters [`Phase::Cleanup`]. One
+/// rises past `source_epoch` (what the source's database now says), the
+/// source's entry records it and the target's records `target_epoch` (what
+/// the target's says, see [`raise_epoch`]); the move enters
+/// [`Phase::Cleanup`]. One
 /// transaction on the metadata shard, and only from [`Phase::Cutover`]: a
 /// run that lost the mover lock without knowing, whose cutover released
 /// the source while another run (waiting on its fence) took the move over,
@@ -450,7 +470,7 @@ pub async fn flip(
     logicals: &[u16],
     source: PhysicalId,
     target: PhysicalId,
-    source_epoch: u64,
+    (source_epoch, target_epoch): (u64, u64),
 ) -> Result<u64> {
     let s = META_SHARD;
     let mut tx = meta.begin().await.on(s)?;
@@ -458,17 +478,19 @@ pub async fn flip(
         .fetch_one(&mut *tx)
         .await
         .on(s)?;
-    let new_epoch = epoch.max(source_epoch) + 1;
+    let new_epoch = epoch.max(source_epoch).max(target_epoch) + 1;
     let remap = logicals_in("UPDATE bagstore_map SET physical = ? WHERE logical", "");
     for st in remap.statements(logicals) {
         st.bind(sqlx::query(&st.sql).bind(target), |q, k| q.bind(*k)).execute(&mut *tx).await.on(s)?;
     }
-    sqlx::query("UPDATE bagstore_physical SET epoch = ? WHERE id = ?")
-        .bind(source_epoch)
-        .bind(source)
-        .execute(&mut *tx)
-        .await
-        .on(s)?;
+    for (shard, shard_epoch) in [(source, source_epoch), (target, target_epoch)] {
+        sqlx::query("UPDATE bagstore_physical SET epoch = ? WHERE id = ?")
+            .bind(shard_epoch)
+            .bind(shard)
+            .execute(&mut *tx)
+            .await
+            .on(s)?;
+    }
     sqlx::query("UPDATE bagstore_cluster SET epoch = ? WHERE id = 1")
         .bind(new_epoch)
         .execute(&mut *tx)

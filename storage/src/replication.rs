@@ -97,6 +97,14 @@ pub async fn server_state(shard: usize, conn: &mut MySqlConnection) -> Result<Se
     })
 }
 
+/// What the server holds, committed (`@@gtid_current_pos`): one statement,
+/// for a watch that compares servers often.
+pub async fn current_position(shard: usize, conn: impl sqlx::MySqlExecutor<'_>) -> Result<GtidPos> {
+    let text: String =
+        sqlx::query_scalar("SELECT CAST(@@gtid_current_pos AS CHAR)").fetch_one(conn).await.on(shard)?;
+    GtidPos::parse(&text).map_err(|e| bad_gtid(shard, e))
+}
+
 /// A primary's semi-sync status.
 struct SemiSync {
     /// Replicas connected now (`Rpl_semi_sync_master_clients`).
@@ -136,7 +144,7 @@ pub async fn acknowledging(shard: usize, pool: &sqlx::MySqlPool) -> Result<(u64,
 }
 
 /// `SHOW SLAVE STATUS`, when the server has a primary configured.
-async fn replica_state(shard: usize, conn: &mut MySqlConnection) -> Result<Option<ReplicaState>> {
+pub async fn replica_state(shard: usize, conn: &mut MySqlConnection) -> Result<Option<ReplicaState>> {
     let Some(row) = sqlx::query("SHOW SLAVE STATUS").fetch_optional(&mut *conn).await.on(shard)? else {
         return Ok(None);
     };

@@ -23,7 +23,7 @@ pub use mysql::{FailoverMode, MysqlSettings};
 pub use secrets::{is_secret_kafka_option, Dsn, Secret};
 pub use sections::{
     Assignment, AuthSettings, ChangesSettings, CleanerSettings, ExpirySettings, HttpSettings,
-    IndexerSettings, IngestSettings, KafkaSettings, MoverSettings, ReaderSettings, WriterSettings,
+    IndexerSettings, IngestSettings, KafkaSettings, MoverSettings, ReadFrom, ReaderSettings, WriterSettings,
     EMBEDDED_FETCH_WAIT_MS, FETCH_WAIT_MS,
 };
 

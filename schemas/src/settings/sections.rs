@@ -321,6 +321,29 @@ pub struct ReaderSettings {
     /// Most reads (gets, batch gets, queries) served at once; beyond it a
     /// read is answered 429 with `Retry-After`.
     pub max_concurrent: usize,
+    /// Where gets, batch gets and queries (index scans and entity fetches)
+    /// read: `"primary"`, each shard's primary; or `"replicas"`, a replica
+    /// of the shard whose data is at most `max_replica_lag_ms` old, else
+    /// the primary. A write token (`consistent_with`) keeps
+    /// read-your-writes exactly either way.
+    pub read_from: ReadFrom,
+    /// With `read_from = "replicas"`: how old a replica's data may be (ms)
+    /// for reads to go to it, measured as how long ago the primary last
+    /// held nothing the replica lacks. A replica past it, or down, is
+    /// skipped until it catches up.
+    pub max_replica_lag_ms: u64,
+}
+
+/// Which servers of a shard the reader reads (`reader.read_from`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReadFrom {
+    /// The shard's primary: every answer is as fresh as the shard.
+    #[default]
+    Primary,
+    /// A replica within `reader.max_replica_lag_ms`, else the primary: an
+    /// answer without a write token may be that much older.
+    Replicas,
 }
 
 impl Default for ReaderSettings {
@@ -333,6 +356,8 @@ impl Default for ReaderSettings {
             query_timeout_ms: 5000,
             location_cache: 200_000,
             max_concurrent: 512,
+            read_from: ReadFrom::Primary,
+            max_replica_lag_ms: 1000,
         }
     }
 }

@@ -13,7 +13,9 @@
 //! Slots are indexed by physical id and never move, so pools and
 //! connections can be borrowed for as long as the `Shards` lives; a slot
 //! follows its shard to another server when the map says the shard's
-//! primary moved (a failover, a switchover: see [`slot`]).
+//! primary moved (a failover, a switchover: see [`slot`]). Each shard's
+//! replicas, which reads may use, follow the map the same way (see
+//! [`replicas`]).
 
 use schemas::settings::{Dsn, MysqlSettings};
 use schemas::topology::{PhysicalId, Topology};
@@ -30,7 +32,9 @@ use crate::error::{OnShard, Result, StoreError};
 use crate::topology::{self, META_SHARD};
 
 mod discovery;
+mod replicas;
 mod slot;
+pub use replicas::{Replica, Seen};
 use slot::{PoolSizes, Server, Slot};
 
 /// The most physical shards a cluster can ever have registered.
@@ -64,6 +68,8 @@ struct Inner {
     /// The configured DSNs of the metadata shard's servers: where its
     /// primary is looked for again when the one in use stops being it.
     meta_seeds: RwLock<Vec<Dsn>>,
+    /// Each shard's replicas, as the map lists them.
+    replicas: replicas::ReplicaSets,
 }
 
 impl Routing {
@@ -141,6 +147,7 @@ impl Shards {
                 reloaded: tokio::sync::Mutex::new(None),
                 reloads: AtomicU64::new(0),
                 meta_seeds: RwLock::new(Vec::new()),
+                replicas: replicas::ReplicaSets::default(),
             }),
         }
     }
@@ -328,6 +335,7 @@ impl Shards {
                 self.set_slot(id, &p.name, dsn, p.failovers)?;
             }
         }
+        self.inner.replicas.follow(&t, |address| self.credentials_for(address), self.sizes())?;
         let live = t.shards.iter().map(|p| p.id as usize).collect();
         *self.inner.routing.write().expect("not poisoned") = Arc::new(Routing { topology: Some(t), live });
         Ok(())
@@ -425,6 +433,12 @@ impl Shards {
 
     pub fn pool(&self, shard: usize) -> &MySqlPool {
         &self.slot(shard).pool
+    }
+
+    /// Physical shard `shard`'s replicas, as the map last loaded lists
+    /// them (empty when it has none).
+    pub fn replicas(&self, shard: usize) -> Arc<[Arc<Replica>]> {
+        self.inner.replicas.of(shard)
     }
 
     /// Ping-free connections for the hot paths (see [`crate::conns`]).
@@ -539,6 +553,9 @@ impl Shards {
             for server in slot.all() {
                 server.pool.close().await;
             }
+        }
+        for pool in self.inner.replicas.pools() {
+            pool.close().await;
         }
     }
 }

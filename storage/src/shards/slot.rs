@@ -54,7 +54,7 @@ pub(crate) struct PoolSizes {
 }
 
 impl Server {
-    fn open(id: usize, name: &str, dsn: Dsn, sizes: PoolSizes) -> Result<Server> {
+    pub(crate) fn open(id: usize, name: &str, dsn: Dsn, sizes: PoolSizes) -> Result<Server> {
         let opts = connect_options(&dsn)?;
         let conns = Arc::new(Conns::new(id, opts.clone(), sizes.max_connections));
         let pool = MySqlPoolOptions::new()

@@ -37,6 +37,9 @@
 //! - `bench_quick`: the benchmark's smoke run.
 //! - `replication`: MariaDB replication as bagstore runs it: the checks,
 //!   the unacknowledged commit a failover must lose, a primary rejoining.
+//! - `read_routing`: reads on replicas within a lag bound; write tokens
+//!   never answered older, on a replica whose SQL thread is stopped; a
+//!   cutover a replica lacks is lag; replicas leaving routing.
 //! - `failover`: the coordinator's automatic failover after a `kill -9`
 //!   (a data shard's primary and the metadata shard's), the dead server
 //!   restarted and taken back as a replica, every acknowledged write kept.
@@ -73,6 +76,7 @@ mod observability;
 mod patch;
 mod pipeline;
 mod queries;
+mod read_routing;
 mod replication;
 mod shards;
 mod shutdown;

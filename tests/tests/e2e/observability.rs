@@ -608,8 +608,12 @@ async fn every_metric_the_dashboard_and_the_alerts_use_is_exported_by_a_live_sta
                     missing.remove("bagstore_index_consumers");
                 }
                 // Series of replicas: this stack has none (the failover
-                // suite checks them on a replicated shard).
-                for per_replica in ["bagstore_replica_lag_seconds", "bagstore_replica_gtid_behind"] {
+                // and read_routing suites check them on replicated shards).
+                for per_replica in [
+                    "bagstore_replica_lag_seconds",
+                    "bagstore_replica_gtid_behind",
+                    "bagstore_reader_replicas_usable",
+                ] {
                     missing.remove(per_replica);
                 }
                 let mut last = last_missing.lock().unwrap();

@@ -852,10 +852,10 @@ async fn a_late_flip_by_a_mover_that_lost_the_move_changes_nothing() {
     let rec = create_move(&meta, &logicals, 0, 1).await.unwrap();
     set_phase(&meta, rec.id, Phase::Copy, Phase::Cutover).await.unwrap();
     // The run that took the move over: its flip, its cleanup's end.
-    let epoch = flip(&meta, rec.id, &logicals, 0, 1, 5).await.unwrap();
+    let epoch = flip(&meta, rec.id, &logicals, 0, 1, (5, 5)).await.unwrap();
     set_phase(&meta, rec.id, Phase::Cleanup, Phase::Done).await.unwrap();
     // The run that lost it, its fence released, flips too.
-    let err = flip(&meta, rec.id, &logicals, 0, 1, 5).await.unwrap_err();
+    let err = flip(&meta, rec.id, &logicals, 0, 1, (5, 5)).await.unwrap_err();
     assert!(err.to_string().contains("took move"), "{err}");
     assert_eq!(get_move(&meta, rec.id).await.unwrap().unwrap().phase, Phase::Done);
     assert!(storage::moves::moves_in_flight(&meta).await.unwrap().is_empty(), "the move is in flight again");
