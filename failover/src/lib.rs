@@ -13,6 +13,13 @@
 //!   "auto"`), its election, and when it acts.
 //! - [`servers`]: reaching a shard's servers as the admin account.
 //! - [`metrics`]: what the coordinator exports.
+//!
+//! A change of primary raises the new primary's shard epoch and the map's
+//! `failovers` count of the shard (`storage::topology::switch_primary`).
+//! A move's cutover flips the map only if neither its source's nor its
+//! target's count changed since it began (`storage::moves::flip`), else it
+//! is recovered on the new primaries: failovers and cutovers never
+//! interleave.
 
 pub mod metrics;
 pub mod promote;

@@ -10,7 +10,10 @@
 //!    everything the others hold is promoted (`to` must name that one, or
 //!    one as advanced): promoting another would lose acknowledged writes,
 //!    and is refused.
-//! 4. The others replicate from it; it takes writes once a replica
+//! 4. Its epoch rises above every epoch the shard had (and the map
+//!    records it): a replica that has not applied that from it is behind,
+//!    and a process routing with the old map reloads.
+//! 5. The others replicate from it; it takes writes once a replica
 //!    acknowledges (a shard left with no other replica stays read-only,
 //!    refusing writes, until one joins, unless asynchronous replication was
 //!    accepted); the map records it.
@@ -95,10 +98,7 @@ pub async fn fail_over(
     let pick = most_advanced(&replicas, to)?;
     let mut new = replicas.remove(pick);
     replication::stop_replicating(id, &mut new.conn).await?;
-    let from_new = source(settings, &new.address)?;
-    for r in &mut replicas {
-        replication::replicate_from(id, &mut r.conn, &from_new, None).await?;
-    }
+    let epoch = raise_epoch(p, &mut new).await?;
     let acks = !(settings.mysql.allow_async || accept_async);
     // Left with no replica to acknowledge them, writes would wait: the new
     // primary stays read-only (writes are refused, nothing waits) until a
@@ -109,9 +109,15 @@ pub async fn fail_over(
         // admin account, before its commits wait for a replica that is
         // not there.
         let address = new.address.clone();
-        record(shards, p, &address, Some(&mut new)).await?;
+        record(shards, p, &address, epoch, Some(&mut new)).await?;
     }
+    // Before a replica connects: one that connects first may be served as
+    // an asynchronous replica until it reconnects.
     replication::require_acks(id, &mut new.conn, acks).await?;
+    let from_new = source(settings, &new.address)?;
+    for r in &mut replicas {
+        replication::replicate_from(id, &mut r.conn, &from_new, None).await?;
+    }
     if acks && !replicas.is_empty() {
         wait_for_acknowledger(id, &mut new).await?;
     }
@@ -119,7 +125,7 @@ pub async fn fail_over(
         replication::set_read_only(id, &mut new.conn, false).await?;
     }
     if !(alone && id == META_SHARD) {
-        record(shards, p, &new.address, None).await?;
+        record(shards, p, &new.address, epoch, None).await?;
     }
     Ok(Promoted { old: p.address.clone(), new: new.address, alone, asynchronous: !acks })
 }
@@ -134,7 +140,18 @@ pub(crate) async fn wait_for_acknowledger(shard: usize, new: &mut Server) -> any
     Ok(())
 }
 
-/// Records the new primary in the map, which lives on the metadata
+/// Gives a new primary (replicating from nobody now, still read-only) an
+/// epoch above every epoch its shard had, as the admin account; its
+/// commits do not wait for acknowledgements yet (a former primary may
+/// still have them on), as no replica follows it. Returns the epoch.
+pub(crate) async fn raise_epoch(p: &PhysicalShard, new: &mut Server) -> anyhow::Result<u64> {
+    let id = p.id as usize;
+    replication::require_acks(id, &mut new.conn, false).await?;
+    let had = topology::shard_epoch(id, &mut new.conn).await?;
+    Ok(topology::raise_shard_epoch(id, &mut new.conn, had.max(p.epoch) + 1).await?)
+}
+
+/// Records the new primary, with its `epoch`, in the map, which lives on the metadata
 /// shard's primary: `on_new` (reached as the admin account), when the
 /// metadata shard is the one that changed and its new primary is still
 /// read-only; otherwise that primary as the services' account.
@@ -142,17 +159,18 @@ pub(crate) async fn record(
     shards: &Shards,
     p: &PhysicalShard,
     new: &str,
+    epoch: u64,
     on_new: Option<&mut Server>,
 ) -> anyhow::Result<()> {
     let old = p.address.as_str();
     if let Some(server) = on_new {
-        topology::switch_primary(&mut server.conn, p.id, new, old).await?;
+        topology::switch_primary(&mut server.conn, p.id, new, old, epoch).await?;
         return Ok(());
     }
     let meta_address =
         if p.id as usize == META_SHARD { new.to_string() } else { meta_primary(&shards.topology())? };
     let mut meta = connect(&shards.credentials_for(&meta_address)?, "the metadata shard's primary").await?;
-    topology::switch_primary(&mut meta, p.id, new, old).await?;
+    topology::switch_primary(&mut meta, p.id, new, old, epoch).await?;
     Ok(())
 }
 

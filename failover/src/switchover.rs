@@ -11,7 +11,8 @@
 //! 4. the new primary waits for a replica's acknowledgement of every
 //!    commit (unless `mysql.allow_async`), then takes writes;
 //! 5. the map records it (address, `failovers` + 1, the old primary among
-//!    the replicas, a new epoch): running processes move their connections.
+//!    the replicas, the new primary's raised epoch, a new map epoch):
+//!    running processes move their connections.
 //!
 //! Between 1 and 5 writes to the shard fail as `NotPrimary` (a stale map,
 //! retried by the writers) and readers keep reading the old primary.
@@ -24,7 +25,7 @@ use storage::dsn::place_of;
 use storage::replication::{self, server_state};
 use storage::Shards;
 
-use crate::promote::{record, wait_for_acknowledger};
+use crate::promote::{raise_epoch, record, wait_for_acknowledger};
 use crate::servers::{reach, source};
 
 /// How long the new primary may take to hold everything the old one has.
@@ -77,18 +78,20 @@ pub async fn switch_over(
         );
     }
     replication::stop_replicating(id, &mut new.conn).await?;
+    let epoch = raise_epoch(p, &mut new).await?;
+    // Before the replicas connect (see `promote`).
+    replication::require_acks(id, &mut new.conn, !settings.mysql.allow_async).await?;
     let from_new = source(settings, &new.address)?;
     for r in std::iter::once(&mut old).chain(replicas.iter_mut()) {
         replication::replicate_from(id, &mut r.conn, &from_new, None)
             .await
             .with_context(|| format!("pointing {} at the new primary", r.address))?;
     }
-    replication::require_acks(id, &mut new.conn, !settings.mysql.allow_async).await?;
     if !settings.mysql.allow_async {
         wait_for_acknowledger(id, &mut new).await?;
     }
     replication::set_read_only(id, &mut new.conn, false).await?;
     let writes_waited = started.elapsed();
-    record(shards, p, &new.address, None).await?;
+    record(shards, p, &new.address, epoch, None).await?;
     Ok(Switched { old: old.address, new: new.address, writes_waited })
 }

@@ -13,6 +13,10 @@ use crate::{MoveError, Mover, Result, Running};
 pub(crate) enum Retry {
     /// Nothing changed; try again later.
     Again(&'static str),
+    /// A failover of the source or target ran during the cutover: the map
+    /// did not flip; the cutover is recovered against the new primaries
+    /// (the move stays in its cutover phase).
+    Recover,
     Fatal(MoveError),
 }
 
@@ -31,6 +35,8 @@ impl Mover {
         let (source, target) = (run.rec.source as usize, run.rec.target as usize);
         let (src, dst) = (shards.pool(source), shards.pool(target));
         let logicals = run.rec.logicals.clone();
+        // The flip happens only if neither primary changes from here on.
+        let failovers = moves::failovers(shards.meta(), run.rec.source, run.rec.target).await?;
         let conn = storage::dsn::dedicated_connection(shards.dsn(source))
             .await
             .map_err(|e| StoreError::Shard { shard: source, source: e })?;
@@ -105,7 +111,15 @@ impl Mover {
         self.drill_hold().await;
         let target_epoch = moves::raise_epoch(target, dst, source_epoch).await?;
         let epochs = (source_epoch, target_epoch);
-        moves::flip(shards.meta(), run.rec.id, &logicals, run.rec.source, run.rec.target, epochs).await?;
+        let (id, from, to) = (run.rec.id, run.rec.source, run.rec.target);
+        match moves::flip(shards.meta(), id, &logicals, from, to, epochs, failovers).await {
+            Ok(_) => {}
+            Err(e @ StoreError::FailedOverMidCutover { .. }) => {
+                tracing::warn!(id, error = %e, "a failover ran during the cutover: recovering it");
+                return Err(Retry::Recover);
+            }
+            Err(e) => return Err(e.into()),
+        }
         let pause = closing.elapsed();
         run.rec.phase = Phase::Cleanup;
         self.metrics().cutover_pause.observe(pause.as_secs_f64());
@@ -145,6 +159,7 @@ impl Mover {
         let (source, target) = (run.rec.source as usize, run.rec.target as usize);
         let (src, dst) = (shards.pool(source), shards.pool(target));
         let logicals = run.rec.logicals.clone();
+        let failovers = moves::failovers(shards.meta(), run.rec.source, run.rec.target).await?;
         let conn = storage::dsn::dedicated_connection(shards.dsn(source))
             .await
             .map_err(|e| StoreError::Shard { shard: source, source: e })?;
@@ -180,7 +195,17 @@ impl Mover {
             .ok_or_else(|| MoveError::Invalid(format!("physical shard {source} lost its identity")))?;
         let target_epoch = moves::raise_epoch(target, dst, me.epoch).await?;
         let epochs = (me.epoch, target_epoch);
-        moves::flip(shards.meta(), run.rec.id, &logicals, run.rec.source, run.rec.target, epochs).await?;
+        let (id, from, to) = (run.rec.id, run.rec.source, run.rec.target);
+        match moves::flip(shards.meta(), id, &logicals, from, to, epochs, failovers).await {
+            Ok(_) => {}
+            Err(e @ StoreError::FailedOverMidCutover { .. }) => {
+                // Still in its cutover phase: recovered again, on the new map.
+                tracing::warn!(id, error = %e, "a failover ran during the cutover's recovery: recovering again");
+                shards.reload().await?;
+                return Ok(());
+            }
+            Err(e) => return Err(e.into()),
+        }
         run.rec.phase = Phase::Cleanup;
         shards.reload().await?;
         tracing::info!(id = run.rec.id, "finished a cutover killed after the release: the map flipped");

@@ -407,6 +407,10 @@ impl Mover {
                             }
                             self.pause(run, Duration::from_millis(200 * u64::from(attempts.min(10)))).await?;
                         }
+                        Err(cutover::Retry::Recover) => {
+                            // The phase is still cutover: recovered next, on the new map.
+                            self.shards().reload().await?;
+                        }
                         Err(cutover::Retry::Fatal(e)) => return Err(e),
                     }
                 }

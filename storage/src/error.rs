@@ -2,6 +2,7 @@
 //! running again.
 
 use schemas::names::tables;
+use schemas::topology::PhysicalId;
 use schemas::EntityId;
 use sqlx::Row;
 
@@ -64,6 +65,15 @@ pub enum StoreError {
     /// over and moved it on (a phase changes only from the one last seen).
     #[error("another run of the mover took move {id} over (its phase is no longer {expected})")]
     MovePhaseMoved { id: u64, expected: &'static str },
+    /// A cutover's flip found the primary of its source or target changed
+    /// since the cutover began (a failover or switchover recorded in
+    /// between): the map is not flipped, and the cutover is recovered
+    /// against the primaries the map names now, so a failover and a
+    /// cutover never interleave.
+    #[error(
+        "move {id}: physical shard {shard}'s primary changed during the cutover; the cutover runs again"
+    )]
+    FailedOverMidCutover { id: u64, shard: PhysicalId },
     #[error(transparent)]
     Topology(#[from] schemas::topology::TopologyError),
     #[error("stored index metadata for {table:?} is unreadable")]

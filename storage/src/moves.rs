@@ -421,12 +421,8 @@ pub async fn take_over(
 /// and the map would never learn an epoch raised with it. Idempotent;
 /// returns the target's epoch now.
 pub async fn raise_epoch(shard: usize, pool: &MySqlPool, epoch: u64) -> Result<u64> {
-    sqlx::query("UPDATE bagstore_shard SET epoch = GREATEST(epoch, ?) WHERE id = 1")
-        .bind(epoch)
-        .execute(pool)
-        .await
-        .on(shard)?;
-    crate::topology::shard_epoch(shard, pool).await
+    let mut conn = pool.acquire().await.on(shard)?;
+    crate::topology::raise_shard_epoch(shard, &mut conn, epoch).await
 }
 
 /// Forgets the incoming rows of `logicals` (a rolled-back move).
@@ -464,6 +460,12 @@ pub async fn owns(shard: usize, pool: &MySqlPool, logicals: &[u16]) -> Result<Ve
 /// move, and recording `cleanup` again would make it a move in flight
 /// whose cleanup runs a second time, beside the moves after it. Such a
 /// flip changes nothing and fails with [`StoreError::MovePhaseMoved`].
+///
+/// `failovers`: the source's and target's counts of primary changes when
+/// the cutover began. If either changed since, a failover (or switchover)
+/// ran during the cutover: the flip changes nothing and fails with
+/// [`StoreError::FailedOverMidCutover`] (the caller recovers the cutover
+/// on the new primaries, with their epochs).
 pub async fn flip(
     meta: &MySqlPool,
     move_id: u64,
@@ -471,9 +473,21 @@ pub async fn flip(
     source: PhysicalId,
     target: PhysicalId,
     (source_epoch, target_epoch): (u64, u64),
+    failovers: (u64, u64),
 ) -> Result<u64> {
     let s = META_SHARD;
     let mut tx = meta.begin().await.on(s)?;
+    for (shard, seen) in [(source, failovers.0), (target, failovers.1)] {
+        let (now,): (u64,) =
+            sqlx::query_as("SELECT failovers FROM bagstore_physical WHERE id = ? FOR UPDATE")
+                .bind(shard)
+                .fetch_one(&mut *tx)
+                .await
+                .on(s)?;
+        if now != seen {
+            return Err(StoreError::FailedOverMidCutover { id: move_id, shard });
+        }
+    }
     let (epoch,): (u64,) = sqlx::query_as("SELECT epoch FROM bagstore_cluster WHERE id = 1 FOR UPDATE")
         .fetch_one(&mut *tx)
         .await
@@ -484,7 +498,7 @@ pub async fn flip(
         st.bind(sqlx::query(&st.sql).bind(target), |q, k| q.bind(*k)).execute(&mut *tx).await.on(s)?;
     }
     for (shard, shard_epoch) in [(source, source_epoch), (target, target_epoch)] {
-        sqlx::query("UPDATE bagstore_physical SET epoch = ? WHERE id = ?")
+        sqlx::query("UPDATE bagstore_physical SET epoch = GREATEST(epoch, ?) WHERE id = ?")
             .bind(shard_epoch)
             .bind(shard)
             .execute(&mut *tx)
@@ -529,4 +543,18 @@ pub async fn rows_per_logical(shard: usize, pool: &MySqlPool) -> Result<BTreeMap
         .await
         .on(shard)?;
     Ok(rows.into_iter().map(|(k, n)| (k, n as u64)).collect())
+}
+
+/// How many times the primaries of `source` and `target` changed, as the
+/// metadata shard's map says now (see [`flip`]).
+pub async fn failovers(meta: &MySqlPool, source: PhysicalId, target: PhysicalId) -> Result<(u64, u64)> {
+    let count = |id: PhysicalId| async move {
+        let (n,): (u64,) = sqlx::query_as("SELECT failovers FROM bagstore_physical WHERE id = ?")
+            .bind(id)
+            .fetch_one(meta)
+            .await
+            .on(META_SHARD)?;
+        Ok::<u64, StoreError>(n)
+    };
+    Ok((count(source).await?, count(target).await?))
 }

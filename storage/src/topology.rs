@@ -254,8 +254,9 @@ pub async fn add_replica(meta: &MySqlPool, physical: PhysicalId, address: &str) 
 /// Records a change of physical shard `physical`'s primary, in one
 /// transaction on `meta` (a connection to the metadata shard's primary,
 /// which is `new_address` itself when the metadata shard is the one that
-/// changed): the shard's address becomes `new_address`, its `failovers`
-/// count rises (running processes move the shard's connections when they
+/// changed): the shard's address becomes `new_address`, its epoch at
+/// least `epoch` (the one the new primary was given, see
+/// [`raise_shard_epoch`]), its `failovers` count rises (running processes move the shard's connections when they
 /// see it, see the shards module), the new primary leaves the replicas and
 /// `old_address` joins them, and the map's epoch rises so every process
 /// reloads it.
@@ -264,6 +265,7 @@ pub async fn switch_primary(
     physical: PhysicalId,
     new_address: &str,
     old_address: &str,
+    epoch: u64,
 ) -> Result<()> {
     let s = META_SHARD;
     sqlx::query("BEGIN").execute(&mut *meta).await.on(s)?;
@@ -272,9 +274,11 @@ pub async fn switch_primary(
         // both promoted (they cannot, see the failover crate; this is the
         // last guard) record one change, and the second learns it.
         let changed = sqlx::query(
-            "UPDATE bagstore_physical SET address = ?, failovers = failovers + 1 WHERE id = ? AND address = ?",
+            "UPDATE bagstore_physical SET address = ?, epoch = GREATEST(epoch, ?), failovers = failovers + 1 \
+             WHERE id = ? AND address = ?",
         )
         .bind(new_address)
+        .bind(epoch)
         .bind(physical)
         .bind(old_address)
         .execute(&mut *meta)
@@ -473,6 +477,20 @@ pub async fn begin_owned(
     let mut tx = pool.begin().await.on(shard)?;
     check_owned(shard, &mut tx, logicals).await?;
     Ok(tx)
+}
+
+/// Raises the epoch a shard's database says it has to at least `epoch`
+/// (never lowers it); returns the epoch now. A move raises its target's
+/// (`moves::raise_epoch`), a promotion its new primary's: a server of the
+/// shard that shows an older epoch (a replica that has not applied the
+/// change) is behind, and a process whose map shows an older one reloads.
+pub async fn raise_shard_epoch(shard: usize, conn: &mut MySqlConnection, epoch: u64) -> Result<u64> {
+    sqlx::query("UPDATE bagstore_shard SET epoch = GREATEST(epoch, ?) WHERE id = 1")
+        .bind(epoch)
+        .execute(&mut *conn)
+        .await
+        .on(shard)?;
+    shard_epoch(shard, conn).await
 }
 
 /// The shard's epoch as a scalar subquery: a read selects it beside its

@@ -346,9 +346,22 @@ async fn a_switchover_loses_no_acknowledged_write_and_the_running_writer_follows
     };
     let address_of =
         |server: &MariaDb, i: usize| format!("mysql://bagstore@127.0.0.1:{}/{}", server.port(), db(i));
+    // The epoch a server's database says its shard has, and the map's.
+    let epoch_on = |server: &MariaDb, i: usize| {
+        let dsn = replication::service_dsn(server, &db(i));
+        async move {
+            let mut c = connect(&dsn).await;
+            sqlx::query_scalar::<_, u64>("SELECT epoch FROM bagstore_shard WHERE id = 1")
+                .fetch_one(&mut c)
+                .await
+                .unwrap()
+        }
+    };
+    let mut meta = &a;
     for (shard, old, new, i, to) in
         [("s1", &b, &c, 1, None), ("s0", &a, &d, 0, None), ("s1", &c, &b, 1, Some(address_of(&b, 1)))]
     {
+        let before = epoch_on(old, i).await;
         let mut args = vec!["shards", "switchover", shard];
         if let Some(to) = to.as_deref() {
             args.extend(["--to", to]);
@@ -366,6 +379,20 @@ async fn a_switchover_loses_no_acknowledged_write_and_the_running_writer_follows
         )
         .await;
         assert_eq!(doc["servers"][1]["address"], address_of(old, i), "{doc}");
+        // The new primary's epoch rose, and the map has it: a replica that
+        // has not applied the change shows the older one.
+        if shard == "s0" {
+            meta = new;
+        }
+        let raised = epoch_on(new, i).await;
+        assert!(raised > before, "{shard}: the new primary's epoch {raised}, before {before}");
+        let mut m = connect(&replication::service_dsn(meta, &db(0))).await;
+        let mapped: u64 = sqlx::query_scalar("SELECT epoch FROM bagstore_physical WHERE name = ?")
+            .bind(shard)
+            .fetch_one(&mut m)
+            .await
+            .unwrap();
+        assert_eq!(mapped, raised, "{shard}: the map's epoch");
         // The running writer follows: writes are acknowledged again.
         written(20).await;
     }

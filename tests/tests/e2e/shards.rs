@@ -851,11 +851,18 @@ async fn a_late_flip_by_a_mover_that_lost_the_move_changes_nothing() {
     let logicals = [20u16, 22];
     let rec = create_move(&meta, &logicals, 0, 1).await.unwrap();
     set_phase(&meta, rec.id, Phase::Copy, Phase::Cutover).await.unwrap();
+    // A cutover that began before a failover of its target (the map's
+    // count of primary changes moved since) does not flip.
+    let before = cluster_epoch(&meta).await.unwrap();
+    let err = flip(&meta, rec.id, &logicals, 0, 1, (5, 5), (0, 1)).await.unwrap_err();
+    assert!(matches!(err, storage::StoreError::FailedOverMidCutover { shard: 1, .. }), "{err}");
+    assert_eq!(get_move(&meta, rec.id).await.unwrap().unwrap().phase, Phase::Cutover);
+    assert_eq!(cluster_epoch(&meta).await.unwrap(), before, "a refused flip moved the epoch");
     // The run that took the move over: its flip, its cleanup's end.
-    let epoch = flip(&meta, rec.id, &logicals, 0, 1, (5, 5)).await.unwrap();
+    let epoch = flip(&meta, rec.id, &logicals, 0, 1, (5, 5), (0, 0)).await.unwrap();
     set_phase(&meta, rec.id, Phase::Cleanup, Phase::Done).await.unwrap();
     // The run that lost it, its fence released, flips too.
-    let err = flip(&meta, rec.id, &logicals, 0, 1, (5, 5)).await.unwrap_err();
+    let err = flip(&meta, rec.id, &logicals, 0, 1, (5, 5), (0, 0)).await.unwrap_err();
     assert!(err.to_string().contains("took move"), "{err}");
     assert_eq!(get_move(&meta, rec.id).await.unwrap().unwrap().phase, Phase::Done);
     assert!(storage::moves::moves_in_flight(&meta).await.unwrap().is_empty(), "the move is in flight again");
