@@ -54,8 +54,9 @@ pub struct MariaDbOptions {
 /// can rejoin as a replica: the binary log in ROW format with GTID strict
 /// mode and `log_slave_updates`, semi-sync acknowledgements as a replica,
 /// semi-sync's wait point `AFTER_SYNC` with a timeout that never passes,
-/// and replication started only when bagstore says so
-/// (`--skip-slave-start`). Whether its commits wait for acknowledgements
+/// replication started only when bagstore says so (`--skip-slave-start`),
+/// and function creators trusted (a move's triggers are created by an
+/// account without `SUPER`). Whether its commits wait for acknowledgements
 /// (`rpl_semi_sync_master_enabled`) bagstore sets with its role: a
 /// replica that waited would wait, for every transaction it applies, on
 /// replicas of its own it does not have, and a primary whose replicas are
@@ -84,6 +85,8 @@ impl Replicated {
             "--rpl-semi-sync-master-wait-point=AFTER_SYNC".into(),
             "--rpl-semi-sync-master-timeout=18446744073709551615".into(),
             "--skip-slave-start".into(),
+            // Moves create triggers as the services' account (no SUPER).
+            "--log-bin-trust-function-creators=1".into(),
         ];
         if self.as_replica {
             args.push("--init-rpl-role=SLAVE".into());

@@ -195,7 +195,8 @@ pub async fn check_server(shard: usize, conn: &mut MySqlConnection, role: Role) 
          CAST(@@rpl_semi_sync_master_wait_point AS CHAR) AS wait_point, \
          CAST(@@rpl_semi_sync_master_timeout AS CHAR) AS timeout, \
          CAST(@@read_only AS CHAR) AS read_only, \
-         CAST(@@binlog_expire_logs_seconds AS CHAR) AS retention",
+         CAST(@@binlog_expire_logs_seconds AS CHAR) AS retention, \
+         CAST(@@log_bin_trust_function_creators AS CHAR) AS trust_creators",
     )
     .fetch_one(&mut *conn)
     .await
@@ -226,6 +227,14 @@ pub async fn check_server(shard: usize, conn: &mut MySqlConnection, role: Role) 
     want(
         retention == 0 || retention >= BINLOG_RETENTION_MIN_SECS,
         "binlog_expire_logs_seconds must be 0 or at least 86400, so a replica that was down can catch up",
+    );
+    // A move creates its journal triggers as the services' account, which
+    // holds no SUPER: with the binary log on, MariaDB refuses that unless
+    // it trusts function creators.
+    want(
+        is_on(&get("trust_creators")),
+        "log_bin_trust_function_creators must be ON (a move creates triggers as an account without SUPER, \
+         which the binary log otherwise refuses)",
     );
     if role == Role::Replica {
         want(is_on(&get("read_only")), "read_only must be ON on a replica");

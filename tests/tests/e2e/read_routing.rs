@@ -114,9 +114,6 @@ async fn cluster(env: &mut TestEnv) -> Servers {
     let (c, d) = (start(&dir.join("c"), 3, true).await, start(&dir.join("d"), 4, true).await);
     for s in [&a, &b, &c, &d] {
         replication::create_accounts(s).await.expect("accounts");
-        // A move's journal triggers, with the binary log on (docs/operations.md).
-        let mut root = connect(&s.server_dsn()).await;
-        sqlx::query("SET GLOBAL log_bin_trust_function_creators = 1").execute(&mut root).await.unwrap();
     }
     let db = |i: usize| format!("{}_s{i}", env.name);
     env.dsns = vec![replication::service_dsn(&a, &db(0)), replication::service_dsn(&b, &db(1))];
