@@ -17,7 +17,11 @@ pub struct TestEnv {
     /// Declared before `dir`: a broker process stops before its data goes.
     pub kafka: Kafka,
     pub dir: tempfile::TempDir,
+    /// One DSN per physical shard (its primary), `s0` first.
     pub dsns: Vec<String>,
+    /// The metadata shard's other servers, listed after `dsns` in the
+    /// config (seeds: a process asks them which is the primary).
+    pub seeds: Vec<String>,
     pub topic: String,
     /// Extra TOML appended to the config (indexes, tuning).
     pub indexes_toml: String,
@@ -149,6 +153,7 @@ impl TestEnv {
             dir,
             kafka: Kafka::Mock(kafka),
             dsns,
+            seeds: Vec::new(),
             topic,
             indexes_toml: indexes_toml.to_string(),
             ports,
@@ -171,7 +176,8 @@ impl TestEnv {
 
     /// The full config for separate services (and `dev` with external parts).
     pub fn config_toml(&self) -> String {
-        self.config_toml_with(&self.dsns, "")
+        let listed: Vec<String> = self.dsns.iter().chain(&self.seeds).cloned().collect();
+        self.config_toml_with(&listed, "")
     }
 
     /// The config with other shard DSNs and extra `[mysql]` lines.

@@ -5,7 +5,7 @@
 
 use devstack::mariadb::{MariaDb, MariaDbOptions, Replicated};
 use devstack::replication;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::TestEnv;
 
@@ -58,4 +58,130 @@ pub async fn two_shards(env: &mut TestEnv, replicas: u32) -> Vec<MariaDb> {
         assert!(ok, "replicas add: {out}{err}");
     }
     servers
+}
+
+/// One server of a [`Cluster`]: where it lives, so a killed one restarts
+/// where the map lists it (its directory, `server_id` and port).
+pub struct Member {
+    pub dir: PathBuf,
+    pub server_id: u32,
+    pub port: u16,
+    /// `None` while it is dead.
+    pub server: Option<MariaDb>,
+}
+
+impl std::fmt::Debug for Member {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Member").field("port", &self.port).field("alive", &self.server.is_some()).finish()
+    }
+}
+
+/// Physical shards on servers of a test's own, each a primary and
+/// `replicas` semi-sync replicas, the metadata shard's included. Which
+/// member is a shard's primary is the map's to say ([`Cluster::refresh`]
+/// follows it into the env's DSNs).
+#[derive(Debug)]
+pub struct Cluster {
+    /// Per physical shard, in order: its servers.
+    pub shards: Vec<Vec<Member>>,
+    replicas: u32,
+}
+
+impl Cluster {
+    /// Starts `shards` physical shards (named `s0`, `s1`, …) with
+    /// `replicas` replicas each, migrates them (the first `shards.min(2)`
+    /// with `migrate`, the rest with `shards add`), registers the replicas,
+    /// and points `env` at the primaries (the metadata shard's replicas as
+    /// seeds).
+    pub async fn start(env: &mut TestEnv, shards: usize, replicas: u32) -> Cluster {
+        let mut cluster = Cluster { shards: Vec::new(), replicas };
+        let first = shards.min(2);
+        for _ in 0..first {
+            cluster.start_shard(env).await;
+        }
+        env.dsns = (0..first).map(|i| cluster.dsn(env, i, 0)).collect();
+        env.migrate().await;
+        for i in 0..first {
+            cluster.add_replicas(env, i).await;
+        }
+        for i in first..shards {
+            cluster.start_shard(env).await;
+            let dsn = cluster.dsn(env, i, 0);
+            let (ok, out, err) = env.run(&env.args(&["shards", "add", &format!("s{i}"), &dsn]), &[]).await;
+            assert!(ok, "shards add: {out}{err}");
+            env.dsns.push(dsn);
+            cluster.add_replicas(env, i).await;
+        }
+        env.seeds = (1..=replicas as usize).map(|m| cluster.dsn(env, 0, m)).collect();
+        cluster
+    }
+
+    async fn start_shard(&mut self, env: &TestEnv) {
+        let i = self.shards.len() as u32;
+        let mut members = Vec::new();
+        for m in 0..=self.replicas {
+            let server_id = i * 10 + m + 1;
+            let dir = env.dir.path().join(format!("s{i}-{m}"));
+            let server = start_on(&dir, server_id, m > 0, None).await;
+            replication::create_accounts(&server).await.expect("accounts");
+            members.push(Member { dir, server_id, port: server.port(), server: Some(server) });
+        }
+        self.shards.push(members);
+    }
+
+    async fn add_replicas(&self, env: &TestEnv, shard: usize) {
+        for m in 1..self.shards[shard].len() {
+            let dsn = self.dsn(env, shard, m);
+            let add = env.args(&["shards", "replicas", "add", &format!("s{shard}"), &dsn]);
+            let (ok, out, err) = env.run(&add, &ADMIN_ENV).await;
+            assert!(ok, "replicas add: {out}{err}");
+        }
+    }
+
+    /// The services' DSN of shard `shard`'s database on its member `m`.
+    pub fn dsn(&self, env: &TestEnv, shard: usize, m: usize) -> String {
+        format!(
+            "mysql://{}@127.0.0.1:{}/{}_s{shard}",
+            replication::SERVICE_USER,
+            self.shards[shard][m].port,
+            env.name
+        )
+    }
+
+    /// Which member of `shard` listens on the port of `address`.
+    pub fn member_at(&self, shard: usize, address: &str) -> Option<usize> {
+        let port: u16 = address.rsplit_once(':')?.1.split('/').next()?.parse().ok()?;
+        self.shards[shard].iter().position(|m| m.port == port)
+    }
+
+    /// Points `env` at the primaries `addresses` names (one per shard, as
+    /// the map has them): its DSNs, and the metadata shard's other members
+    /// as seeds.
+    pub fn refresh(&self, env: &mut TestEnv, addresses: &[String]) {
+        for (shard, address) in addresses.iter().enumerate() {
+            let m = self
+                .member_at(shard, address)
+                .unwrap_or_else(|| panic!("{address} is no member of s{shard}"));
+            env.dsns[shard] = self.dsn(env, shard, m);
+        }
+        let meta = self.member_at(0, &addresses[0]).expect("the metadata shard's primary");
+        env.seeds = (0..self.shards[0].len()).filter(|m| *m != meta).map(|m| self.dsn(env, 0, m)).collect();
+    }
+
+    /// Kills member `m` of `shard` with `kill -9`; returns its pid.
+    pub fn kill_9(&mut self, shard: usize, m: usize) -> u32 {
+        let server = self.shards[shard][m].server.take().expect("a live member");
+        let pid = server.pid();
+        let killed = crate::std_command("kill").args(["-9", &pid.to_string()]).status().expect("kill");
+        assert!(killed.success(), "kill -9 {pid}");
+        drop(server);
+        pid
+    }
+
+    /// Restarts a killed member where it was, as a replica (its recovery
+    /// discards a tail no replica acknowledged).
+    pub async fn restart_as_replica(&mut self, shard: usize, m: usize) {
+        let member = &mut self.shards[shard][m];
+        member.server = Some(start_on(&member.dir, member.server_id, true, Some(member.port)).await);
+    }
 }

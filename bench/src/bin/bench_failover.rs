@@ -15,7 +15,8 @@
 //! pause. Each round kills `s1`'s primary, measures from the kill to the
 //! first write acknowledged after it, restarts the dead server as a
 //! replica on its port and waits for the coordinator to take it back.
-//! Prints each failover's figure, the median and the maximum.
+//! Prints each failover's figure (with the coordinator's and the writer's
+//! warnings meanwhile), the median and the maximum.
 
 use bagstore_tests::replicated::{start_on, two_shards, ADMIN_ENV};
 use bagstore_tests::{eventually, TestEnv};
@@ -108,6 +109,8 @@ async fn run(n: usize, after: u64) -> anyhow::Result<()> {
         })
     };
     let mut figures = Vec::new();
+    // How many lines of each process's log the rounds before printed.
+    let mut seen = [0usize; 2];
     for round in 1..=n {
         let primary = s1_primary(&env).await;
         let i = servers
@@ -127,6 +130,18 @@ async fn run(n: usize, after: u64) -> anyhow::Result<()> {
         let unavailable = first - killed;
         figures.push(unavailable);
         println!("failover {round}: writes to s1 unavailable for {} ms", unavailable.as_millis());
+        // What the coordinator and the writer said meanwhile (warnings and
+        // errors): an outlier says where its time went.
+        for (k, (name, p)) in [("cleaner", &cleaner), ("writer", &writer)].into_iter().enumerate() {
+            let log = p.log_text();
+            let lines: Vec<&str> = log.lines().collect();
+            for line in &lines[seen[k].min(lines.len())..] {
+                if line.contains("\"level\":\"WARN\"") || line.contains("\"level\":\"ERROR\"") {
+                    println!("  {name}: {line}");
+                }
+            }
+            seen[k] = lines.len();
+        }
         let dir = env.dir.path().join(format!("m{home}"));
         let revived = start_on(&dir, home as u32 + 1, true, Some(port)).await;
         let listed = format!(":{port}/");

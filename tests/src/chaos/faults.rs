@@ -159,7 +159,72 @@ async fn until_move(meta: &sqlx::MySqlPool, sql: &str) -> bool {
     false
 }
 
-pub(super) const CLEANER_ENV: [(&str, &str); 1] = [("BAGSTORE_CLEANER__INTERVAL_MS", "200")];
+/// A cleaner's settings: sweeping every 200 ms; with replicas, also the
+/// accounts its failover coordinator needs and a failover after 1 s
+/// without an answer.
+pub(super) fn cleaner_env(replicated: bool) -> Vec<(&'static str, &'static str)> {
+    let mut env = vec![("BAGSTORE_CLEANER__INTERVAL_MS", "200")];
+    if replicated {
+        env.extend(crate::replicated::ADMIN_ENV);
+        env.push(("BAGSTORE_MYSQL__FAILOVER_AFTER_MS", "1000"));
+    }
+    env
+}
+
+/// Root sessions on each physical shard's primary (the `KILL` and `LOCK
+/// TABLES` of the faults), and the run's own servers when it has them.
+pub(super) struct Servers {
+    pub(super) admin: Vec<sqlx::MySqlPool>,
+    pub(super) cluster: Option<crate::replicated::Cluster>,
+    /// Per failover: the shard, ms from the kill to the map naming the new
+    /// primary, and to the dead server taken back as a replica.
+    pub(super) failovers: Vec<(usize, u128, u128)>,
+}
+
+impl Servers {
+    pub(super) async fn connect(env: &TestEnv, cluster: Option<crate::replicated::Cluster>) -> Servers {
+        let mut servers = Servers { admin: Vec::new(), cluster, failovers: Vec::new() };
+        servers.reconnect(env).await;
+        servers
+    }
+
+    /// Root sessions on the primaries `env` names now.
+    async fn reconnect(&mut self, env: &TestEnv) {
+        let mut admin = Vec::new();
+        for dsn in &env.dsns {
+            let (root, _) = dsn.rsplit_once('/').expect("a DSN with a database");
+            // Private servers: root, not the services' account.
+            let root = root.replace(&format!("{}@", devstack::replication::SERVICE_USER), "root@");
+            admin.push(sqlx::MySqlPool::connect(&format!("{root}/")).await.expect("admin session"));
+        }
+        for old in std::mem::replace(&mut self.admin, admin) {
+            old.close().await;
+        }
+    }
+
+    /// Each failover's timings, for the report.
+    pub(super) fn summary(&self) -> String {
+        let mut maps: Vec<u128> = self.failovers.iter().map(|f| f.1).collect();
+        let mut backs: Vec<u128> = self.failovers.iter().map(|f| f.2).collect();
+        maps.sort();
+        backs.sort();
+        let each: Vec<String> = self
+            .failovers
+            .iter()
+            .map(|(s, m, b)| format!("s{s}: new primary {m} ms, writes back {b} ms"))
+            .collect();
+        format!(
+            "failovers: {} ({}); ms from the kill to the new primary in the map: median {:?}, max {:?}; to writes \
+             taken again (the dead server back as the replica that acknowledges them): median {:?}, max {:?}",
+            self.failovers.len(),
+            each.join("; "),
+            maps.get(maps.len() / 2),
+            maps.last(),
+            backs.get(backs.len() / 2),
+            backs.last()
+        )
+    }
+}
 
 /// New entities created while a stalled indexer is about to be killed.
 const BURST: usize = 40;
@@ -359,13 +424,14 @@ pub(super) async fn indexer(env: &TestEnv, i: usize) -> Proc {
 /// Injects `fault`, heals it, and says what it did.
 pub(super) async fn inject(
     fault: Fault,
-    env: &TestEnv,
+    env: &mut TestEnv,
     stack: &mut Stack,
     shared: &Shared,
     rng: &mut StdRng,
-    admin: &[sqlx::MySqlPool],
+    servers: &mut Servers,
     keys: usize,
 ) -> String {
+    let admin = &servers.admin;
     match fault {
         Fault::IndexerKill => {
             let i = rng.random_range(0..stack.indexers.len());
@@ -480,5 +546,82 @@ pub(super) async fn inject(
             format!("KILL of {killed} of {} connections on shard {shard}", ids.len())
         }
         Fault::Move => inject_move(env, stack, shared, rng, keys).await,
+        Fault::Failover => inject_failover(env, shared, rng, servers).await,
     }
+}
+
+/// Each physical shard's primary as `bagstore shards list` gives it (a
+/// process started now finds the metadata shard's primary among the
+/// configuration's seeds); `None` while it cannot say.
+async fn primaries(env: &TestEnv) -> Option<Vec<String>> {
+    let (ok, out, _) = env.run(&env.args(&["shards", "list", "--json"]), &[]).await;
+    let doc: Value = serde_json::from_str(&out).ok().filter(|_| ok)?;
+    let mut named: Vec<(usize, String)> = doc["shards"]
+        .as_array()?
+        .iter()
+        .map(|s| {
+            Some((s["name"].as_str()?.strip_prefix('s')?.parse().ok()?, s["address"].as_str()?.to_string()))
+        })
+        .collect::<Option<_>>()?;
+    named.sort();
+    Some(named.into_iter().map(|(_, a)| a).collect())
+}
+
+/// Whether `shards list` shows `address` as an online replica of shard
+/// number `shard`.
+async fn online_replica(env: &TestEnv, shard: usize, address: &str) -> bool {
+    let (ok, out, _) = env.run(&env.args(&["shards", "list", "--json"]), &[]).await;
+    let Ok(doc) = serde_json::from_str::<Value>(&out) else { return false };
+    let name = format!("s{shard}");
+    ok && doc["shards"].as_array().into_iter().flatten().filter(|s| s["name"] == name.as_str()).any(|s| {
+        s["servers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|r| r["address"] == address && r["role"] == "replica" && r["state"] == "online")
+    })
+}
+
+/// See [`Fault::Failover`]: one shard's primary killed with `kill -9`
+/// (any shard, the metadata shard's included); nothing is run by hand.
+/// The coordinator of the (restarted) cleaner fails it over; the run then
+/// follows the map to the new primary, restarts the dead server where it
+/// was, as a replica, and waits for the coordinator to take it back (until
+/// then the new primary, alone, refuses writes).
+async fn inject_failover(
+    env: &mut TestEnv,
+    shared: &Shared,
+    rng: &mut StdRng,
+    servers: &mut Servers,
+) -> String {
+    let cluster = servers.cluster.as_mut().expect("failovers run on the run's own servers");
+    let shard = rng.random_range(0..cluster.shards.len());
+    let before = eventually("shards list to answer", Duration::from_secs(30), || primaries(env)).await;
+    let old = before[shard].clone();
+    let victim = cluster.member_at(shard, &old).expect("the primary is a member");
+    let pid = cluster.kill_9(shard, victim);
+    let killed = Instant::now();
+    let after =
+        eventually("the coordinator to fail the killed primary over", Duration::from_secs(60), || async {
+            primaries(env).await.filter(|now| now[shard] != old)
+        })
+        .await;
+    let to_map = killed.elapsed().as_millis();
+    cluster.refresh(env, &after);
+    *shared.primaries.write().unwrap() = env.dsns.clone();
+    // Down a while longer, as a server being looked at would be.
+    tokio::time::sleep(Duration::from_millis(rng.random_range(0..1500))).await;
+    cluster.restart_as_replica(shard, victim).await;
+    eventually("the coordinator to take the dead server back", Duration::from_secs(60), || async {
+        online_replica(env, shard, &old).await.then_some(())
+    })
+    .await;
+    let back = killed.elapsed().as_millis();
+    servers.reconnect(env).await;
+    servers.failovers.push((shard, to_map, back));
+    format!(
+        "s{shard}'s primary {old} (pid {pid}) killed -9; the map named {} after {to_map} ms; restarted as a \
+         replica and taken back (writes taken again) after {back} ms",
+        after[shard]
+    )
 }

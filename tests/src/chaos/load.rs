@@ -107,6 +107,9 @@ pub(super) async fn client(shared: Arc<Shared>, n: usize, seed: u64, keys: usize
                 format!("put if-none-match {body}"),
                 shared.http.put(&url).header("If-None-Match", "*").json(&body),
             )
+        } else if rng.random_bool(0.5) {
+            keyed_put(&shared, n, &id, body, &mut rng).await;
+            continue;
         } else {
             (format!("put {body}"), shared.http.put(&url).json(&body))
         };
@@ -114,6 +117,81 @@ pub(super) async fn client(shared: Arc<Shared>, n: usize, seed: u64, keys: usize
         let outcome = outcome_of(&shared, &what, answer);
         shared.record(n, &id, what, outcome);
     }
+}
+
+/// A put with an `Idempotency-Key`, sent again with that key (through any
+/// live writer) while its outcome is unknown (a 5xx or a lost connection),
+/// up to five tries. The body carries the key (`retry_key`), so the topic
+/// shows how often it was applied: at most once, and at the version
+/// acknowledged (checked at the end, [`check_keyed`]).
+async fn keyed_put(shared: &Shared, n: usize, id: &str, mut body: Value, rng: &mut StdRng) {
+    let key = format!("chaos-{:032x}", rng.random::<u128>());
+    body["retry_key"] = json!(key);
+    let what = format!("keyed put {body}");
+    let mut tries = 0;
+    let outcome = loop {
+        tries += 1;
+        let Some(base) = shared.live_writer(rng) else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        };
+        let req =
+            shared.http.put(format!("{base}/v1/entities/{id}")).header("Idempotency-Key", &key).json(&body);
+        let outcome = outcome_of(shared, &what, shared.send(req).await);
+        if !matches!(outcome, Outcome::Unknown(_)) || tries == 5 || shared.stop.load(Ordering::Relaxed) {
+            break outcome;
+        }
+        tokio::time::sleep(Duration::from_millis(rng.random_range(100..400))).await;
+    };
+    let acked = match outcome {
+        Outcome::Acked(v) => Some(v),
+        _ => None,
+    };
+    shared.keyed.lock().unwrap().push(Keyed { id: id.to_string(), key, tries, acked });
+    shared.record(n, id, format!("{what} ({tries} tries)"), outcome);
+}
+
+/// A keyed put of the load, as its client saw it.
+#[derive(Debug, Clone)]
+pub(super) struct Keyed {
+    id: String,
+    key: String,
+    tries: u32,
+    /// The version its last try was answered with.
+    acked: Option<u64>,
+}
+
+/// Every keyed put applied at most once, at the version acknowledged (if
+/// one was): the versions on the topic whose body carries its key. Returns
+/// the breaches, and how many keyed puts were tried more than once.
+pub(super) fn check_keyed(shared: &Shared, events: &[model::TopicEvent]) -> (Vec<String>, usize) {
+    let mut applied: HashMap<&str, BTreeSet<u64>> = HashMap::new();
+    for e in events {
+        let key = e.event.after.as_ref().and_then(|b| match b.get("retry_key") {
+            Some(schemas::value::Value::String(k)) => Some(k.as_str()),
+            _ => None,
+        });
+        if let Some(k) = key {
+            applied.entry(k).or_default().insert(e.event.version);
+        }
+    }
+    let keyed = shared.keyed.lock().unwrap();
+    let mut out = Vec::new();
+    for k in keyed.iter() {
+        let versions: Vec<u64> =
+            applied.get(k.key.as_str()).map(|v| v.iter().copied().collect()).unwrap_or_default();
+        let fine = match k.acked {
+            Some(v) => versions == [v],
+            None => versions.len() <= 1,
+        };
+        if !fine {
+            out.push(format!(
+                "entity {}: keyed put {} ({} tries, answered {:?}) is on the topic at versions {versions:?}",
+                k.id, k.key, k.tries, k.acked
+            ));
+        }
+    }
+    (out, keyed.iter().filter(|k| k.tries > 1).count())
 }
 
 /// The client number a fault's own writes are recorded under.
@@ -144,17 +222,23 @@ pub(super) async fn burst_of_creates(shared: &Shared, rng: &mut StdRng, n: usize
 
 /// Reads while the faults go on: random queries (Invariant R) and gets of
 /// acknowledged writes (read-after-acknowledge on the canonical store).
-pub(super) async fn checker(shared: Arc<Shared>, env_dsns: Vec<String>, seed: u64, keys: usize) {
+pub(super) async fn checker(shared: Arc<Shared>, seed: u64, keys: usize) {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x00c0_ffee);
-    let pools: Vec<sqlx::MySqlPool> = {
-        let mut v = Vec::new();
-        for d in &env_dsns {
-            v.push(sqlx::MySqlPool::connect(d).await.expect("checker connects"));
-        }
-        v
-    };
+    // On the primaries; connected again after a failover.
+    let mut on: Vec<String> = Vec::new();
+    let mut pools: Vec<sqlx::MySqlPool> = Vec::new();
     let c = &shared.counters;
     while !shared.stop.load(Ordering::Relaxed) {
+        let primaries = shared.primaries.read().unwrap().clone();
+        if primaries != on {
+            for p in pools.drain(..) {
+                p.close().await;
+            }
+            for d in &primaries {
+                pools.push(sqlx::MySqlPool::connect_lazy(d).expect("a DSN"));
+            }
+            on = primaries;
+        }
         if rng.random_bool(0.6) {
             let q = model::random_query(&mut rng);
             let req = shared.http.post(format!("{}/v1/query", shared.reader)).json(&q);

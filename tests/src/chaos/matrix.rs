@@ -37,6 +37,10 @@ pub struct Combination {
     pub faults: &'static [Fault],
     /// Faults of each kind (`BAGSTORE_CHAOS_FAULTS` overrides it).
     pub per_kind: usize,
+    /// Semi-sync replicas per physical shard, the metadata shard's
+    /// included (0: the shared servers; otherwise each shard on servers
+    /// of the run's own, see `replicated::Cluster`).
+    pub replicas: u32,
 }
 
 /// Every fault the mock cluster can take. Moves run on the mock cluster
@@ -44,17 +48,27 @@ pub struct Combination {
 /// the matrix's time budget.
 const MOCK_FAULTS: &[Fault] =
     &[Fault::IndexerKill, Fault::WriterKill, Fault::BrokerOutage, Fault::MysqlKill, Fault::Move];
+/// With a replica per shard, the mock cluster's faults and failovers.
+const FAILOVER_FAULTS: &[Fault] = &[
+    Fault::Failover,
+    Fault::IndexerKill,
+    Fault::WriterKill,
+    Fault::BrokerOutage,
+    Fault::MysqlKill,
+    Fault::Move,
+];
 const TANSU_FAULTS: &[Fault] = &[Fault::BrokerKill, Fault::IndexerKill, Fault::WriterKill, Fault::MysqlKill];
 
 /// The matrix. Each combination is a test of its own in
 /// `tests/tests/chaos.rs` (`scripts/test` times each).
-pub const MATRIX: [Combination; 3] = [
+pub const MATRIX: [Combination; 4] = [
     Combination {
         name: "mock_group",
         broker: Broker::Mock,
         assignment: Assignment::Group,
         faults: MOCK_FAULTS,
         per_kind: 5,
+        replicas: 0,
     },
     Combination {
         name: "mock_leases",
@@ -62,6 +76,7 @@ pub const MATRIX: [Combination; 3] = [
         assignment: Assignment::Leases,
         faults: MOCK_FAULTS,
         per_kind: 5,
+        replicas: 0,
     },
     Combination {
         name: "tansu_leases",
@@ -69,6 +84,18 @@ pub const MATRIX: [Combination; 3] = [
         assignment: Assignment::Leases,
         faults: TANSU_FAULTS,
         per_kind: 3,
+        replicas: 0,
+    },
+    // Failovers want servers of their own, each shard a primary and a
+    // replica: a combination of its own (leases: the group protocol's
+    // membership is proven by the combinations above).
+    Combination {
+        name: "mock_failover",
+        broker: Broker::Mock,
+        assignment: Assignment::Leases,
+        faults: FAILOVER_FAULTS,
+        per_kind: 3,
+        replicas: 1,
     },
 ];
 
@@ -99,7 +126,9 @@ pub async fn run(name: &str) {
         Broker::Tansu => TestEnv::with_tansu(&test_name, &toml).await,
     };
     eprintln!("chaos combination {}: {:?} broker, {:?} assignment", c.name, c.broker, c.assignment);
-    super::run(&mut env, ChaosConfig::from_env(c.faults, c.per_kind)).await;
+    let mut cfg = ChaosConfig::from_env(c.faults, c.per_kind);
+    cfg.replicas = c.replicas;
+    super::run(&mut env, cfg).await;
 }
 
 #[cfg(test)]

@@ -16,7 +16,15 @@
 //! then a restart; a broker outage; MySQL connections of the stack killed
 //! with `KILL <id>` from a separate session; online moves of logical
 //! shards, some killed mid-copy or mid-cutover and resumed (these run in
-//! the background, so the next faults land during them).
+//! the background, so the next faults land during them); with a replica
+//! per shard (the `mock_failover` combination, on servers of its own),
+//! `kill -9` of a shard's primary, the metadata shard's included, failed
+//! over by the cleaners' coordinator, the dead server restarted as a
+//! replica and taken back.
+//!
+//! Half the clients' plain puts carry an `Idempotency-Key` and are sent
+//! again with it while their outcome is unknown (a 5xx, a lost
+//! connection).
 //!
 //! Checked while it runs:
 //! - Invariant R: every item of every successful query satisfies the
@@ -33,7 +41,10 @@
 //!    its entity was deleted later and the tombstone purged;
 //! 4. per entity, the topic holds every committed version, first seen in
 //!    version order (Invariant W; a version may jump after a delete whose
-//!    tombstone was purged, as far as the logical shard's version floor);
+//!    tombstone was purged, as far as the logical shard's version floor),
+//!    no version twice with different contents, and none above the
+//!    stored one; each keyed put is on the topic at most once, at the
+//!    version it was answered with;
 //! 5. the expiring client's entities: expired ones invisible to every read,
 //!    deleted (a tombstone one version up, or purged) and out of every
 //!    index; the others visible as last written (see `expiry.rs`).
@@ -83,6 +94,10 @@ pub enum Fault {
     /// the shard added at the start, a move killed mid-copy then resumed,
     /// a move killed mid-cutover then resumed, a plain move.
     Move,
+    /// With a replica per shard: `kill -9` of a shard's primary (the
+    /// metadata shard's too), the cleaners' coordinator fails it over, the
+    /// dead server is restarted where it was, as a replica, and taken back.
+    Failover,
 }
 
 /// What one run does; see the module docs for the environment overrides.
@@ -97,6 +112,8 @@ pub struct ChaosConfig {
     pub clients: usize,
     /// Entity ids the clients write (a small key space means contention).
     pub keys: usize,
+    /// Replicas per physical shard (see `matrix::Combination::replicas`).
+    pub replicas: u32,
 }
 
 impl ChaosConfig {
@@ -109,6 +126,7 @@ impl ChaosConfig {
             soak: Duration::from_secs(var("BAGSTORE_CHAOS_SOAK_SECS").unwrap_or(0)),
             clients: 4,
             keys: 40,
+            replicas: 0,
         }
     }
 }
@@ -186,10 +204,15 @@ struct Shared {
     paused: AtomicBool,
     /// One slot per writer process; `None` while it is dead.
     writers: RwLock<Vec<Option<String>>>,
+    /// Each physical shard's primary (its DSN), as the last failover left
+    /// them: the checker's direct reads follow it.
+    primaries: RwLock<Vec<String>>,
     reader: String,
     ops: Mutex<Vec<OpRecord>>,
     /// Entity id → highest acknowledged version.
     max_acked: Mutex<HashMap<String, u64>>,
+    /// The keyed puts (see `load::keyed_put`).
+    keyed: Mutex<Vec<Keyed>>,
     /// Ids of entities created outside the shared key space (whatever the outcome).
     created: Mutex<Vec<String>>,
     /// The expiring client's model, per id ([`exp_id`]).
@@ -265,21 +288,26 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
     );
     // Expiry on, tombstones purged 2 s after the delete: for every process.
     env.indexes_toml.push_str(CONFIG_TOML);
-    env.migrate().await;
-    if cfg.faults.contains(&Fault::Move) {
-        // A third shard, owning nothing until the first move fault
-        // rebalances onto it during the load.
-        let dsn = env.extra_dsn(env.dsns.len());
-        let (ok, out, err) = env.run(&env.args(&["shards", "add", "s2", &dsn]), &[]).await;
-        assert!(ok, "shards add: {out}{err}");
-        env.dsns.push(dsn);
-    }
-    let env = &*env;
+    // With moves, a third shard, owning nothing until the first move
+    // fault rebalances onto it during the load.
+    let shards = if cfg.faults.contains(&Fault::Move) { 3 } else { 2 };
+    let cluster = if cfg.replicas > 0 {
+        Some(crate::replicated::Cluster::start(env, shards, cfg.replicas).await)
+    } else {
+        env.migrate().await;
+        if shards == 3 {
+            let dsn = env.extra_dsn(env.dsns.len());
+            let (ok, out, err) = env.run(&env.args(&["shards", "add", "s2", &dsn]), &[]).await;
+            assert!(ok, "shards add: {out}{err}");
+            env.dsns.push(dsn);
+        }
+        None
+    };
     let mut stack = Stack {
         writers: vec![Some(env.spawn(&["writer"]).await), Some(env.spawn(&["writer"]).await)],
         indexers: vec![Some(faults::indexer(env, 0).await), Some(faults::indexer(env, 1).await)],
         reader: env.spawn(&["reader"]).await,
-        cleaner: Some(env.spawn_env(&["cleaner"], &CLEANER_ENV).await),
+        cleaner: Some(env.spawn_env(&["cleaner"], &cleaner_env(cluster.is_some())).await),
         mover: None,
         moves: MoveLog::default(),
     };
@@ -291,9 +319,11 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
         stop: AtomicBool::new(false),
         paused: AtomicBool::new(false),
         writers: RwLock::new(stack.writers.iter().map(|w| w.as_ref().map(|p| p.url.clone())).collect()),
+        primaries: RwLock::new(env.dsns.clone()),
         reader: stack.reader.url.clone(),
         ops: Mutex::new(Vec::new()),
         max_acked: Mutex::new(HashMap::new()),
+        keyed: Mutex::new(Vec::new()),
         created: Mutex::new(Vec::new()),
         expiring: Mutex::new(vec![ExpEntity::default(); EXP_KEYS]),
         failures: Mutex::new(Vec::new()),
@@ -306,17 +336,12 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
         tasks.push(tokio::spawn(client(shared.clone(), n, cfg.seed, cfg.keys)));
     }
     tasks.push(tokio::spawn(expiring_client(shared.clone(), cfg.seed)));
-    tasks.push(tokio::spawn(checker(shared.clone(), env.dsns.clone(), cfg.seed, cfg.keys)));
+    tasks.push(tokio::spawn(checker(shared.clone(), cfg.seed, cfg.keys)));
     tasks.push(tokio::spawn(monitor(shared.clone(), env.kafka_settings(), cleaner_url.clone())));
 
     // The fault schedule: every kind `faults_per_kind` times, in a seeded order.
     let mut rng = StdRng::seed_from_u64(cfg.seed);
-    let server_root: Vec<String> =
-        env.dsns.iter().map(|d| d.rsplit_once('/').map(|(root, _)| format!("{root}/")).unwrap()).collect();
-    let mut admin = Vec::new();
-    for root in &server_root {
-        admin.push(sqlx::MySqlPool::connect(root).await.expect("admin session"));
-    }
+    let mut servers = Servers::connect(env, cluster).await;
     let mut timeline: Vec<FaultRecord> = Vec::new();
     let mut per_kind: BTreeMap<Fault, usize> = BTreeMap::new();
     let t0 = Instant::now();
@@ -328,7 +353,7 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
             tokio::time::sleep(Duration::from_millis(rng.random_range(500..2000))).await;
             check_broker(env).await;
             let at_ms = shared.ms();
-            let detail = inject(fault, env, &mut stack, &shared, &mut rng, &admin, cfg.keys).await;
+            let detail = inject(fault, env, &mut stack, &shared, &mut rng, &mut servers, cfg.keys).await;
             eprintln!("chaos fault at {at_ms} ms: {fault:?}: {detail}");
             timeline.push(FaultRecord { at_ms, fault, detail });
             *per_kind.entry(fault).or_default() += 1;
@@ -394,7 +419,7 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
     let exp_sum = check_expiring(&shared, env, &exp_fin).await;
 
     // Stage 2: a cleaner sweeps again and must leave the tables exact.
-    let cleaner = env.spawn_env(&["cleaner"], &CLEANER_ENV).await;
+    let cleaner = env.spawn_env(&["cleaner"], &cleaner_env(servers.cluster.is_some())).await;
     let sweeps =
         || async { metric_sum(&cleaner.api().metrics().await, "bagstore_cleaner_sweeps_total", &[]) };
     let s0 = sweeps().await;
@@ -435,6 +460,10 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
     for breach in check_versions(&events, &stored, &floors) {
         shared.fail(format!("Invariant W: {breach}"));
     }
+    let (keyed_breaches, retried) = check_keyed(&shared, &events);
+    for breach in keyed_breaches {
+        shared.fail(format!("idempotency: {breach}"));
+    }
     // The public change stream (on by default) carries the same versions
     // in the same order per entity.
     let brokers = env.brokers();
@@ -463,6 +492,12 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
         n(&c.unknown)
     )
     .ok();
+    writeln!(
+        report,
+        "  keyed puts: {}, {retried} of them sent again after an unknown outcome; each on the topic at most once, at the version answered",
+        shared.keyed.lock().unwrap().len()
+    )
+    .ok();
     let kinds: Vec<String> = per_kind.iter().map(|(k, v)| format!("{k:?} x{v}")).collect();
     writeln!(report, "  faults injected: {}", kinds.join(", ")).ok();
     if let Some(t) = env.kafka.tansu() {
@@ -476,6 +511,9 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
         .ok();
     if stack.moves.started > 0 {
         writeln!(report, "  {}", stack.moves.summary()).ok();
+    }
+    if !servers.failovers.is_empty() {
+        writeln!(report, "  {}", servers.summary()).ok();
     }
     // The move fault must have done what it is for: three moves or more,
     // one killed mid-copy and one killed mid-cutover, each then finished.
