@@ -160,6 +160,17 @@ pub async fn add_shard(
     Ok(p)
 }
 
+/// How long a moving command keeps trying while a shard does not answer.
+const RIDE_OUT: Duration = Duration::from_secs(60);
+
+/// A failure that may pass once a failover is done (see
+/// `StoreError::is_transient`).
+fn transient(e: &anyhow::Error) -> bool {
+    let store = |s: &storage::StoreError| s.is_transient();
+    e.downcast_ref::<storage::StoreError>().is_some_and(store)
+        || e.downcast_ref::<MoveError>().is_some_and(|m| matches!(m, MoveError::Store(s) if store(s)))
+}
+
 /// What a moving command prints and how it stops.
 struct Run {
     mover: Mover,
@@ -190,8 +201,42 @@ impl Run {
         self.printer.show(&label, ratio, &detail);
     }
 
-    /// Runs `plans` here, or hands them to the process holding the lock.
+    /// Runs `plans` (see [`Run::execute_once`]), riding out a shard that
+    /// stops answering (a failover takes a few seconds): run again, on the
+    /// map as it is then, until a failure streak lasts [`RIDE_OUT`]. Running
+    /// them again is safe: a move in flight is resumed first, and a plan
+    /// moves only what its source still owns.
     async fn execute(&self, plans: &[MovePlan]) -> anyhow::Result<()> {
+        let mut streak: Option<std::time::Instant> = None;
+        loop {
+            let attempt = std::time::Instant::now();
+            match self.execute_once(plans).await {
+                Err(e) if transient(&e) => {
+                    // An attempt that ran a while made progress: a new streak.
+                    if attempt.elapsed() > Duration::from_secs(5) {
+                        streak = None;
+                    }
+                    let since = *streak.get_or_insert(attempt);
+                    if since.elapsed() > RIDE_OUT {
+                        return Err(e);
+                    }
+                    self.printer.finish();
+                    eprintln!("a shard did not answer ({e:#}); trying again (a failover may be under way)");
+                    if let Err(e) = self.mover.shards().reload().await {
+                        tracing::debug!(error = %e, "the map could not be loaded yet");
+                    }
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                        _ = self.stop.cancelled() => return Err(e),
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Runs `plans` here, or hands them to the process holding the lock.
+    async fn execute_once(&self, plans: &[MovePlan]) -> anyhow::Result<()> {
         let show = |p: &Progress| self.show(p);
         match self.mover.execute(plans, &show, &self.stop).await {
             Ok(outcomes) => {

@@ -314,19 +314,17 @@ impl Mover {
         Ok(run.outcome)
     }
 
-    /// Drives the move; a step that fails on a connection that died (a
-    /// killed session, a restarted server) or on a deadlock resumes from
-    /// the saved record, as after a kill, up to [`TRANSIENT_RETRIES`]
-    /// times in a row without progress.
+    /// Drives the move; a step that fails on a transient error (a killed
+    /// session, a restarted or failed-over server, a deadlock; see
+    /// `StoreError::is_transient`) resumes from the saved record, on the map
+    /// as it is then, as after a kill, up to [`TRANSIENT_RETRIES`] times in
+    /// a row without progress.
     async fn drive_through_transient_errors(&self, run: &mut Running<'_>) -> Result<()> {
         let mut failures = 0u32;
         loop {
             let before = (run.rec.phase, run.rec.copied.len());
             match self.drive(run).await {
-                Err(MoveError::Store(e))
-                    if (e.is_dead_connection() || e.is_retryable_conflict())
-                        && failures < TRANSIENT_RETRIES =>
-                {
+                Err(MoveError::Store(e)) if e.is_transient() && failures < TRANSIENT_RETRIES => {
                     failures = if (run.rec.phase, run.rec.copied.len()) == before { failures + 1 } else { 1 };
                     tracing::warn!(
                         id = run.rec.id,
@@ -335,6 +333,10 @@ impl Mover {
                         "a move step failed on a transient error; resuming from the saved progress"
                     );
                     self.pause(run, Duration::from_millis(250 * u64::from(failures))).await?;
+                    // A shard that failed over is reached at its new primary.
+                    if let Err(e) = self.shards().reload().await {
+                        tracing::debug!(error = %e, "the map could not be loaded yet");
+                    }
                     run.rec = self.saved_record(run).await?;
                 }
                 other => return other,
@@ -345,16 +347,19 @@ impl Mover {
     /// The move's record as the metadata shard has it (read again a few
     /// times if the metadata shard's connection died too).
     async fn saved_record(&self, run: &Running<'_>) -> Result<MoveRecord> {
-        let mut tries = 0;
+        let mut tries = 0u32;
         loop {
             match moves::get_move(self.shards().meta(), run.rec.id).await {
                 Ok(Some(rec)) => return Ok(rec),
                 Ok(None) => {
                     return Err(MoveError::Invalid(format!("move {} is no longer recorded", run.rec.id)))
                 }
-                Err(e) if e.is_dead_connection() && tries < TRANSIENT_RETRIES => {
+                Err(e) if e.is_transient() && tries < TRANSIENT_RETRIES => {
                     tries += 1;
-                    self.pause(run, Duration::from_millis(250)).await?;
+                    self.pause(run, Duration::from_millis(250 * u64::from(tries))).await?;
+                    if let Err(e) = self.shards().reload().await {
+                        tracing::debug!(error = %e, "the map could not be loaded yet");
+                    }
                 }
                 Err(e) => return Err(e.into()),
             }

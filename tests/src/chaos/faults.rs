@@ -550,21 +550,25 @@ pub(super) async fn inject(
     }
 }
 
-/// Each physical shard's primary as `bagstore shards list` gives it (a
-/// process started now finds the metadata shard's primary among the
-/// configuration's seeds); `None` while it cannot say.
-async fn primaries(env: &TestEnv) -> Option<Vec<String>> {
-    let (ok, out, _) = env.run(&env.args(&["shards", "list", "--json"]), &[]).await;
-    let doc: Value = serde_json::from_str(&out).ok().filter(|_| ok)?;
-    let mut named: Vec<(usize, String)> = doc["shards"]
-        .as_array()?
-        .iter()
-        .map(|s| {
-            Some((s["name"].as_str()?.strip_prefix('s')?.parse().ok()?, s["address"].as_str()?.to_string()))
-        })
-        .collect::<Option<_>>()?;
-    named.sort();
-    Some(named.into_iter().map(|(_, a)| a).collect())
+/// Each physical shard's primary as the newest map among the metadata
+/// shard's live servers names it (read directly, so the timings are the
+/// coordinator's, not a command's); `None` while none answers.
+async fn primaries(env: &TestEnv, cluster: &crate::replicated::Cluster) -> Option<Vec<String>> {
+    let mut newest: Option<(u64, Vec<String>)> = None;
+    for m in cluster.shards[0].iter().filter(|m| m.server.is_some()) {
+        let dsn = format!("mysql://root@127.0.0.1:{}/{}_s0", m.port, env.name);
+        let Ok(mut conn) = <sqlx::MySqlConnection as sqlx::Connection>::connect(&dsn).await else { continue };
+        let epoch = sqlx::query_as::<_, (u64,)>("SELECT epoch FROM bagstore_cluster WHERE id = 1")
+            .fetch_one(&mut conn);
+        let Ok((epoch,)) = epoch.await else { continue };
+        let rows = sqlx::query_as::<_, (String,)>("SELECT address FROM bagstore_physical ORDER BY id")
+            .fetch_all(&mut conn);
+        let Ok(rows) = rows.await else { continue };
+        if newest.as_ref().is_none_or(|(e, _)| epoch > *e) {
+            newest = Some((epoch, rows.into_iter().map(|r| r.0).collect()));
+        }
+    }
+    newest.map(|(_, addresses)| addresses)
 }
 
 /// Whether `shards list` shows `address` as an online replica of shard
@@ -596,14 +600,15 @@ async fn inject_failover(
 ) -> String {
     let cluster = servers.cluster.as_mut().expect("failovers run on the run's own servers");
     let shard = rng.random_range(0..cluster.shards.len());
-    let before = eventually("shards list to answer", Duration::from_secs(30), || primaries(env)).await;
+    let before =
+        eventually("the map to answer", Duration::from_secs(30), || primaries(&*env, &*cluster)).await;
     let old = before[shard].clone();
     let victim = cluster.member_at(shard, &old).expect("the primary is a member");
     let pid = cluster.kill_9(shard, victim);
     let killed = Instant::now();
     let after =
         eventually("the coordinator to fail the killed primary over", Duration::from_secs(60), || async {
-            primaries(env).await.filter(|now| now[shard] != old)
+            primaries(&*env, &*cluster).await.filter(|now| now[shard] != old)
         })
         .await;
     let to_map = killed.elapsed().as_millis();
@@ -613,7 +618,7 @@ async fn inject_failover(
     tokio::time::sleep(Duration::from_millis(rng.random_range(0..1500))).await;
     cluster.restart_as_replica(shard, victim).await;
     eventually("the coordinator to take the dead server back", Duration::from_secs(60), || async {
-        online_replica(env, shard, &old).await.then_some(())
+        online_replica(&*env, shard, &old).await.then_some(())
     })
     .await;
     let back = killed.elapsed().as_millis();
