@@ -17,6 +17,23 @@ use tokio_util::sync::CancellationToken;
 /// Rows per shard are estimated every this many refreshes.
 const ROWS_EVERY: u64 = 15;
 
+/// How long one refresh waits for a server's answer. A dead server's pool
+/// retries its connection until `mysql.connect_timeout_ms`: waited for
+/// that long, a refresh would hold the next map (a failover's new primary)
+/// back from every route of this process.
+const ANSWER: Duration = Duration::from_secs(1);
+
+/// `query` within [`ANSWER`]; past it, the shard counts as unavailable.
+async fn within<T>(
+    shard: usize,
+    query: impl std::future::Future<Output = storage::Result<T>>,
+) -> storage::Result<T> {
+    match tokio::time::timeout(ANSWER, query).await {
+        Ok(answer) => answer,
+        Err(_) => Err(storage::StoreError::timed_out(shard)),
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct MapMetrics {
     pub epoch: IntGauge,
@@ -100,7 +117,8 @@ async fn refresh(
 ) -> storage::Result<()> {
     // A metadata shard that does not answer may have failed over: the
     // reload looks for its primary among its servers, then reads again.
-    let epoch = match moves::cluster_epoch(shards.meta()).await {
+    let meta = topology::META_SHARD;
+    let epoch = match within(meta, moves::cluster_epoch(shards.meta())).await {
         Ok(epoch) => epoch,
         Err(e) => {
             tracing::debug!(error = %e, "the metadata shard did not answer; looking for its primary");
@@ -112,7 +130,7 @@ async fn refresh(
         shards.reload().await?;
     }
     let t = shards.topology();
-    topology::heartbeat(shards.meta(), me, role, t.epoch).await?;
+    within(meta, topology::heartbeat(shards.meta(), me, role, t.epoch)).await?;
     metrics.epoch.set(t.epoch as i64);
     for (id, n) in t.counts() {
         if let Some(p) = t.shard(id) {
@@ -120,10 +138,13 @@ async fn refresh(
         }
     }
     if rows {
-        topology::forget_old_processes(shards.meta()).await?;
+        within(meta, topology::forget_old_processes(shards.meta())).await?;
         for p in &t.shards {
-            let n = storage::entities::estimated_rows(p.id as usize, shards.pool(p.id as usize)).await?;
-            metrics.rows.with_label_values(&[&p.id.to_string()]).set(n as i64);
+            let id = p.id as usize;
+            // A shard that does not answer keeps its last estimate.
+            if let Ok(n) = within(id, storage::entities::estimated_rows(id, shards.pool(id))).await {
+                metrics.rows.with_label_values(&[&p.id.to_string()]).set(n as i64);
+            }
         }
     }
     Ok(())

@@ -120,6 +120,12 @@ impl StoreError {
         matches!(self.mysql_number(), Some(1213 | 1205 | 1062))
     }
 
+    /// Shard `shard` did not answer within a caller's own deadline (as a
+    /// pool that found no connection in time: transient).
+    pub fn timed_out(shard: usize) -> StoreError {
+        StoreError::Shard { shard, source: sqlx::Error::PoolTimedOut }
+    }
+
     /// A failure that may pass if the operation is tried again later: a
     /// dead or refused connection, no connection free in time, a lock wait
     /// or deadlock, a stale map, the server shutting down or out of
