@@ -136,7 +136,8 @@ async fn run(n: usize, after: u64) -> anyhow::Result<()> {
             let log = p.log_text();
             let lines: Vec<&str> = log.lines().collect();
             for line in &lines[seen[k].min(lines.len())..] {
-                if line.contains("\"level\":\"WARN\"") || line.contains("\"level\":\"ERROR\"") {
+                let moved = line.contains("moved to another server") || line.contains("reload");
+                if moved || line.contains("\"level\":\"WARN\"") || line.contains("\"level\":\"ERROR\"") {
                     println!("  {name}: {line}");
                 }
             }
