@@ -19,6 +19,13 @@ use crate::Writer;
 /// How often the primaries are asked.
 pub const EVERY: Duration = Duration::from_millis(500);
 
+/// How long a primary gets to answer. A dead primary's pool retries its
+/// connection for `mysql.connect_timeout_ms`; waited for, it would hold
+/// every shard's gate as it was until then, a refusing gate included,
+/// long after a failover's new primary (which the next round asks) has an
+/// acknowledging replica.
+const ANSWER: Duration = Duration::from_secs(1);
+
 impl Writer {
     /// Starts the watch (see the module's docs).
     pub fn spawn_ack_watch(&self, tracker: &tokio_util::task::TaskTracker, stop: CancellationToken) {
@@ -48,7 +55,8 @@ impl Writer {
                 self.inner.health.report(&part, Ok(()));
                 continue;
             }
-            let Ok((clients, _)) = replication::acknowledging(id, shards.pool(id)).await else { continue };
+            let asked = tokio::time::timeout(ANSWER, replication::acknowledging(id, shards.pool(id))).await;
+            let Ok(Ok((clients, _))) = asked else { continue };
             gate.set(id, clients == 0);
             gauge.set(clients as i64);
             let outcome = if clients == 0 {
