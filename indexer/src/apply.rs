@@ -97,18 +97,24 @@ pub async fn apply(
                     entity_added_id: o.entity_added_id,
                 })
                 .collect();
-            let mut tx = pool.begin().await.map_err(|source| StoreError::Shard { shard, source })?;
-            let logicals: Vec<u16> = ops.iter().map(|o| o.logical).collect();
-            topology::check_owned(shard, &mut tx, &logicals).await?;
-            fences::check(shard, &mut tx, fence.group, fence.claims).await?;
-            if !deletes.is_empty() {
-                let now = schemas::clock::now_micros();
-                index_rows::remove_index_rows_before(shard, &mut tx, spec, &deletes, now).await?;
-            }
-            if !upserts.is_empty() {
-                index_rows::upsert_index_rows(shard, &mut tx, spec, &upserts).await?;
-            }
-            tx.commit().await.map_err(|source| StoreError::Shard { shard, source })
+            // A frozen old primary never answers: a failover's move of the
+            // shard lets go of it, and the retry goes to the new server.
+            shards
+                .unless_moved(shard, async move {
+                    let mut tx = pool.begin().await.map_err(|source| StoreError::Shard { shard, source })?;
+                    let logicals: Vec<u16> = ops.iter().map(|o| o.logical).collect();
+                    topology::check_owned(shard, &mut tx, &logicals).await?;
+                    fences::check(shard, &mut tx, fence.group, fence.claims).await?;
+                    if !deletes.is_empty() {
+                        let now = schemas::clock::now_micros();
+                        index_rows::remove_index_rows_before(shard, &mut tx, spec, &deletes, now).await?;
+                    }
+                    if !upserts.is_empty() {
+                        index_rows::upsert_index_rows(shard, &mut tx, spec, &upserts).await?;
+                    }
+                    tx.commit().await.map_err(|source| StoreError::Shard { shard, source })
+                })
+                .await
         })
         .await;
     done.into_iter().try_for_each(|(_, r)| r)

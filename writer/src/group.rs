@@ -24,10 +24,11 @@
 use schemas::EntityId;
 use schemas::Settings;
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 use storage::shards::MAX_PHYSICAL;
 use storage::write::{Change, Item, Outcome, Precondition, WriteError};
 use storage::{Shards, StaleMapRetry};
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
 use crate::commit::{Commit, STALE_MAP_WAIT};
 use crate::metrics::Metrics;
@@ -51,12 +52,13 @@ pub(crate) struct Group {
     /// By physical id: single writes waiting for a commit slot (made when
     /// first used, see [`Group::queue`]).
     queues: Vec<OnceLock<Queue>>,
-    /// `writer.commit_slots`: transactions in flight per shard.
+    /// `writer.commit_slots`: transactions in flight per shard (on the
+    /// server it is on, see [`Slots`]).
     slots: usize,
     /// `writer.max_batch`: the most writes one transaction takes.
     max: usize,
     /// `writer.commit_timeout_ms`: how long a write waits for its answer.
-    commit_timeout: std::time::Duration,
+    commit_timeout: Duration,
 }
 
 impl Group {
@@ -68,7 +70,7 @@ impl Group {
             queues: (0..MAX_PHYSICAL).map(|_| OnceLock::new()).collect(),
             slots: settings.writer.commit_slots,
             max: settings.writer.max_batch,
-            commit_timeout: std::time::Duration::from_millis(settings.writer.commit_timeout_ms),
+            commit_timeout: Duration::from_millis(settings.writer.commit_timeout_ms),
         }
     }
 
@@ -111,10 +113,45 @@ impl Group {
     fn queue(&self, shard: usize) -> &Queue {
         self.queues[shard].get_or_init(|| {
             let (tx, rx) = mpsc::unbounded_channel();
-            let slots = Arc::new(Semaphore::new(self.slots));
-            tokio::spawn(dispatch(shard, self.commit.clone(), self.metrics.clone(), rx, slots, self.max));
+            tokio::spawn(dispatch(
+                shard,
+                self.commit.clone(),
+                self.metrics.clone(),
+                rx,
+                self.slots,
+                self.max,
+            ));
             tx
         })
+    }
+}
+
+/// One server's commit slots: `writer.commit_slots` transactions in flight
+/// on the server the shard is on.
+struct Slots {
+    /// The shard's server generation they are for (`Shards::generation`).
+    generation: usize,
+    semaphore: Arc<Semaphore>,
+}
+
+impl Slots {
+    /// A free slot on the server `shard` is on now. Slots held by
+    /// transactions on a server the shard has left (a frozen or cut-off
+    /// old primary never answers them) do not count: after a failover or a
+    /// switchover the shard's writes get fresh slots on its new server.
+    async fn acquire(&mut self, shards: &Shards, shard: usize, per_server: usize) -> OwnedSemaphorePermit {
+        loop {
+            let now = shards.generation(shard);
+            if now != self.generation {
+                *self = Slots { generation: now, semaphore: Arc::new(Semaphore::new(per_server)) };
+            }
+            tokio::select! {
+                permit = self.semaphore.clone().acquire_owned() => {
+                    return permit.expect("a dispatcher's semaphore is never closed");
+                }
+                _ = shards.moved(shard, now) => {}
+            }
+        }
     }
 }
 
@@ -125,12 +162,15 @@ async fn dispatch(
     commit: Arc<Commit>,
     metrics: Metrics,
     mut rx: mpsc::UnboundedReceiver<Pending>,
-    slots: Arc<Semaphore>,
+    per_server: usize,
     max: usize,
 ) {
     let label = shard.to_string();
+    let shards = commit.context().shards().clone();
+    let mut slots =
+        Slots { generation: shards.generation(shard), semaphore: Arc::new(Semaphore::new(per_server)) };
     while let Some(first) = rx.recv().await {
-        let Ok(slot) = slots.clone().acquire_owned().await else { return };
+        let slot = slots.acquire(&shards, shard, per_server).await;
         let mut group = vec![first];
         while group.len() < max {
             match rx.try_recv() {

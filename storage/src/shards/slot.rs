@@ -100,6 +100,12 @@ impl Slot {
         self.failovers.fetch_max(failovers, Ordering::AcqRel);
     }
 
+    /// Which of the servers the shard was on in this process is current
+    /// (0 first; one more after each move).
+    pub(crate) fn generation(&self) -> usize {
+        self.current.load(Ordering::Acquire)
+    }
+
     pub(crate) fn current(&self) -> &Server {
         self.gens[self.current.load(Ordering::Acquire)].get().expect("the current generation is set")
     }

@@ -313,7 +313,10 @@ async fn count(conn: &mut sqlx::MySqlConnection, id: schemas::EntityId) -> i64 {
 /// acknowledgement from it: its commits wait for acknowledgements no
 /// replica gives (their writes are answered 503 `outcome-unknown` after
 /// `writer.commit_timeout_ms`, and a process started now routes to the
-/// primary the map names, not to it). The coordinator refuses to take it
+/// primary the map names, not to it). The running writer's commits stuck
+/// on it hold none of the shard's commit slots on the new primary, and
+/// its relay lets go of it: the shard's writes are acknowledged and
+/// published from the new primary without a restart. The coordinator refuses to take it
 /// back while it holds commits of its own; killed and restarted as a
 /// replica, its recovery discards them and it rejoins. Every acknowledged
 /// write reads back at its version, and the writes answered 503 are
@@ -358,6 +361,16 @@ async fn a_frozen_primary_never_acknowledges_after_its_failover_and_rejoins_clea
         assert!(bagstore_tests::std_command("kill").args([sig, &b_pid]).status().unwrap().success());
     };
     signal("-STOP");
+    // Writes of s1 sent now wait on b (as many as the writer has commit
+    // slots, and one more queued behind them): each is answered 503 after
+    // the commit timeout, its commit still waiting there.
+    let on_s1 = crate::group_commit::ids_on(1, 0x5b, 4);
+    let stuck = futures::future::join_all(on_s1[..3].iter().map(|id| {
+        let api = writer.api();
+        async move { api.put(id, &serde_json::json!({"v": 1})).await.0 }
+    }))
+    .await;
+    assert_eq!(stuck, [503, 503, 503], "writes to a frozen primary");
     let address = |port: u16| format!("mysql://bagstore@127.0.0.1:{port}/{}", db(1));
     let promoted =
         eventually("the coordinator to fail the frozen primary over", Duration::from_secs(60), || async {
@@ -365,10 +378,26 @@ async fn a_frozen_primary_never_acknowledges_after_its_failover_and_rejoins_clea
             (doc["address"] != address(b_port)).then_some(doc)
         })
         .await;
-    // Two replicas: the other one acknowledges, so the shard takes writes.
+    // Two replicas: the other one acknowledges, so the shard takes writes,
+    // in the running writer too: the commits stuck on b hold none of its
+    // slots on the new primary, and its relay lets go of b.
+    eventually("the running writer to write to s1 on its new primary", Duration::from_secs(30), || async {
+        (writer.api().put(&on_s1[3], &serde_json::json!({"v": 2})).await.0 == 201).then_some(())
+    })
+    .await;
+    let new_primary = promoted["address"].as_str().unwrap().to_string();
+    eventually("the relay to publish that write from the new primary", Duration::from_secs(30), || async {
+        let mut conn = crate::replication::connect(&new_primary).await;
+        let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM outbox WHERE entity_id = UNHEX(?)")
+            .bind(&on_s1[3])
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+        (left == 0).then_some(())
+    })
+    .await;
     client.more(20).await;
     signal("-CONT");
-    let new_primary = promoted["address"].as_str().unwrap().to_string();
     // It answers again, holding commits nobody will acknowledge: the
     // coordinator refuses to take it back.
     eventually("the coordinator to refuse the stale primary", Duration::from_secs(30), || async {

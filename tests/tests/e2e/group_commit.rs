@@ -21,7 +21,7 @@ use sqlx::MySqlPool;
 use std::time::Duration;
 
 /// `count` ids (hex) that live on `shard` of 2, made from `seed`.
-fn ids_on(shard: usize, seed: u8, count: usize) -> Vec<String> {
+pub(crate) fn ids_on(shard: usize, seed: u8, count: usize) -> Vec<String> {
     (0u32..)
         .map(|i| {
             let mut b = [seed; 16];

@@ -67,6 +67,9 @@ pub(crate) struct Relays {
     wake: Arc<Wake>,
 }
 
+/// Why a relay let go of its shard's server.
+const MOVED: &str = "the shard moved to another server";
+
 impl Relays {
     pub(crate) fn new(
         settings: Settings,
@@ -130,7 +133,17 @@ impl Relays {
         let leader_gauge = self.metrics.relay_leader.with_label_values(&[&label]);
         let part = format!("relay {}", self.shards.name(shard));
         while !shutdown.is_cancelled() {
-            let mut conn = match storage::dsn::dedicated_connection(self.shards.dsn(shard)).await {
+            // Everything below is tied to the server the shard is on now;
+            // should the shard leave it (a failover, a switchover), what is
+            // still waiting on it is let go (a frozen old primary answers
+            // nothing, and a commit there never completes).
+            let generation = self.shards.generation(shard);
+            let connect = storage::dsn::dedicated_connection(self.shards.dsn(shard));
+            let connected = tokio::select! {
+                c = connect => c.map_err(|e| e.to_string()),
+                _ = self.shards.moved(shard, generation) => Err(MOVED.to_string()),
+            };
+            let mut conn = match connected {
                 Ok(c) => c,
                 Err(e) => {
                     self.health.report(&part, Err(format!("cannot reach its shard: {e}")));
@@ -161,7 +174,15 @@ impl Relays {
                     "the relay's deletes log whole rows to the binary log (grant BINLOG ADMIN to log their keys only)"
                 );
             }
-            let led = self.lead(shard, &mut conn, &mut producer, &shutdown).await;
+            let led = tokio::select! {
+                led = self.lead(shard, &mut conn, &mut producer, &shutdown) => led,
+                _ = self.shards.moved(shard, generation) => {
+                    // A round let go of may have events in flight: they
+                    // must not land after the next leader's resends.
+                    self.replace_producer(shard, &mut producer, MOVED);
+                    Err(StoreError::Shard { shard, source: sqlx::Error::Protocol(MOVED.into()) })
+                }
+            };
             if let Err(e) = led {
                 self.health.report(&part, Err(format!("leadership ended: {e}")));
                 tracing::warn!(shard, error = %e, "relay leadership ended");
@@ -227,7 +248,11 @@ impl Relays {
                 }
                 // A round Kafka did not fully acknowledge ends this
                 // producer session (see `replace_producer`).
-                self.replace_producer(shard, producer, read - acked);
+                self.replace_producer(
+                    shard,
+                    producer,
+                    &format!("Kafka did not acknowledge {} change events", read - acked),
+                );
                 sleep_or_stop(shutdown, backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             } else {
@@ -237,8 +262,9 @@ impl Relays {
         }
     }
 
-    /// Ends the session of `producer`, which Kafka did not acknowledge
-    /// `unsent` rows of: it is purged and a new one takes its place.
+    /// Ends the session of `producer` (a round it sent was not fully
+    /// acknowledged, or was let go of, see `why`): it is purged and a new
+    /// one takes its place.
     ///
     /// Why not keep the producer: its messages never time out inside
     /// librdkafka (see `kafka::relay_producer_config`), so the ones still
@@ -250,11 +276,11 @@ impl Relays {
     /// land only as a prefix of what it was given, so an entity's first
     /// occurrences on the topic stay in version order. And after a fatal
     /// idempotence error a producer cannot go on at all.
-    fn replace_producer(&self, shard: usize, producer: &mut FutureProducer, unsent: usize) {
+    fn replace_producer(&self, shard: usize, producer: &mut FutureProducer, why: &str) {
         let reason = producer.client().fatal_error().map(|(_, why)| why);
         let part = format!("relay {}", self.shards.name(shard));
-        self.health.report(&part, Err(format!("Kafka did not acknowledge {unsent} change events")));
-        tracing::warn!(shard, ?reason, "round not acknowledged; starting a new producer");
+        self.health.report(&part, Err(why.to_string()));
+        tracing::warn!(shard, why, ?reason, "round not completed; starting a new producer");
         // Nothing the old producer still holds may reach the topic after
         // what the next one sends (an older version landing after a newer
         // one's resend): its queue is purged now, before the next producer
