@@ -252,3 +252,55 @@ async fn two_tries_of_one_key_at_once_apply_once() {
     assert_eq!((answers[0].0, &answers[0].1["version"]), (200, &json!(2)), "{answers:?}");
     assert_eq!(entity_rows(&env).await, vec![(id, 2)], "the key applied twice");
 }
+
+/// `PUT` and `DELETE` of `/v1/entities/{id}` take an `Idempotency-Key`
+/// as the other writes do: a retry gets the first answer and writes
+/// nothing (a conditional `PUT`'s retry is not refused by the version its
+/// own first try made), the same key with another body is a 422, and a
+/// keyed `DELETE` deletes once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyed_puts_and_deletes_of_an_id_apply_once() {
+    let env = TestEnv::new("idemput", "").await;
+    env.migrate().await;
+    let writer = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;
+    let reader = env.spawn(&["reader", "--http", "127.0.0.1:0"]).await;
+    let (base, api, read) = (writer.url.clone(), writer.api(), reader.api());
+    let id = format!("{:032x}", 0x9e7_0000_u64);
+    assert_eq!(api.put(&id, &json!({"n": 0})).await.0, 201);
+    let send =
+        |method: reqwest::Method, key: &'static str, if_match: Option<&'static str>, body: Option<Value>| {
+            let url = format!("{base}/v1/entities/{id}");
+            async move {
+                let mut req = reqwest::Client::new().request(method, url).header("idempotency-key", key);
+                if let Some(v) = if_match {
+                    req = req.header("if-match", v);
+                }
+                if let Some(b) = body {
+                    req = req.json(&b);
+                }
+                let r = req.send().await.expect("request");
+                (r.status().as_u16(), r.json::<Value>().await.unwrap_or(Value::Null))
+            }
+        };
+    let put = |key, body| send(reqwest::Method::PUT, key, Some("\"1\""), Some(body));
+    let (status, first) = put("put-once", json!({"n": 1})).await;
+    assert_eq!((status, &first["version"]), (200, &json!(2)), "{first}");
+    let (status, again) = put("put-once", json!({"n": 1})).await;
+    assert_eq!((status, &again["version"]), (200, &json!(2)), "the retry got another answer: {again}");
+    let (status, reused) = put("put-once", json!({"n": 2})).await;
+    assert_eq!((status, &reused["type"]), (422, &json!("/problems/idempotency-key-reused")), "{reused}");
+    assert_eq!(read.get(&id).await.1["version"], json!(2), "a retry wrote a version");
+
+    let delete = |key| send(reqwest::Method::DELETE, key, None, None);
+    let (status, gone) = delete("delete-once").await;
+    assert_eq!((status, &gone["version"]), (200, &json!(3)), "{gone}");
+    let (status, again) = delete("delete-once").await;
+    assert_eq!(
+        (status, &again["version"]),
+        (200, &json!(3)),
+        "the retried delete got another answer: {again}"
+    );
+    assert_eq!(delete("a-new-key").await.0, 404, "a new key is a new request");
+    let rows = entity_rows(&env).await;
+    assert!(rows.contains(&(id.clone(), 3)), "one tombstone at version 3: {rows:?}");
+}

@@ -10,6 +10,8 @@
 //! - `DELETE /v1/entities/{id}`
 //! - `POST /v1/entities/batch` — `{"entities": [...]}`, one transaction per shard
 //!
+//! Every one of them takes an `Idempotency-Key` (a batch's guards each item).
+//!
 //! Layout: this file, the routes; `parse`, reading a request;
 //! `problem`, the answers and the problem documents.
 
@@ -79,9 +81,14 @@ async fn replace(
 ) -> Result<Response, Problem> {
     let _admitted = admit(&w, 1)?;
     let id = parse_id(&id)?;
-    let pre = precondition(&headers)?;
+    let mut pre = precondition(&headers)?;
+    let key = idempotency_key(&headers)?;
     let max = w.settings().writer.max_body_bytes;
-    let (body_id, bag) = entity_body(read_json(body, max, w.settings().http.request_timeout()).await?, None)?;
+    let doc = read_json(body, max, w.settings().http.request_timeout()).await?;
+    if let Some(k) = &key {
+        pre.guard = Some(guard(k, &format!("PUT /v1/entities/{}", id.to_hex()), &doc));
+    }
+    let (body_id, bag) = entity_body(doc, None)?;
     if body_id.is_some_and(|b| b != id) {
         return Err(Problem::bad_request(
             "id-mismatch",
@@ -134,9 +141,12 @@ async fn remove(
 ) -> Result<Response, Problem> {
     let _admitted = admit(&w, 1)?;
     let id = parse_id(&id)?;
-    let pre = precondition(&headers)?;
+    let mut pre = precondition(&headers)?;
     if pre.if_absent {
         return Err(Problem::bad_request("bad-precondition", "If-None-Match makes no sense on DELETE"));
+    }
+    if let Some(k) = idempotency_key(&headers)? {
+        pre.guard = Some(guard(&k, &format!("DELETE /v1/entities/{}", id.to_hex()), &JsonValue::Null));
     }
     let o = w.delete(id, pre).await.map_err(write_problem)?;
     Ok(answer(o, StatusCode::OK))
