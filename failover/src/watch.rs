@@ -157,7 +157,11 @@ impl Coordinator {
                 }
                 tracing::warn!(shard = %p.name, old = %promoted.old, new = %promoted.new, alone = promoted.alone,
                     took_ms = since.elapsed().as_millis() as u64, "failed over");
-                let _ = self.shards.reload().await;
+                // The next round must see the new primary: a revived old
+                // one would otherwise look like the primary answering again.
+                if let Err(e) = self.shards.reload_now().await {
+                    tracing::warn!(shard = %p.name, error = %e, "the map could not be loaded after the failover");
+                }
             }
             Err(e) => {
                 self.metrics.blocked.with_label_values(&[&p.name]).set(1);

@@ -203,8 +203,8 @@ impl Mover {
         report: Report<'_>,
         stop: &CancellationToken,
     ) -> Result<Vec<Outcome>> {
-        let mut lock = self.lock().await?;
-        let mut out = self.resume_in_flight(&lock, report, stop).await?;
+        let mut out = Vec::new();
+        let mut lock = self.finish_in_flight(self.lock().await?, &mut out, report, stop).await?;
         for plan in plans {
             loop {
                 // A resumed move may have done part of the plan already.
@@ -228,8 +228,9 @@ impl Mover {
                         tracing::warn!(error = %e,
                             "this run lost the mover lock and its move to another process; waiting for the lock");
                         drop(lock);
-                        lock = self.wait_for_lock(stop).await?;
-                        out.extend(self.resume_in_flight(&lock, report, stop).await?);
+                        lock = self
+                            .finish_in_flight(self.wait_for_lock(stop).await?, &mut out, report, stop)
+                            .await?;
                     }
                     Err(e) => return Err(e),
                 }
@@ -238,13 +239,48 @@ impl Mover {
         Ok(out)
     }
 
+    /// Finishes the moves in flight (into `out`). A run that loses one to
+    /// another process (its lock's connection died, with its server in a
+    /// failover of the metadata shard, say, and a cleaner's mover took the
+    /// lock and the move) waits for the lock and finishes what is still in
+    /// flight then. Returns the lock held at the end.
+    async fn finish_in_flight(
+        &self,
+        mut lock: MoverLock,
+        out: &mut Vec<Outcome>,
+        report: Report<'_>,
+        stop: &CancellationToken,
+    ) -> Result<MoverLock> {
+        loop {
+            match self.resume_in_flight(&lock, report, stop).await {
+                Ok(done) => {
+                    out.extend(done);
+                    return Ok(lock);
+                }
+                Err(e) if e.is_taken_over() => {
+                    tracing::warn!(error = %e,
+                        "this run lost the mover lock and its move to another process; waiting for the lock");
+                    drop(lock);
+                    lock = self.wait_for_lock(stop).await?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     /// Takes the mover lock once the process holding it lets it go.
     async fn wait_for_lock(&self, stop: &CancellationToken) -> Result<MoverLock> {
         loop {
             match self.lock().await {
                 Ok(lock) => return Ok(lock),
                 Err(MoveError::Busy) => {}
-                Err(MoveError::Store(e)) if e.is_dead_connection() => {}
+                // The lock's server (the metadata shard's primary) may be
+                // failing over: asked again on the map as it is then.
+                Err(MoveError::Store(e)) if e.is_transient() => {
+                    if let Err(e) = self.shards().reload().await {
+                        tracing::debug!(error = %e, "the map could not be loaded yet");
+                    }
+                }
                 Err(e) => return Err(e),
             }
             tokio::select! {
