@@ -129,6 +129,7 @@ async fn keyed_put(shared: &Shared, n: usize, id: &str, mut body: Value, rng: &m
     body["retry_key"] = json!(key);
     let what = format!("keyed put {body}");
     let mut tries = 0;
+    let mut log = Vec::new();
     let outcome = loop {
         tries += 1;
         let Some(base) = shared.live_writer(rng) else {
@@ -137,7 +138,9 @@ async fn keyed_put(shared: &Shared, n: usize, id: &str, mut body: Value, rng: &m
         };
         let req =
             shared.http.put(format!("{base}/v1/entities/{id}")).header("Idempotency-Key", &key).json(&body);
+        let sent_ms = shared.ms();
         let outcome = outcome_of(shared, &what, shared.send(req).await);
+        log.push(format!("try {tries} at {sent_ms}-{} ms via {base}: {outcome}", shared.ms()));
         if !matches!(outcome, Outcome::Unknown(_)) || tries == 5 || shared.stop.load(Ordering::Relaxed) {
             break outcome;
         }
@@ -147,7 +150,7 @@ async fn keyed_put(shared: &Shared, n: usize, id: &str, mut body: Value, rng: &m
         Outcome::Acked(v) => Some(v),
         _ => None,
     };
-    shared.keyed.lock().unwrap().push(Keyed { id: id.to_string(), key, tries, acked });
+    shared.keyed.lock().unwrap().push(Keyed { id: id.to_string(), key, tries, acked, log });
     shared.record(n, id, format!("{what} ({tries} tries)"), outcome);
 }
 
@@ -159,6 +162,8 @@ pub(super) struct Keyed {
     tries: u32,
     /// The version its last try was answered with.
     acked: Option<u64>,
+    /// Each try: when, through which writer, and its outcome.
+    log: Vec<String>,
 }
 
 /// Every keyed put applied at most once, at the version acknowledged (if
@@ -186,8 +191,12 @@ pub(super) fn check_keyed(shared: &Shared, events: &[model::TopicEvent]) -> (Vec
         };
         if !fine {
             out.push(format!(
-                "entity {}: keyed put {} ({} tries, answered {:?}) is on the topic at versions {versions:?}",
-                k.id, k.key, k.tries, k.acked
+                "entity {}: keyed put {} ({} tries, answered {:?}) is on the topic at versions {versions:?} ({})",
+                k.id,
+                k.key,
+                k.tries,
+                k.acked,
+                k.log.join("; ")
             ));
         }
     }

@@ -11,6 +11,7 @@
 //! protocol is not a way bagstore can be run, so it is not a combination to
 //! prove.
 
+use futures::FutureExt;
 use schemas::settings::Assignment;
 
 use super::{ChaosConfig, Fault};
@@ -128,7 +129,19 @@ pub async fn run(name: &str) {
     eprintln!("chaos combination {}: {:?} broker, {:?} assignment", c.name, c.broker, c.assignment);
     let mut cfg = ChaosConfig::from_env(c.faults, c.per_kind);
     cfg.replicas = c.replicas;
-    super::run(&mut env, cfg).await;
+    let dir = env.dir.path().to_path_buf();
+    let ran = std::panic::AssertUnwindSafe(super::run(&mut env, cfg)).catch_unwind().await;
+    if let Err(panic) = ran {
+        // A CI log may keep only the backtrace's end: the reason goes to
+        // the run's directory too, which the unwinding keeps.
+        let why = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "a panic without a message".into());
+        std::fs::write(dir.join("chaos-panic.txt"), format!("{why}\n")).ok();
+        std::panic::resume_unwind(panic);
+    }
 }
 
 #[cfg(test)]

@@ -276,7 +276,6 @@ mod report;
 use expiry::*;
 use faults::*;
 use load::*;
-use report::*;
 
 /// Runs the suite; panics (after printing the seed, the fault timeline and
 /// the history of the entities involved) if any check failed.
@@ -597,10 +596,13 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
     if let Ok(path) = std::env::var("BAGSTORE_CHAOS_REPORT") {
         std::fs::write(path, &report).ok();
     }
+    std::fs::write(env.dir.path().join("chaos-report.txt"), &report).ok();
 
     let failures = shared.failures.lock().unwrap().clone();
     if !failures.is_empty() {
-        print_history(&shared, &timeline, &failures, cfg.keys, &events);
+        let history = report::history(&shared, &timeline, &failures, cfg.keys, &events);
+        eprint!("{history}");
+        std::fs::write(env.dir.path().join("chaos-failures.txt"), &history).ok();
         panic!("chaos seed {}: {} checks failed; first: {}", cfg.seed, failures.len(), failures[0]);
     }
     assert!(n(&c.acked) > 100, "too few writes were acknowledged for the run to mean anything");
