@@ -491,15 +491,6 @@ fn rss_kb(pid: u32) -> Option<u64> {
         .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
 }
 
-/// CPU time (user + system) a process has used, in clock ticks (1/100 s).
-fn cpu_ticks(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name (which may hold spaces) start at state.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
-}
-
 impl ProcSampler {
     fn watch(&self, label: &str, pid: u32) {
         self.pids.lock().unwrap().push((label.to_string(), pid));
@@ -937,17 +928,6 @@ fn server_options(quick: bool, server_id: usize) -> devstack::mariadb::MariaDbOp
     }
 }
 
-/// Pins `pid` (every thread of it) to `cores` with `taskset`.
-fn pin(pid: u32, cores: &str) -> anyhow::Result<()> {
-    let status = bagstore_tests::std_command("taskset")
-        .args(["-a", "-p", "-c", cores, &pid.to_string()])
-        .stdout(std::process::Stdio::null())
-        .status()
-        .context("running taskset (util-linux)")?;
-    ensure!(status.success(), "taskset -a -p -c {cores} {pid} failed: {status}");
-    Ok(())
-}
-
 impl ProcSampler {
     /// For the write phases, on two cores or more: the MariaDB servers get
     /// core 0 to themselves, and every other watched process (this one: the
@@ -1214,11 +1194,14 @@ async fn bag_latest(
 
 #[path = "burn.rs"]
 mod burn;
+#[path = "cpu.rs"]
+mod cpu;
 #[path = "hist.rs"]
 mod hist;
 #[path = "sibling.rs"]
 mod sibling;
 use burn::burn;
+use cpu::{cpu_ticks, off_server_cores, online_cores, pin};
 use hist::{buckets, max_bucket, quantile};
 
 // ---------------------------------------------------------------- the run
@@ -1278,23 +1261,6 @@ fn json_path(quick: bool) -> PathBuf {
 
 /// The machine's cores, whatever this process is pinned to (which
 /// `available_parallelism` would report).
-fn online_cores() -> usize {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .map(|c| c.lines().filter(|l| l.starts_with("processor")).count())
-        .unwrap_or(1)
-        .max(1)
-}
-
-/// The cores the write phases leave to everything but the MariaDB servers
-/// (which get core 0; see `ProcSampler::pin_for_writes`).
-fn off_server_cores() -> String {
-    match online_cores() {
-        1 => "0".into(),
-        2 => "1".into(),
-        n => format!("1-{}", n - 1),
-    }
-}
-
 fn machine() -> (usize, String) {
     let cores = online_cores();
     let mem = std::fs::read_to_string("/proc/meminfo")

@@ -184,4 +184,13 @@ impl Cluster {
         let member = &mut self.shards[shard][m];
         member.server = Some(start_on(&member.dir, member.server_id, true, Some(member.port)).await);
     }
+
+    /// Stops every running member cleanly.
+    pub async fn stop(self) {
+        for member in self.shards.into_iter().flatten() {
+            if let Some(server) = member.server {
+                server.stop().await.expect("a clean stop");
+            }
+        }
+    }
 }

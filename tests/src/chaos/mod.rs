@@ -619,6 +619,11 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
         p.terminate().await;
     }
     stack.reader.terminate().await;
+    // Stopped before the run's directory goes: a server still shutting
+    // down as it is deleted leaves its files behind.
+    if let Some(cluster) = servers.cluster.take() {
+        cluster.stop().await;
+    }
 }
 
 /// The live entities (id → properties) as the reader returns them.
