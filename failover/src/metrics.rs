@@ -39,6 +39,20 @@ impl FailoverMetrics {
         let _ = self.blocked.with_label_values(&[shard]);
     }
 
+    /// Server `server` of `shard` answers (`up`) or not, in `role`. Its
+    /// series of the other role goes (a failover or a rejoin changed its
+    /// role: a stale one would show it in both), as do a primary's replica
+    /// series.
+    pub fn server(&self, shard: &str, server: &str, role: &str, up: bool) {
+        let other = if role == "primary" { "replica" } else { "primary" };
+        let _ = self.server_up.remove_label_values(&[shard, server, other]);
+        if role == "primary" {
+            let _ = self.replica_lag.remove_label_values(&[shard, server]);
+            let _ = self.replica_behind.remove_label_values(&[shard, server]);
+        }
+        self.server_up.with_label_values(&[shard, server, role]).set(i64::from(up));
+    }
+
     pub fn register(r: &Registry) -> prometheus::Result<FailoverMetrics> {
         let m = FailoverMetrics {
             failovers: IntCounterVec::new(
@@ -104,5 +118,32 @@ impl FailoverMetrics {
         r.register(Box::new(m.blocked.clone()))?;
         r.register(Box::new(m.rejoins.clone()))?;
         Ok(m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_server_whose_role_changed_is_shown_in_its_new_role_only() {
+        let r = Registry::new();
+        let m = FailoverMetrics::register(&r).unwrap();
+        m.server("s1", "a:1/db", "replica", true);
+        m.replica_lag.with_label_values(&["s1", "a:1/db"]).set(0.5);
+        m.server("s1", "b:1/db", "primary", true);
+        // A failover: a is the primary now, b (dead) a replica.
+        m.server("s1", "a:1/db", "primary", true);
+        m.server("s1", "b:1/db", "replica", false);
+        let text = prometheus::TextEncoder::new().encode_to_string(&r.gather()).unwrap();
+        let up: Vec<&str> = text.lines().filter(|l| l.starts_with("bagstore_server_up{")).collect();
+        assert_eq!(up.len(), 2, "{text}");
+        assert!(up
+            .iter()
+            .any(|l| l.contains("server=\"a:1/db\"") && l.contains("role=\"primary\"") && l.ends_with(" 1")));
+        assert!(up
+            .iter()
+            .any(|l| l.contains("server=\"b:1/db\"") && l.contains("role=\"replica\"") && l.ends_with(" 0")));
+        assert!(!text.contains("bagstore_replica_lag_seconds{"), "{text}");
     }
 }

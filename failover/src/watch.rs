@@ -112,6 +112,7 @@ impl Coordinator {
                 up.push(p);
                 continue;
             }
+            self.metrics.server(&p.name, &storage::dsn::place_of(&p.address), "primary", false);
             let since = *self.down_since.entry(p.id).or_insert_with(Instant::now);
             let due = self.retry_at.get(&p.id).is_none_or(|at| Instant::now() >= *at);
             if since.elapsed() >= self.after && due {
@@ -183,17 +184,17 @@ impl Coordinator {
         let (id, m) = (p.id as usize, self.metrics.clone());
         let Some(primary) = state_of(&self.shards, &self.settings, id, &p.address).await else { return };
         let server = |address: &str| storage::dsn::place_of(address);
-        m.server_up.with_label_values(&[&p.name, &server(&p.address), "primary"]).set(1);
+        m.server(&p.name, &server(&p.address), "primary", true);
         m.semi_sync_clients.with_label_values(&[&p.name]).set(primary.semi_sync_clients as i64);
         m.semi_sync_waiting.with_label_values(&[&p.name]).set(primary.waiting_commits as i64);
         let Ok(from) = source(&self.settings, &p.address) else { return };
         for r in t.replicas_of(p.id) {
             let at = server(&r.address);
             let Some(state) = state_of(&self.shards, &self.settings, id, &r.address).await else {
-                m.server_up.with_label_values(&[&p.name, &at, "replica"]).set(0);
+                m.server(&p.name, &at, "replica", false);
                 continue;
             };
-            m.server_up.with_label_values(&[&p.name, &at, "replica"]).set(1);
+            m.server(&p.name, &at, "replica", true);
             m.replica_behind
                 .with_label_values(&[&p.name, &at])
                 .set(state.current.behind(&primary.current) as i64);
@@ -277,8 +278,13 @@ async fn state_of(
     shard: usize,
     address: &str,
 ) -> Option<storage::replication::ServerState> {
-    let mut s = reach(shards, settings, shard, address).await.ok()?;
-    server_state(shard, &mut s.conn).await.ok()
+    // A frozen server accepts a connection and never answers: it must not
+    // hold up the round (and every other shard's failover with it).
+    let ask = async {
+        let mut s = reach(shards, settings, shard, address).await.ok()?;
+        server_state(shard, &mut s.conn).await.ok()
+    };
+    tokio::time::timeout(PROBE_TIMEOUT * 2, ask).await.ok().flatten()
 }
 
 #[cfg(test)]

@@ -171,8 +171,9 @@ pub struct ShardReport {
     /// How many logical shards it owns, and which.
     pub logical: usize,
     pub ranges: String,
-    /// Entity rows (InnoDB's estimate).
-    pub entities_estimate: u64,
+    /// Entity rows (InnoDB's estimate; null while the primary does not
+    /// answer).
+    pub entities_estimate: Option<u64>,
     /// Its servers: the primary (at `address`) first, then its replicas.
     pub servers: Vec<ServerReport>,
 }
@@ -215,7 +216,21 @@ const SERVER_ANSWER: Duration = Duration::from_secs(2);
 /// MariaDB's `Seconds_Behind_Master`).
 async fn servers_of(shards: &Shards, t: &Topology, p: &PhysicalShard) -> Vec<ServerReport> {
     let id = p.id as usize;
-    let primary = match tokio::time::timeout(SERVER_ANSWER, shards.ping(id)).await {
+    // Every server is asked at once: a frozen one costs the report
+    // SERVER_ANSWER once, not once per server.
+    let replicas: Vec<String> = t.replicas_of(p.id).map(|r| r.address.clone()).collect();
+    let (ping, primary_state, replica_states) = futures::join!(
+        tokio::time::timeout(SERVER_ANSWER, shards.ping(id)),
+        async {
+            if replicas.is_empty() {
+                Err(String::new())
+            } else {
+                state_at(shards, id, &p.address).await
+            }
+        },
+        futures::future::join_all(replicas.iter().map(|a| state_at(shards, id, a))),
+    );
+    let primary = match ping {
         Ok(Ok(())) => ServerReport {
             address: p.address.clone(),
             role: "primary",
@@ -226,22 +241,22 @@ async fn servers_of(shards: &Shards, t: &Topology, p: &PhysicalShard) -> Vec<Ser
         Ok(Err(e)) => down(&p.address, "primary", e.to_string()),
         Err(_) => down(&p.address, "primary", format!("no answer within {} ms", SERVER_ANSWER.as_millis())),
     };
+    let primary_pos = primary_state.ok().map(|s| s.current);
     let mut out = vec![primary];
-    let replicas: Vec<String> = t.replicas_of(p.id).map(|r| r.address.clone()).collect();
-    if replicas.is_empty() {
-        return out;
-    }
-    let primary_pos = match state_at(shards, id, &p.address).await {
-        Ok(s) => Some(s.current),
-        Err(_) => None,
-    };
-    for address in replicas {
-        out.push(match state_at(shards, id, &address).await {
+    for (address, state) in replicas.into_iter().zip(replica_states) {
+        out.push(match state {
             Err(e) => down(&address, "replica", e),
             Ok(s) => replica_report(address, s, primary_pos.as_ref()),
         });
     }
     out
+}
+
+/// InnoDB's estimate of a shard's entity rows, if its primary answers in
+/// time (a dead one's pool would wait out `connect_timeout_ms`).
+async fn estimate(shards: &Shards, shard: usize) -> Option<u64> {
+    let ask = storage::entities::estimated_rows(shard, shards.pool(shard));
+    tokio::time::timeout(SERVER_ANSWER, ask).await.ok()?.ok()
 }
 
 fn down(address: &str, role: &'static str, error: String) -> ServerReport {
@@ -287,8 +302,7 @@ pub async fn report(shards: &Shards) -> storage::Result<ShardsReport> {
             epoch: p.epoch,
             logical: owned.len(),
             ranges: schemas::topology::format_logicals(&owned),
-            entities_estimate: storage::entities::estimated_rows(p.id as usize, shards.pool(p.id as usize))
-                .await?,
+            entities_estimate: estimate(shards, p.id as usize).await,
             servers: servers_of(shards, &t, p).await,
         });
     }

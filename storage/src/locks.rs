@@ -11,26 +11,45 @@ use crate::topology::META_SHARD;
 
 /// "The relay of this database".
 const RELAY_LOCK: &str = "CONCAT('bagstore.relay.', DATABASE())";
+/// "The failover coordinator", on the shard whose lock elects it.
+const FAILOVER_LOCK: &str = "CONCAT('bagstore.failover.', DATABASE())";
+/// "The mover of this cluster", on the metadata shard.
+const MOVER_LOCK: &str = "CONCAT('bagstore.mover.', DATABASE())";
+/// "The backfiller of index ?", on the metadata shard.
+const BACKFILL_LOCK: &str = "CONCAT('bagstore.backfill.', DATABASE(), '.', ?)";
 
-/// Tries to become the shard's relay leader; the lock lives as long as `conn`.
-pub async fn try_relay_lock(shard: usize, conn: &mut MySqlConnection) -> Result<bool> {
-    let row =
-        sqlx::query(&format!("SELECT GET_LOCK({RELAY_LOCK}, 0) AS got")).fetch_one(conn).await.on(shard)?;
+/// `GET_LOCK` of the lock `name` (an SQL expression, with `bind` for its
+/// `?` if it has one) without waiting: whether `conn` got it.
+async fn get_lock(shard: usize, conn: &mut MySqlConnection, name: &str, bind: Option<&str>) -> Result<bool> {
+    let sql = format!("SELECT GET_LOCK({name}, 0) AS got");
+    let row = match bind {
+        Some(v) => sqlx::query(&sql).bind(v).fetch_one(conn).await,
+        None => sqlx::query(&sql).fetch_one(conn).await,
+    }
+    .on(shard)?;
     Ok(row.try_get::<Option<i64>, _>("got").on(shard)? == Some(1))
 }
 
-/// Whether `conn` still holds the relay lock (false if it was killed and
-/// someone else took over).
-pub async fn holds_relay_lock(shard: usize, conn: &mut MySqlConnection) -> Result<bool> {
-    let row = sqlx::query(&format!("SELECT IS_USED_LOCK({RELAY_LOCK}) = CONNECTION_ID() AS mine"))
+/// Whether `conn` holds the lock `name` (false if its session was killed
+/// and someone else took the lock since).
+async fn holds_lock(shard: usize, conn: &mut MySqlConnection, name: &str) -> Result<bool> {
+    let row = sqlx::query(&format!("SELECT IS_USED_LOCK({name}) = CONNECTION_ID() AS mine"))
         .fetch_one(conn)
         .await
         .on(shard)?;
     Ok(row.try_get::<Option<i64>, _>("mine").on(shard)? == Some(1))
 }
 
-/// "The failover coordinator", on the shard whose lock elects it.
-const FAILOVER_LOCK: &str = "CONCAT('bagstore.failover.', DATABASE())";
+/// Tries to become the shard's relay leader; the lock lives as long as `conn`.
+pub async fn try_relay_lock(shard: usize, conn: &mut MySqlConnection) -> Result<bool> {
+    get_lock(shard, conn, RELAY_LOCK, None).await
+}
+
+/// Whether `conn` still holds the relay lock (false if it was killed and
+/// someone else took over).
+pub async fn holds_relay_lock(shard: usize, conn: &mut MySqlConnection) -> Result<bool> {
+    holds_lock(shard, conn, RELAY_LOCK).await
+}
 
 /// Makes `conn` (on `shard`) the one failover coordinator of the shards
 /// this lock's shard elects for, if no one else is. Held already: true.
@@ -38,31 +57,18 @@ pub async fn try_failover_lock(shard: usize, conn: &mut MySqlConnection) -> Resu
     if holds_failover_lock(shard, conn).await? {
         return Ok(true);
     }
-    let row = sqlx::query(&format!("SELECT GET_LOCK({FAILOVER_LOCK}, 0) AS got"))
-        .fetch_one(conn)
-        .await
-        .on(shard)?;
-    Ok(row.try_get::<Option<i64>, _>("got").on(shard)? == Some(1))
+    get_lock(shard, conn, FAILOVER_LOCK, None).await
 }
 
 /// Whether `conn` holds the failover lock of its shard.
 pub async fn holds_failover_lock(shard: usize, conn: &mut MySqlConnection) -> Result<bool> {
-    let row = sqlx::query(&format!("SELECT IS_USED_LOCK({FAILOVER_LOCK}) = CONNECTION_ID() AS mine"))
-        .fetch_one(conn)
-        .await
-        .on(shard)?;
-    Ok(row.try_get::<Option<i64>, _>("mine").on(shard)? == Some(1))
+    holds_lock(shard, conn, FAILOVER_LOCK).await
 }
 
 /// Makes `conn` (on the metadata shard) the one backfiller of index
 /// `table`, if no one else is.
 pub async fn try_backfill_lock(conn: &mut MySqlConnection, table: &str) -> Result<bool> {
-    let row = sqlx::query("SELECT GET_LOCK(CONCAT('bagstore.backfill.', DATABASE(), '.', ?), 0) AS got")
-        .bind(table)
-        .fetch_one(conn)
-        .await
-        .on(META_SHARD)?;
-    Ok(row.try_get::<Option<i64>, _>("got").on(META_SHARD)? == Some(1))
+    get_lock(META_SHARD, conn, BACKFILL_LOCK, Some(table)).await
 }
 
 /// A named lock held by a connection of its own: held until dropped.
@@ -75,10 +81,6 @@ pub struct HeldLock {
 /// is: `None` when another process holds the lock.
 pub async fn take_mover_lock(meta: &schemas::settings::Dsn) -> Result<Option<HeldLock>> {
     let mut conn = crate::dsn::dedicated_connection(meta).await.on(META_SHARD)?;
-    let row = sqlx::query("SELECT GET_LOCK(CONCAT('bagstore.mover.', DATABASE()), 0) AS got")
-        .fetch_one(&mut conn)
-        .await
-        .on(META_SHARD)?;
-    let got = row.try_get::<Option<i64>, _>("got").on(META_SHARD)? == Some(1);
+    let got = get_lock(META_SHARD, &mut conn, MOVER_LOCK, None).await?;
     Ok(got.then_some(HeldLock { _conn: conn }))
 }

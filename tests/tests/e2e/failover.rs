@@ -10,6 +10,8 @@ use devstack::replication;
 use serde_json::Value;
 use std::time::{Duration, Instant};
 
+use bagstore_tests::replicated::two_shards;
+
 use crate::replication::{all_read_back, start, start_on, SteadyWriter, ADMIN_ENV};
 
 /// The coordinator's settings in these tests: the admin and replication
@@ -61,17 +63,10 @@ fn sample(metrics: &str, prefix: &str) -> Option<f64> {
 async fn the_coordinator_fails_a_dead_primary_over_and_takes_it_back_as_a_replica() {
     let mut env = TestEnv::new("autofailover", "").await;
     let dir = env.dir.path().to_path_buf();
-    let (a, b) = (start(&dir.join("a"), 1, false).await, start(&dir.join("b"), 2, false).await);
-    let c = start(&dir.join("c"), 3, true).await;
-    for s in [&a, &b, &c] {
-        replication::create_accounts(s).await.expect("accounts");
-    }
+    // s0 on m0; s1 on m1 and its replica m2 (server ids 1, 2, 3).
+    let mut members = two_shards(&mut env, 1).await.into_iter();
+    let (a, b, c) = (members.next().unwrap(), members.next().unwrap(), members.next().unwrap());
     let db = |i: usize| format!("{}_s{i}", env.name);
-    env.dsns = vec![replication::service_dsn(&a, &db(0)), replication::service_dsn(&b, &db(1))];
-    env.migrate().await;
-    let add = env.args(&["shards", "replicas", "add", "s1", &replication::service_dsn(&c, &db(1))]);
-    let (ok, out, err) = env.run(&add, &ADMIN_ENV).await;
-    assert!(ok, "replicas add: {out}{err}");
     let cleaner = env.spawn_env(&["cleaner"], &coordinator_env()).await;
     let writer = env.spawn(&["writer"]).await;
     let client = SteadyWriter::start(writer.api());
@@ -90,7 +85,7 @@ async fn the_coordinator_fails_a_dead_primary_over_and_takes_it_back_as_a_replic
     // s0's writes go on meanwhile.
     client.more(20).await;
 
-    let revived = start_on(&dir.join("b"), 2, true, Some(b_port)).await;
+    let revived = start_on(&dir.join("m1"), 2, true, Some(b_port)).await;
     eventually("the coordinator to take the dead server back", Duration::from_secs(60), || async {
         let doc = shard(&env, "s1").await;
         servers(&doc).contains(&(address(b_port), "replica".into(), "online".into())).then_some(())
@@ -209,22 +204,11 @@ async fn a_write_no_replica_acknowledged_is_never_acknowledged_published_or_kept
     use storage::write::{self, Change, Item, Precondition, Rules, WriteContext};
     let mut env = TestEnv::new("unacked", "").await;
     let dir = env.dir.path().to_path_buf();
-    let (a, b) = (start(&dir.join("a"), 1, false).await, start(&dir.join("b"), 2, false).await);
-    let c = start(&dir.join("c"), 3, true).await;
-    for s in [&a, &b, &c] {
-        replication::create_accounts(s).await.expect("accounts");
-    }
+    // s0 on m0; s1 on m1 and its replica m2 (server ids 1, 2, 3).
+    let mut members = two_shards(&mut env, 1).await.into_iter();
+    let (a, b, c) = (members.next().unwrap(), members.next().unwrap(), members.next().unwrap());
     let db = |i: usize| format!("{}_s{i}", env.name);
-    env.dsns = vec![replication::service_dsn(&a, &db(0)), replication::service_dsn(&b, &db(1))];
-    env.migrate().await;
     let b_dsn = replication::service_dsn(&b, &db(1));
-    let (ok, out, err) = env
-        .run(
-            &env.args(&["shards", "replicas", "add", "s1", &replication::service_dsn(&c, &db(1))]),
-            &ADMIN_ENV,
-        )
-        .await;
-    assert!(ok, "replicas add: {out}{err}");
     let writer = env.spawn(&["writer"]).await;
 
     let toml = std::fs::read_to_string(env.config_path()).unwrap();
@@ -269,7 +253,7 @@ async fn a_write_no_replica_acknowledged_is_never_acknowledged_published_or_kept
     let mut service_c = crate::replication::connect(&replication::service_dsn(&c, &db(1))).await;
     assert_eq!(count(&mut service_c, held).await, 0, "the promoted replica holds the unacknowledged write");
 
-    let revived = start_on(&dir.join("b"), 2, true, Some(b_port)).await;
+    let revived = start_on(&dir.join("m1"), 2, true, Some(b_port)).await;
     let (ok, out, err) = env.run(&env.args(&["shards", "replicas", "add", "s1", &b_dsn]), &ADMIN_ENV).await;
     assert!(ok && out.contains("rejoined"), "the old primary's rejoin: {out}{err}");
     let mut service_b = crate::replication::connect(&b_dsn).await;
@@ -325,19 +309,11 @@ async fn count(conn: &mut sqlx::MySqlConnection, id: schemas::EntityId) -> i64 {
 async fn a_frozen_primary_never_acknowledges_after_its_failover_and_rejoins_clean() {
     let mut env = TestEnv::new("stalefailover", "").await;
     let dir = env.dir.path().to_path_buf();
-    let (a, b) = (start(&dir.join("a"), 1, false).await, start(&dir.join("b"), 2, false).await);
-    let (c, d) = (start(&dir.join("c"), 3, true).await, start(&dir.join("d"), 4, true).await);
-    for s in [&a, &b, &c, &d] {
-        replication::create_accounts(s).await.expect("accounts");
-    }
+    // s0 on m0; s1 on m1 and its replicas m2 and m3 (server ids 1 to 4).
+    let mut members = two_shards(&mut env, 2).await.into_iter();
+    let (a, b) = (members.next().unwrap(), members.next().unwrap());
+    let (c, d) = (members.next().unwrap(), members.next().unwrap());
     let db = |i: usize| format!("{}_s{i}", env.name);
-    env.dsns = vec![replication::service_dsn(&a, &db(0)), replication::service_dsn(&b, &db(1))];
-    env.migrate().await;
-    for replica in [&c, &d] {
-        let add = env.args(&["shards", "replicas", "add", "s1", &replication::service_dsn(replica, &db(1))]);
-        let (ok, out, err) = env.run(&add, &ADMIN_ENV).await;
-        assert!(ok, "replicas add: {out}{err}");
-    }
     let cleaner = env.spawn_env(&["cleaner"], &coordinator_env()).await;
     let writer = env.spawn_env(&["writer"], &[("BAGSTORE_WRITER__COMMIT_TIMEOUT_MS", "2000")]).await;
     let client = SteadyWriter::start(writer.api());
@@ -414,7 +390,7 @@ async fn a_frozen_primary_never_acknowledges_after_its_failover_and_rejoins_clea
 
     // Killed and restarted as a replica, it discards its tail and rejoins.
     kill_9(b);
-    let revived = start_on(&dir.join("b"), 2, true, Some(b_port)).await;
+    let revived = start_on(&dir.join("m1"), 2, true, Some(b_port)).await;
     eventually("the coordinator to take the old primary back", Duration::from_secs(60), || async {
         let doc = shard(&env, "s1").await;
         let back = servers(&doc).contains(&(address(b_port), "replica".into(), "online".into()));

@@ -476,22 +476,15 @@ async fn a_failover_promotes_the_replica_and_the_dead_primary_rejoins_as_a_repli
     use serde_json::Value;
     let mut env = TestEnv::new("failover", "").await;
     let dir = env.dir.path().to_path_buf();
-    let (a, b) = (start(&dir.join("a"), 1, false).await, start(&dir.join("b"), 2, false).await);
-    let c = start(&dir.join("c"), 3, true).await;
-    for s in [&a, &b, &c] {
-        replication::create_accounts(s).await.expect("accounts");
-    }
+    // s0 on m0; s1 on m1 and its replica m2 (server ids 1, 2, 3).
+    let mut members = bagstore_tests::replicated::two_shards(&mut env, 1).await.into_iter();
+    let (a, b, c) = (members.next().unwrap(), members.next().unwrap(), members.next().unwrap());
     let db = |i: usize| format!("{}_s{i}", env.name);
-    env.dsns = vec![replication::service_dsn(&a, &db(0)), replication::service_dsn(&b, &db(1))];
-    env.migrate().await;
     let admin = ADMIN_ENV;
     let run = |args: &[&str]| {
         let (env, args) = (&env, env.args(args));
         async move { env.run(&args, &admin).await }
     };
-    let (ok, out, err) =
-        run(&["shards", "replicas", "add", "s1", &replication::service_dsn(&c, &db(1))]).await;
-    assert!(ok, "replicas add: {out}{err}");
     let (ok, _, err) = run(&["shards", "failover", "s1"]).await;
     assert!(!ok && err.contains("use `bagstore shards switchover`"), "{err}");
 
@@ -507,7 +500,7 @@ async fn a_failover_promotes_the_replica_and_the_dead_primary_rejoins_as_a_repli
     // s0's writes go on; s1's are refused until a replica acknowledges.
     client.more(20).await;
 
-    let revived = start(&dir.join("b"), 2, true).await;
+    let revived = start(&dir.join("m1"), 2, true).await;
     let old_dsn = replication::service_dsn(&revived, &db(1));
     let (ok, out, err) = run(&["shards", "replicas", "add", "s1", &old_dsn]).await;
     assert!(ok, "the old primary's rejoin: {out}{err}");
