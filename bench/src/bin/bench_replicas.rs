@@ -16,7 +16,8 @@
 //! on core 0 and everything else on the other cores, so a server's CPU
 //! figures are its own. Phases: single puts, then batch puts, each with C
 //! clients for S seconds: entities per second, latency, and the CPU seconds
-//! per 1000 entities of the primaries and of the replicas apart. With the
+//! per 1000 entities of the primaries and of the replicas apart, and of
+//! each server. With the
 //! replica: point gets and a query (the latest 20 of a user) through a
 //! reader that reads the primaries and one that reads the replicas
 //! (`reader.read_from`), p50 and p99 side by side.
@@ -120,16 +121,14 @@ async fn cluster_run(o: Options, replicas: u32) -> anyhow::Result<Vec<String>> {
     let mut rows = Vec::new();
     let api = writer.api();
     for batch in [1, o.batch] {
-        let before = servers.cpu();
+        let before = servers.ticks();
         let (n, lat) = load(&api, o, batch, ids.clone()).await;
         let cpu = servers.since(&before, n);
         let what = if batch == 1 { "single puts".to_string() } else { format!("batch puts of {batch}") };
         rows.push(format!(
-            "| {replicas} | {what} | {:.0} entities/s | {} | primaries {:.3}, replicas {} |",
+            "| {replicas} | {what} | {:.0} entities/s | {} | {cpu} |",
             n as f64 / o.secs as f64,
             quantiles(lat),
-            cpu.0,
-            if replicas == 0 { "-".to_string() } else { format!("{:.3}", cpu.1) },
         ));
         eprintln!("bench_replicas: {}", rows.last().expect("pushed"));
     }
@@ -281,20 +280,35 @@ fn quantiles(mut lat: Vec<f64>) -> String {
     format!("{:.2} / {:.2} ms", at(0.5), at(0.99))
 }
 
-/// The cluster's servers: primaries (each shard's first member) and
-/// replicas apart.
+/// The cluster's servers, each with its name (`s0 primary`, `s1
+/// replica`): a shard's first member is its primary here (no failover
+/// runs).
 struct Servers {
-    primaries: Vec<u32>,
-    replicas: Vec<u32>,
+    all: Vec<(String, u32)>,
+}
+
+/// CPU seconds per 1000 entities: the primaries', the replicas' (sums),
+/// and each server's.
+struct Cpu {
+    primaries: f64,
+    replicas: f64,
+    each: Vec<(String, f64)>,
 }
 
 impl Servers {
     fn of(cluster: &Cluster) -> Servers {
         let pid = |m: &bagstore_tests::replicated::Member| m.server.as_ref().expect("running").pid();
-        Servers {
-            primaries: cluster.shards.iter().map(|s| pid(&s[0])).collect(),
-            replicas: cluster.shards.iter().flat_map(|s| s[1..].iter().map(pid)).collect(),
-        }
+        let all = cluster
+            .shards
+            .iter()
+            .enumerate()
+            .flat_map(|(i, members)| {
+                members.iter().enumerate().map(move |(m, member)| {
+                    (format!("s{i} {}", if m == 0 { "primary" } else { "replica" }), pid(member))
+                })
+            })
+            .collect();
+        Servers { all }
     }
 
     /// The servers on core 0, `procs` and this process on the others.
@@ -302,7 +316,7 @@ impl Servers {
         if cpu::online_cores() < 2 {
             return Ok(());
         }
-        for pid in self.primaries.iter().chain(&self.replicas) {
+        for (_, pid) in &self.all {
             cpu::pin(*pid, "0")?;
         }
         let rest = cpu::off_server_cores();
@@ -312,16 +326,33 @@ impl Servers {
         Ok(())
     }
 
-    /// CPU ticks so far: the primaries', the replicas'.
-    fn cpu(&self) -> (u64, u64) {
-        let sum = |pids: &[u32]| pids.iter().filter_map(|p| cpu::cpu_ticks(*p)).sum();
-        (sum(&self.primaries), sum(&self.replicas))
+    /// Each server's CPU ticks so far.
+    fn ticks(&self) -> Vec<u64> {
+        self.all.iter().map(|(_, pid)| cpu::cpu_ticks(*pid).unwrap_or(0)).collect()
     }
 
     /// CPU seconds per 1000 entities since `before`, of `n` entities.
-    fn since(&self, before: &(u64, u64), n: u64) -> (f64, f64) {
-        let now = self.cpu();
-        let per_k = |a: u64, b: u64| (a.saturating_sub(b)) as f64 / 100.0 / n.max(1) as f64 * 1000.0;
-        (per_k(now.0, before.0), per_k(now.1, before.1))
+    fn since(&self, before: &[u64], n: u64) -> Cpu {
+        let each: Vec<(String, f64)> = self
+            .all
+            .iter()
+            .zip(self.ticks().into_iter().zip(before))
+            .map(|((name, _), (now, then))| {
+                (name.clone(), now.saturating_sub(*then) as f64 / 100.0 / n.max(1) as f64 * 1000.0)
+            })
+            .collect();
+        let sum = |role: &str| each.iter().filter(|(name, _)| name.ends_with(role)).map(|(_, c)| c).sum();
+        Cpu { primaries: sum("primary"), replicas: sum("replica"), each }
+    }
+}
+
+impl std::fmt::Display for Cpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "primaries {:.3}", self.primaries)?;
+        if self.each.iter().any(|(name, _)| name.ends_with("replica")) {
+            write!(f, ", replicas {:.3}", self.replicas)?;
+        }
+        let each: Vec<String> = self.each.iter().map(|(name, c)| format!("{name} {c:.3}")).collect();
+        write!(f, " ({})", each.join(", "))
     }
 }
