@@ -446,40 +446,6 @@ impl Shards {
         &self.slot(shard).pool
     }
 
-    /// How many times physical shard `shard` moved to another server in
-    /// this process (a failover or a switchover each): work tied to the
-    /// server it was on can tell that it no longer is.
-    pub fn generation(&self, shard: usize) -> usize {
-        self.inner.slots[shard].get().map_or(0, Slot::generation)
-    }
-
-    /// Returns once physical shard `shard` is no longer on the server of
-    /// `generation` (looked at every 200 ms). Work stuck on a server the
-    /// shard left — a frozen or cut-off old primary answers nothing, a
-    /// commit there waits for an acknowledgement nobody gives — races this
-    /// to let go of it.
-    pub async fn moved(&self, shard: usize, generation: usize) {
-        while self.generation(shard) == generation {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
-
-    /// Runs `work` on physical shard `shard`'s current server, and gives
-    /// it up should the shard move to another server first: it then fails
-    /// as its closed pool would (transient: run again, it goes to the new
-    /// server).
-    pub async fn unless_moved<T>(
-        &self,
-        shard: usize,
-        work: impl std::future::Future<Output = Result<T>>,
-    ) -> Result<T> {
-        let generation = self.generation(shard);
-        tokio::select! {
-            done = work => done,
-            _ = self.moved(shard, generation) => Err(StoreError::Shard { shard, source: sqlx::Error::PoolClosed }),
-        }
-    }
-
     /// Physical shard `shard`'s replicas, as the map last loaded lists
     /// them (empty when it has none).
     pub fn replicas(&self, shard: usize) -> Arc<[Arc<Replica>]> {
