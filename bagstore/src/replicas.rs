@@ -25,10 +25,12 @@ use std::process::Stdio;
 use std::time::Duration;
 use storage::dsn::{address_of, place_of, split_database, ServerConnection as MySqlConnection};
 use storage::replication::{self, check_server, server_state, Role};
-use storage::{topology, Shards};
+use storage::{locks, topology, Shards};
 
 /// How long `replicas add` waits for a new replica to catch up.
 const CATCH_UP: Duration = Duration::from_secs(600);
+/// How long it waits for a change of the shard's primary under way.
+const SWITCHOVER_WAIT: Duration = Duration::from_secs(90);
 
 /// `shards replicas add SHARD DSN`.
 pub async fn add(settings: Settings, shard: &str, dsn: Dsn) -> anyhow::Result<()> {
@@ -73,6 +75,14 @@ pub(crate) async fn add_to(
     let mut r_service = connect(&server, "the replica").await?;
     let mut p_admin = connect(&admin(settings, &primary), "the primary as mysql.admin_user").await?;
     let mut r_admin = connect(&admin(settings, &server), "the replica as mysql.admin_user").await?;
+    // Held until `p_admin` goes: a switchover under way keeps the primary
+    // read-only, and this may open a read-only primary below.
+    ensure!(
+        locks::take_switchover_lock(id, &mut p_admin, SWITCHOVER_WAIT).await?,
+        "shard {name} has been changing primaries (a switchover, or the failover coordinator) for {} s: \
+         try again later",
+        SWITCHOVER_WAIT.as_secs()
+    );
     refuse_unless_ready(id, &mut p_service, Role::Primary, "the primary").await?;
     // Everything a replica needs but `read_only`, which is set below: a
     // server found wanting is refused before anything on it changes.

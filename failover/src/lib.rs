@@ -9,6 +9,8 @@
 //!   coordinator).
 //! - [`rejoin`]: a server listed as a replica taken back once it answers
 //!   (never one holding a transaction the primary lacks).
+//! - [`settle`]: a primary restarted read-only before its failover was
+//!   due, opened again or replaced.
 //! - [`watch`]: the coordinator every cleaner runs (`mysql.failover =
 //!   "auto"`), its election, and when it acts.
 //! - [`servers`]: reaching a shard's servers as the admin account.
@@ -25,6 +27,7 @@ pub mod metrics;
 pub mod promote;
 pub mod rejoin;
 pub mod servers;
+pub mod settle;
 pub mod switchover;
 pub mod watch;
 

@@ -5,7 +5,9 @@ use prometheus::{GaugeVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 #[derive(Debug, Clone)]
 pub struct FailoverMetrics {
     /// Failovers this process ran, by shard and reason
-    /// (`primary_unreachable`).
+    /// (`primary_unreachable`; `primary_read_only`: a primary restarted
+    /// before its failover, a replica holding more than it, see the
+    /// `settle` module).
     pub failovers: IntCounterVec,
     /// The last failover's write unavailability by shard: from the first
     /// probe the primary did not answer to the new primary taking writes.
@@ -31,7 +33,9 @@ impl FailoverMetrics {
     /// Makes shard `shard`'s series exist (at 0 where nothing happened
     /// yet), so a dashboard and alerts see every shard from the start.
     pub fn zero(&self, shard: &str) {
-        self.failovers.with_label_values(&[shard, "primary_unreachable"]).inc_by(0);
+        for reason in ["primary_unreachable", "primary_read_only"] {
+            self.failovers.with_label_values(&[shard, reason]).inc_by(0);
+        }
         for outcome in ["ok", "refused"] {
             self.rejoins.with_label_values(&[shard, outcome]).inc_by(0);
         }

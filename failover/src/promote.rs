@@ -64,14 +64,33 @@ pub async fn fail_over(
     accept_async: bool,
 ) -> anyhow::Result<Promoted> {
     let id = p.id as usize;
-    let t = shards.topology();
-    ensure!(t.replicas_of(p.id).next().is_some(), "shard {} has no replica to fail over to", p.name);
+    ensure!(
+        shards.topology().replicas_of(p.id).next().is_some(),
+        "shard {} has no replica to fail over to",
+        p.name
+    );
     if tokio::time::timeout(PRIMARY_ANSWER, reach(shards, settings, id, &p.address))
         .await
         .is_ok_and(|r| r.is_ok())
     {
         bail!("the primary of shard {} ({}) answers: use `bagstore shards switchover`", p.name, p.address);
     }
+    replace(shards, settings, p, to, accept_async).await
+}
+
+/// Replaces physical shard `p`'s primary, which takes no write (it does
+/// not answer, or answers read-only and is held by the caller's
+/// switchover lock), with its most advanced replica (or `to`): steps 1
+/// to 5 of the module docs.
+pub(crate) async fn replace(
+    shards: &Shards,
+    settings: &Settings,
+    p: &PhysicalShard,
+    to: Option<&str>,
+    accept_async: bool,
+) -> anyhow::Result<Promoted> {
+    let id = p.id as usize;
+    let t = shards.topology();
     let mut replicas = Vec::new();
     for r in t.replicas_of(p.id) {
         let server = reach(shards, settings, id, &r.address).await.with_context(|| {

@@ -2,7 +2,10 @@
 //! acknowledged write is lost and none is taken twice:
 //!
 //! 1. the old primary is fenced: `read_only` (its commits in flight end
-//!    first; the services' account cannot write there after it);
+//!    first; the services' account cannot write there after it), under
+//!    the shard's switchover lock (`storage::locks`), held until the end:
+//!    the failover coordinator takes no server back and opens no
+//!    read-only primary of the shard meanwhile (see the `settle` module);
 //! 2. the new primary is given until [`CATCH_UP`] to hold everything the
 //!    old one has (`MASTER_GTID_WAIT`); if it cannot, the fence is lifted
 //!    and nothing else has changed;
@@ -23,13 +26,16 @@ use schemas::Settings;
 use std::time::{Duration, Instant};
 use storage::dsn::place_of;
 use storage::replication::{self, server_state};
-use storage::Shards;
+use storage::{locks, Shards};
 
 use crate::promote::{raise_epoch, record, wait_for_acknowledger};
 use crate::servers::{reach, source};
 
 /// How long the new primary may take to hold everything the old one has.
 const CATCH_UP: Duration = Duration::from_secs(30);
+/// How long a switchover waits for the coordinator to finish what it is
+/// doing on the shard (taking a replica back catches it up first).
+const COORDINATOR_WAIT: Duration = Duration::from_secs(90);
 
 /// What a switchover did: the old and new primary, and how long writes to
 /// the shard were refused.
@@ -66,6 +72,13 @@ pub async fn switch_over(
         None => (0..replicas.len()).min_by_key(|&i| replicas[i].current.behind(&old.current)).unwrap_or(0),
     };
     let mut new = replicas.remove(pick);
+    // Held by `old.conn` until it is dropped, when this returns.
+    ensure!(
+        locks::take_switchover_lock(id, &mut old.conn, COORDINATOR_WAIT).await?,
+        "the failover coordinator has been changing shard {}'s servers for {} s: try again later",
+        p.name,
+        COORDINATOR_WAIT.as_secs()
+    );
     let started = Instant::now();
     replication::set_read_only(id, &mut old.conn, true).await?;
     let fenced = server_state(id, &mut old.conn).await?.current;

@@ -1,8 +1,12 @@
 //! The coordinator: every cleaner runs one (`mysql.failover = "auto"`, the
 //! default); the one elected for a shard fails it over when its primary
-//! has not answered for `mysql.failover_after_ms`, and takes back, as
-//! replicas, listed servers that answer again without replicating (a dead
-//! primary restarted), opening a primary a failover left alone.
+//! has not answered for `mysql.failover_after_ms`, settles a primary that
+//! answers read-only that long (restarted before its failover was due,
+//! see the `settle` module), and takes back, as replicas, listed servers
+//! that answer again without replicating (a dead primary restarted),
+//! opening a primary a failover left alone. It takes a server back only
+//! under the shard's switchover lock, which a switchover holds while the
+//! primary is read-only.
 //!
 //! **Election.** A coordinator acts on a shard only while it holds the
 //! failover lock (a MySQL named lock, `storage::locks`) of another shard:
@@ -30,8 +34,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::metrics::FailoverMetrics;
 use crate::promote::fail_over;
+use crate::promote::Promoted;
 use crate::rejoin::{rejoin, Rejoin};
 use crate::servers::{reach, source};
+use crate::settle::{hold, settle, Settled};
 
 /// How long one probe of a server may take: a frozen server accepts a
 /// connection and never answers.
@@ -62,6 +68,7 @@ pub async fn watch(settings: Settings, shards: Shards, metrics: FailoverMetrics,
         shards,
         metrics,
         down_since: HashMap::new(),
+        read_only_since: HashMap::new(),
         alone_since: HashMap::new(),
         retry_at: HashMap::new(),
         look_at: HashMap::new(),
@@ -83,6 +90,9 @@ struct Coordinator {
     after: Duration,
     /// Shards whose primary has not answered since.
     down_since: HashMap<u32, Instant>,
+    /// Shards whose primary has answered read-only since (or has not
+    /// answered, then answered read-only).
+    read_only_since: HashMap<u32, Instant>,
     /// Shards a failover left with a read-only primary, since their
     /// primary stopped answering: the unavailability runs until a rejoin
     /// opens it.
@@ -104,19 +114,39 @@ impl Coordinator {
                 up.push(p); // Nothing to fail over to; its state is still shown.
                 continue;
             }
-            if self.answers(&p.address).await {
-                if self.down_since.remove(&p.id).is_some() {
-                    tracing::info!(shard = %p.name, primary = %p.address, "the primary answers again");
-                }
-                self.metrics.blocked.with_label_values(&[&p.name]).set(0);
-                up.push(p);
-                continue;
-            }
-            self.metrics.server(&p.name, &storage::dsn::place_of(&p.address), "primary", false);
-            let since = *self.down_since.entry(p.id).or_insert_with(Instant::now);
             let due = self.retry_at.get(&p.id).is_none_or(|at| Instant::now() >= *at);
-            if since.elapsed() >= self.after && due {
-                self.fail_over(&t, p, since).await;
+            match self.probe(&p.address).await {
+                Probe::Writable => {
+                    let was_down = self.down_since.remove(&p.id).is_some();
+                    if self.read_only_since.remove(&p.id).is_some() || was_down {
+                        tracing::info!(shard = %p.name, primary = %p.address, "the primary takes writes again");
+                    }
+                    self.metrics.blocked.with_label_values(&[&p.name]).set(0);
+                    up.push(p);
+                }
+                Probe::ReadOnly => {
+                    // Counted from when it stopped answering, if it did.
+                    let down = self.down_since.remove(&p.id);
+                    let since = *self
+                        .read_only_since
+                        .entry(p.id)
+                        .or_insert_with(|| down.unwrap_or_else(Instant::now));
+                    if since.elapsed() >= self.after && due {
+                        self.settle(&t, p, since).await;
+                    }
+                    up.push(p);
+                }
+                Probe::Silent => {
+                    self.metrics.server(&p.name, &storage::dsn::place_of(&p.address), "primary", false);
+                    let read_only = self.read_only_since.remove(&p.id);
+                    let since = *self
+                        .down_since
+                        .entry(p.id)
+                        .or_insert_with(|| read_only.unwrap_or_else(Instant::now));
+                    if since.elapsed() >= self.after && due {
+                        self.fail_over(&t, p, since).await;
+                    }
+                }
             }
         }
         for p in up {
@@ -124,10 +154,15 @@ impl Coordinator {
         }
     }
 
-    /// Whether the server at `address` answers a statement in time.
-    async fn answers(&self, address: &str) -> bool {
-        let Ok(dsn) = self.shards.credentials_for(address) else { return false };
-        matches!(tokio::time::timeout(PROBE_TIMEOUT, select_one(dsn)).await, Ok(true))
+    /// Whether the primary at `address` answers in time, and whether it
+    /// takes writes.
+    async fn probe(&self, address: &str) -> Probe {
+        let Ok(dsn) = self.shards.credentials_for(address) else { return Probe::Silent };
+        match tokio::time::timeout(PROBE_TIMEOUT, read_only(dsn)).await {
+            Ok(Some(false)) => Probe::Writable,
+            Ok(Some(true)) => Probe::ReadOnly,
+            _ => Probe::Silent,
+        }
     }
 
     async fn fail_over(&mut self, t: &Topology, p: &PhysicalShard, since: Instant) {
@@ -146,29 +181,77 @@ impl Coordinator {
         tracing::warn!(shard = %p.name, primary = %p.address, down_ms = since.elapsed().as_millis() as u64,
             "the primary does not answer: failing over");
         match fail_over(&self.shards, &self.settings, p, None, false).await {
-            Ok(promoted) => {
-                self.metrics.failovers.with_label_values(&[&p.name, "primary_unreachable"]).inc();
-                self.metrics.blocked.with_label_values(&[&p.name]).set(0);
-                self.down_since.remove(&p.id);
-                self.retry_at.remove(&p.id);
-                if promoted.alone {
-                    self.alone_since.insert(p.id, since);
-                } else {
-                    self.metrics.unavailable.with_label_values(&[&p.name]).set(since.elapsed().as_secs_f64());
-                }
-                tracing::warn!(shard = %p.name, old = %promoted.old, new = %promoted.new, alone = promoted.alone,
-                    took_ms = since.elapsed().as_millis() as u64, "failed over");
-                // The next round must see the new primary: a revived old
-                // one would otherwise look like the primary answering again.
-                if let Err(e) = self.shards.reload_now().await {
-                    tracing::warn!(shard = %p.name, error = %e, "the map could not be loaded after the failover");
-                }
-            }
+            Ok(promoted) => self.promoted(p, promoted, since, "primary_unreachable").await,
             Err(e) => {
                 self.metrics.blocked.with_label_values(&[&p.name]).set(1);
                 self.retry_at.insert(p.id, Instant::now() + RETRY_EVERY);
                 tracing::error!(shard = %p.name, error = format!("{e:#}"),
                     "no safe failover: the shard takes no writes until this is resolved; retrying");
+            }
+        }
+    }
+
+    /// What follows a promotion: the metrics, the log, and the map loaded
+    /// at once (the next round must see the new primary: a revived old
+    /// one would otherwise look like the primary answering again).
+    async fn promoted(&mut self, p: &PhysicalShard, promoted: Promoted, since: Instant, reason: &str) {
+        self.metrics.failovers.with_label_values(&[&p.name, reason]).inc();
+        self.metrics.blocked.with_label_values(&[&p.name]).set(0);
+        self.down_since.remove(&p.id);
+        self.read_only_since.remove(&p.id);
+        self.retry_at.remove(&p.id);
+        if promoted.alone {
+            self.alone_since.insert(p.id, since);
+        } else {
+            self.metrics.unavailable.with_label_values(&[&p.name]).set(since.elapsed().as_secs_f64());
+        }
+        tracing::warn!(shard = %p.name, old = %promoted.old, new = %promoted.new, alone = promoted.alone,
+            took_ms = since.elapsed().as_millis() as u64, reason, "failed over");
+        if let Err(e) = self.shards.reload_now().await {
+            tracing::warn!(shard = %p.name, error = %e, "the map could not be loaded after the failover");
+        }
+    }
+
+    /// Settles `p`, whose primary has answered read-only since `since`
+    /// (see the `settle` module).
+    async fn settle(&mut self, t: &Topology, p: &PhysicalShard, since: Instant) {
+        if !self.elected(t, p.id as usize).await {
+            return;
+        }
+        match settle(&self.shards, &self.settings, p).await {
+            Ok(Settled::FailedOver(promoted)) => self.promoted(p, promoted, since, "primary_read_only").await,
+            Ok(Settled::TakenBack { rejoined, refused, opened }) => {
+                for server in &rejoined {
+                    self.metrics.rejoins.with_label_values(&[&p.name, "ok"]).inc();
+                    tracing::warn!(shard = %p.name, server = %server, opened, "took a server back as a replica");
+                }
+                for why in &refused {
+                    self.metrics.rejoins.with_label_values(&[&p.name, "refused"]).inc();
+                    tracing::error!(shard = %p.name, error = %why, "a listed replica cannot rejoin");
+                }
+                if !opened {
+                    self.retry_at.insert(p.id, Instant::now() + LOOK_EVERY);
+                    return;
+                }
+                let since = self.alone_since.remove(&p.id).unwrap_or(since);
+                self.metrics.unavailable.with_label_values(&[&p.name]).set(since.elapsed().as_secs_f64());
+                self.metrics.blocked.with_label_values(&[&p.name]).set(0);
+                self.read_only_since.remove(&p.id);
+                self.retry_at.remove(&p.id);
+                tracing::warn!(shard = %p.name, primary = %p.address, took_ms = since.elapsed().as_millis() as u64,
+                    "a read-only primary holding everything its replicas hold takes writes again");
+            }
+            Ok(Settled::Writable) => {
+                self.read_only_since.remove(&p.id);
+            }
+            Ok(Settled::Switching) => {
+                self.retry_at.insert(p.id, Instant::now() + LOOK_EVERY);
+            }
+            Err(e) => {
+                self.metrics.blocked.with_label_values(&[&p.name]).set(1);
+                self.retry_at.insert(p.id, Instant::now() + RETRY_EVERY);
+                tracing::error!(shard = %p.name, error = format!("{e:#}"),
+                    "a read-only primary could not be settled: the shard takes no writes until this is resolved; retrying");
             }
         }
     }
@@ -211,8 +294,17 @@ impl Coordinator {
         }
     }
 
-    /// Takes the server at `address` back as a replica of `p`.
+    /// Takes the server at `address` back as a replica of `p`, under the
+    /// shard's switchover lock (none while a switchover holds it).
     async fn rejoin(&mut self, p: &PhysicalShard, address: &str) {
+        let _held = match hold(&self.shards, &self.settings, p).await {
+            Ok(Some(held)) => held,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::debug!(shard = %p.name, error = format!("{e:#}"), "the switchover lock was not taken");
+                return;
+            }
+        };
         match rejoin(&self.shards, &self.settings, p, address).await {
             Ok(Rejoin::Replicating) => {}
             Ok(Rejoin::Rejoined { opened }) => {
@@ -265,10 +357,21 @@ impl Coordinator {
     }
 }
 
-/// Whether the server behind `dsn` answers `SELECT 1`.
-async fn select_one(dsn: schemas::settings::Dsn) -> bool {
-    let Ok(mut conn) = dedicated_connection(&dsn).await else { return false };
-    sqlx::query("SELECT 1").execute(&mut conn).await.is_ok()
+/// What a probe of a primary found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Probe {
+    Silent,
+    Writable,
+    ReadOnly,
+}
+
+/// Whether the server behind `dsn` is read-only; `None` when it does not
+/// answer.
+async fn read_only(dsn: schemas::settings::Dsn) -> Option<bool> {
+    let mut conn = dedicated_connection(&dsn).await.ok()?;
+    let on: String =
+        sqlx::query_scalar("SELECT CAST(@@read_only AS CHAR)").fetch_one(&mut conn).await.ok()?;
+    Some(matches!(on.trim(), "1" | "ON" | "on"))
 }
 
 /// The replication state of the server at `address`, if it answers.

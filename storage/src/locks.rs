@@ -5,6 +5,7 @@
 //! share one server).
 
 use sqlx::{MySqlConnection, Row};
+use std::time::Duration;
 
 use crate::error::{OnShard, Result};
 use crate::topology::META_SHARD;
@@ -17,11 +18,27 @@ const FAILOVER_LOCK: &str = "CONCAT('bagstore.failover.', DATABASE())";
 const MOVER_LOCK: &str = "CONCAT('bagstore.mover.', DATABASE())";
 /// "The backfiller of index ?", on the metadata shard.
 const BACKFILL_LOCK: &str = "CONCAT('bagstore.backfill.', DATABASE(), '.', ?)";
+/// "A change of this shard's primary under way", on its primary: held by
+/// a switchover while the primary is read-only, and by the failover
+/// coordinator while it takes a server back or settles a read-only
+/// primary, so neither acts on the other's half-done change.
+const SWITCHOVER_LOCK: &str = "CONCAT('bagstore.switchover.', DATABASE())";
 
 /// `GET_LOCK` of the lock `name` (an SQL expression, with `bind` for its
 /// `?` if it has one) without waiting: whether `conn` got it.
 async fn get_lock(shard: usize, conn: &mut MySqlConnection, name: &str, bind: Option<&str>) -> Result<bool> {
-    let sql = format!("SELECT GET_LOCK({name}, 0) AS got");
+    get_lock_within(shard, conn, name, bind, Duration::ZERO).await
+}
+
+/// [`get_lock`], waiting up to `wait` for the holder to let go.
+async fn get_lock_within(
+    shard: usize,
+    conn: &mut MySqlConnection,
+    name: &str,
+    bind: Option<&str>,
+    wait: Duration,
+) -> Result<bool> {
+    let sql = format!("SELECT GET_LOCK({name}, {}) AS got", wait.as_secs());
     let row = match bind {
         Some(v) => sqlx::query(&sql).bind(v).fetch_one(conn).await,
         None => sqlx::query(&sql).fetch_one(conn).await,
@@ -69,6 +86,13 @@ pub async fn holds_failover_lock(shard: usize, conn: &mut MySqlConnection) -> Re
 /// `table`, if no one else is.
 pub async fn try_backfill_lock(conn: &mut MySqlConnection, table: &str) -> Result<bool> {
     get_lock(META_SHARD, conn, BACKFILL_LOCK, Some(table)).await
+}
+
+/// Takes the switchover lock of the shard whose primary `conn` is on,
+/// waiting up to `wait`: whether `conn` got it. Released with the
+/// connection.
+pub async fn take_switchover_lock(shard: usize, conn: &mut MySqlConnection, wait: Duration) -> Result<bool> {
+    get_lock_within(shard, conn, SWITCHOVER_LOCK, None, wait).await
 }
 
 /// A named lock held by a connection of its own: held until dropped.

@@ -131,6 +131,104 @@ async fn the_coordinator_fails_a_dead_primary_over_and_takes_it_back_as_a_replic
     }
 }
 
+/// A primary killed with `kill -9` and restarted (read-only, as a replica
+/// restarts) before its failover is due, twice. The first time, with no
+/// write in flight at the kill, it holds everything its replica holds: the
+/// coordinator opens it again (no failover) once the replica acknowledges
+/// from it. The second time its replica holds a transaction it lacks (as
+/// when its recovery discarded a tail the replica had received; made here
+/// by a statement on the replica): the coordinator fails over to the
+/// replica and takes the old primary back. Each time writes resume without
+/// an operator; at the end a switchover run while the coordinator watches
+/// completes, and every acknowledged write reads back. Without the
+/// settling, the shard refuses writes for good after the first restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_restarted_before_its_failover_is_opened_or_replaced() {
+    let mut env = TestEnv::new("revived", "").await;
+    let dir = env.dir.path().to_path_buf();
+    let mut members = two_shards(&mut env, 1).await.into_iter();
+    let (a, b, c) = (members.next().unwrap(), members.next().unwrap(), members.next().unwrap());
+    let s1 = format!("{}_s1", env.name);
+    let address = |port: u16| format!("mysql://bagstore@127.0.0.1:{port}/{s1}");
+    let read_only_failovers = "bagstore_failovers_total{reason=\"primary_read_only\",shard=\"s1\"}";
+    // A failover delay a restart fits in, on a busy machine too.
+    let mut coordinator = ADMIN_ENV.to_vec();
+    coordinator.push(("BAGSTORE_MYSQL__FAILOVER_AFTER_MS", "12000"));
+    let cleaner = env.spawn_env(&["cleaner"], &coordinator).await;
+    let writer = env.spawn(&["writer"]).await;
+    let mut acked = writes_reach(writer.api(), &b, &s1).await;
+    // Nothing in flight: the writer stopped (its relay's last deletes
+    // done), b holding still, and its replica holding what b holds.
+    writer.terminate().await;
+    let position = |server: &MariaDb| {
+        let dsn = server.dsn(&s1);
+        async move {
+            let mut conn = crate::replication::connect(&dsn).await;
+            storage::replication::current_position(1, &mut conn).await.unwrap()
+        }
+    };
+    eventually("b to hold still, its replica level with it", Duration::from_secs(30), || async {
+        let held = position(&b).await;
+        let level = position(&c).await.includes(&held);
+        (level && position(&b).await == held).then_some(())
+    })
+    .await;
+
+    let (b_port, _) = kill_9(b);
+    let killed = Instant::now();
+    let b = start_on(&dir.join("m1"), 2, true, Some(b_port)).await;
+    eprintln!("s1's primary restarted read-only {} ms after the kill", killed.elapsed().as_millis());
+    let writer = env.spawn(&["writer"]).await;
+    acked.extend(writes_reach(writer.api(), &b, &s1).await);
+    eprintln!("s1 took writes again {} ms after the kill", killed.elapsed().as_millis());
+    assert_eq!(shard(&env, "s1").await["address"], address(b_port), "opened again, not failed over");
+    assert_eq!(sample(&cleaner.api().metrics().await, read_only_failovers), Some(0.0));
+
+    let (b_port, _) = kill_9(b);
+    let killed = Instant::now();
+    let mut on_c = crate::replication::connect(&c.dsn(&s1)).await;
+    sqlx::query("CREATE DATABASE lost_tail").execute(&mut on_c).await.expect("a transaction on the replica");
+    let b = start_on(&dir.join("m1"), 2, true, Some(b_port)).await;
+    eventually("the coordinator to fail s1 over and take b back", Duration::from_secs(90), || async {
+        let doc = shard(&env, "s1").await;
+        let back = servers(&doc).contains(&(address(b_port), "replica".into(), "online".into()));
+        (doc["address"] == address(c.port()) && back).then_some(())
+    })
+    .await;
+    acked.extend(writes_reach(writer.api(), &c, &s1).await);
+    eprintln!("s1 took writes on its replica {} ms after the kill", killed.elapsed().as_millis());
+    let metrics = cleaner.api().metrics().await;
+    assert_eq!(sample(&metrics, read_only_failovers), Some(1.0), "{metrics}");
+
+    let (ok, out, err) = env.run(&env.args(&["shards", "switchover", "s1"]), &ADMIN_ENV).await;
+    assert!(ok, "a switchover while the coordinator watches: {out}{err}");
+    assert_eq!(shard(&env, "s1").await["address"], address(b_port));
+    acked.extend(writes_reach(writer.api(), &b, &s1).await);
+    let reader = env.spawn(&["reader"]).await;
+    all_read_back(&reader.api(), &acked).await;
+    drop((writer, reader, cleaner));
+    for server in [a, b, c] {
+        server.stop().await.expect("a clean stop");
+    }
+}
+
+/// Writes new entities until database `db` on `server` (its shard's
+/// primary) holds more of them than before: the acknowledged writes.
+async fn writes_reach(api: bagstore_tests::Api, server: &MariaDb, db: &str) -> Vec<(String, u64)> {
+    let dsn = replication::service_dsn(server, db);
+    let count = || async {
+        let mut conn = crate::replication::connect(&dsn).await;
+        sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM entities").fetch_one(&mut conn).await.unwrap()
+    };
+    let before = count().await;
+    let client = SteadyWriter::start(api);
+    eventually("writes to reach the shard's primary", Duration::from_secs(90), || async {
+        (count().await > before).then_some(())
+    })
+    .await;
+    client.finish().await.0
+}
+
 /// The metadata shard's primary killed: the coordinator (elected by a
 /// lock on the other shard) promotes its replica; a process started
 /// afterwards with the same configuration (listing the dead server and
