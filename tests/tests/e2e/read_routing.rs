@@ -11,13 +11,13 @@
 
 use bagstore_tests::api::{metric_sum, Api};
 use bagstore_tests::{eventually, TestEnv};
-use devstack::mariadb::MariaDb;
-use devstack::replication;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use crate::replication::{connect, start, ADMIN_ENV};
+use bagstore_tests::replicated::Cluster;
+
+use crate::replication::{connect, ADMIN_ENV};
 
 const INDEXES: &str = r#"
 [[indexes]]
@@ -99,38 +99,12 @@ async fn until_usable(api: &Api, shard: usize, n: f64) {
         .await;
 }
 
-/// The private servers: two primaries, a replica each.
-struct Servers {
-    a: MariaDb,
-    b: MariaDb,
-    c: MariaDb,
-    d: MariaDb,
-}
-
-/// A two-shard cluster on private servers, a replica added to each shard.
-async fn cluster(env: &mut TestEnv) -> Servers {
-    let dir = env.dir.path().to_path_buf();
-    let (a, b) = (start(&dir.join("a"), 1, false).await, start(&dir.join("b"), 2, false).await);
-    let (c, d) = (start(&dir.join("c"), 3, true).await, start(&dir.join("d"), 4, true).await);
-    for s in [&a, &b, &c, &d] {
-        replication::create_accounts(s).await.expect("accounts");
-    }
-    let db = |i: usize| format!("{}_s{i}", env.name);
-    env.dsns = vec![replication::service_dsn(&a, &db(0)), replication::service_dsn(&b, &db(1))];
-    env.migrate().await;
-    for (shard, replica, i) in [("s0", &c, 0), ("s1", &d, 1)] {
-        let args =
-            env.args(&["shards", "replicas", "add", shard, &replication::service_dsn(replica, &db(i))]);
-        let (ok, out, err) = env.run(&args, &ADMIN_ENV).await;
-        assert!(ok, "replicas add {shard}: {out}{err}");
-    }
-    Servers { a, b, c, d }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_on_a_stopped_replica_never_go_behind_a_write_token_and_are_never_wrong_without_one() {
     let mut env = TestEnv::new("readroute", INDEXES).await;
-    let servers = cluster(&mut env).await;
+    // Two shards, a replica each: s0's is member 1 of shard 0, s1's member 1 of shard 1.
+    let mut cluster = Cluster::start(&mut env, 2, 1).await;
+    let s1_replica = cluster.shards[1][1].server.as_ref().expect("running");
     let writer = env.spawn(&["writer"]).await;
     let _indexer = env.spawn(&["indexer"]).await;
     // Lenient: a bound no replica here reaches. Bounded: half a second.
@@ -162,7 +136,7 @@ async fn reads_on_a_stopped_replica_never_go_behind_a_write_token_and_are_never_
     assert_eq!(metric_sum(&m, "bagstore_reader_routed_total", &[("target", "primary")]), 0.0);
 
     // s1's replica stops applying (it still receives and acknowledges).
-    let mut droot = connect(&servers.d.server_dsn()).await;
+    let mut droot = connect(&s1_replica.server_dsn()).await;
     sqlx::query("STOP SLAVE SQL_THREAD").execute(&mut droot).await.unwrap();
     let mut tokens = BTreeMap::new();
     for id in &all {
@@ -212,7 +186,7 @@ async fn reads_on_a_stopped_replica_never_go_behind_a_write_token_and_are_never_
         (get(&r, &on1[1], &[]).await.1["version"] == 2).then_some(())
     })
     .await;
-    let address = format!("mysql://bagstore@127.0.0.1:{}/{}_s1", servers.d.port(), env.name);
+    let address = cluster.dsn(&env, 1, 1);
     let (ok, out, err) =
         env.run(&env.args(&["shards", "replicas", "remove", "s1", &address]), &ADMIN_ENV).await;
     assert!(ok, "replicas remove: {out}{err}");
@@ -221,13 +195,7 @@ async fn reads_on_a_stopped_replica_never_go_behind_a_write_token_and_are_never_
 
     // s0's replica dies: reads sent to it before the watch sees it run on
     // the primary; then it is down and skipped.
-    let Servers { a, b, c, d } = servers;
-    assert!(bagstore_tests::std_command("kill")
-        .args(["-9", &c.pid().to_string()])
-        .status()
-        .unwrap()
-        .success());
-    drop(c);
+    cluster.kill_9(0, 1);
     // (on0[0] moved to s1 above.)
     for id in on0[1..].iter().cycle().take(40) {
         let (status, doc) = get(&r, id, &[]).await;
@@ -235,9 +203,7 @@ async fn reads_on_a_stopped_replica_never_go_behind_a_write_token_and_are_never_
     }
     until_usable(&r, 0, 0.0).await;
     drop((writer, lenient, bounded, _indexer));
-    for server in [a, b, d] {
-        server.stop().await.expect("a clean stop");
-    }
+    cluster.stop().await;
 }
 
 /// Tokens that are not write tokens, and parameters the routes do not

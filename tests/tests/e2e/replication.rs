@@ -310,25 +310,16 @@ async fn a_switchover_loses_no_acknowledged_write_and_the_running_writer_follows
     use bagstore_tests::TestEnv;
     use serde_json::{json, Value};
     let mut env = TestEnv::new("switchover", "").await;
-    let dir = env.dir.path().to_path_buf();
-    let (a, b) = (start(&dir.join("a"), 1, false).await, start(&dir.join("b"), 2, false).await);
-    let (c, d) = (start(&dir.join("c"), 3, true).await, start(&dir.join("d"), 4, true).await);
-    for s in [&a, &b, &c, &d] {
-        replication::create_accounts(s).await.expect("accounts");
-    }
+    // s0 on a with its replica d; s1 on b with its replica c.
+    let cluster = bagstore_tests::replicated::Cluster::start(&mut env, 2, 1).await;
+    let server = |shard: usize, m: usize| cluster.shards[shard][m].server.as_ref().expect("running");
+    let (a, b, c, d) = (server(0, 0), server(1, 0), server(1, 1), server(0, 1));
     let db = |i: usize| format!("{}_s{i}", env.name);
-    env.dsns = vec![replication::service_dsn(&a, &db(0)), replication::service_dsn(&b, &db(1))];
-    env.migrate().await;
     let admin = ADMIN_ENV;
     let run = |args: Vec<String>| {
         let env = &env;
         async move { env.run(&args, &admin).await }
     };
-    for (shard, replica, i) in [("s1", &c, 1), ("s0", &d, 0)] {
-        let dsn = replication::service_dsn(replica, &db(i));
-        let (ok, out, err) = run(env.args(&["shards", "replicas", "add", shard, &dsn])).await;
-        assert!(ok, "replicas add {shard}: {out}{err}");
-    }
     let writer = env.spawn(&["writer"]).await;
     let api = writer.api();
 
@@ -357,9 +348,9 @@ async fn a_switchover_loses_no_acknowledged_write_and_the_running_writer_follows
                 .unwrap()
         }
     };
-    let mut meta = &a;
+    let mut meta = a;
     for (shard, old, new, i, to) in
-        [("s1", &b, &c, 1, None), ("s0", &a, &d, 0, None), ("s1", &c, &b, 1, Some(address_of(&b, 1)))]
+        [("s1", b, c, 1, None), ("s0", a, d, 0, None), ("s1", c, b, 1, Some(address_of(b, 1)))]
     {
         let before = epoch_on(old, i).await;
         let mut args = vec!["shards", "switchover", shard];
@@ -402,9 +393,7 @@ async fn a_switchover_loses_no_acknowledged_write_and_the_running_writer_follows
     all_read_back(&reader.api(), &acked).await;
     assert_eq!(api.put(&acked[0].0, &json!({"v": 2})).await.0, 200);
     drop((writer, reader));
-    for server in [a, b, c, d] {
-        server.stop().await.expect("a clean stop");
-    }
+    cluster.stop().await;
 }
 
 /// A client writing new entities without pause, each acknowledged write
