@@ -17,6 +17,7 @@
 
 use anyhow::{bail, ensure, Context};
 use failover::servers::{admin, connect, shard_named, source};
+use failover::switchover::SWITCHOVER_WAIT;
 use schemas::gtid::GtidPos;
 use schemas::settings::Dsn;
 use schemas::topology::PhysicalShard;
@@ -29,8 +30,6 @@ use storage::{locks, topology, Shards};
 
 /// How long `replicas add` waits for a new replica to catch up.
 const CATCH_UP: Duration = Duration::from_secs(600);
-/// How long it waits for a change of the shard's primary under way.
-const SWITCHOVER_WAIT: Duration = Duration::from_secs(90);
 
 /// `shards replicas add SHARD DSN`.
 pub async fn add(settings: Settings, shard: &str, dsn: Dsn) -> anyhow::Result<()> {

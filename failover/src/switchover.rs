@@ -33,9 +33,10 @@ use crate::servers::{reach, source};
 
 /// How long the new primary may take to hold everything the old one has.
 const CATCH_UP: Duration = Duration::from_secs(30);
-/// How long a switchover waits for the coordinator to finish what it is
-/// doing on the shard (taking a replica back catches it up first).
-const COORDINATOR_WAIT: Duration = Duration::from_secs(90);
+/// How long a switchover (or `shards replicas add`) waits for the shard's
+/// switchover lock: the coordinator taking a replica back holds it while
+/// the replica catches up.
+pub const SWITCHOVER_WAIT: Duration = Duration::from_secs(90);
 
 /// What a switchover did: the old and new primary, and how long writes to
 /// the shard were refused.
@@ -74,10 +75,10 @@ pub async fn switch_over(
     let mut new = replicas.remove(pick);
     // Held by `old.conn` until it is dropped, when this returns.
     ensure!(
-        locks::take_switchover_lock(id, &mut old.conn, COORDINATOR_WAIT).await?,
+        locks::take_switchover_lock(id, &mut old.conn, SWITCHOVER_WAIT).await?,
         "the failover coordinator has been changing shard {}'s servers for {} s: try again later",
         p.name,
-        COORDINATOR_WAIT.as_secs()
+        SWITCHOVER_WAIT.as_secs()
     );
     let started = Instant::now();
     replication::set_read_only(id, &mut old.conn, true).await?;

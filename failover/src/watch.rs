@@ -67,8 +67,7 @@ pub async fn watch(settings: Settings, shards: Shards, metrics: FailoverMetrics,
         settings,
         shards,
         metrics,
-        down_since: HashMap::new(),
-        read_only_since: HashMap::new(),
+        no_writes_since: HashMap::new(),
         alone_since: HashMap::new(),
         retry_at: HashMap::new(),
         look_at: HashMap::new(),
@@ -88,11 +87,9 @@ struct Coordinator {
     shards: Shards,
     metrics: FailoverMetrics,
     after: Duration,
-    /// Shards whose primary has not answered since.
-    down_since: HashMap<u32, Instant>,
-    /// Shards whose primary has answered read-only since (or has not
-    /// answered, then answered read-only).
-    read_only_since: HashMap<u32, Instant>,
+    /// Shards whose primary has taken no writes since: it has not
+    /// answered, or answered read-only (or one, then the other).
+    no_writes_since: HashMap<u32, Instant>,
     /// Shards a failover left with a read-only primary, since their
     /// primary stopped answering: the unavailability runs until a rejoin
     /// opens it.
@@ -115,37 +112,26 @@ impl Coordinator {
                 continue;
             }
             let due = self.retry_at.get(&p.id).is_none_or(|at| Instant::now() >= *at);
-            match self.probe(&p.address).await {
-                Probe::Writable => {
-                    let was_down = self.down_since.remove(&p.id).is_some();
-                    if self.read_only_since.remove(&p.id).is_some() || was_down {
-                        tracing::info!(shard = %p.name, primary = %p.address, "the primary takes writes again");
-                    }
-                    self.metrics.blocked.with_label_values(&[&p.name]).set(0);
-                    up.push(p);
+            let probe = self.probe(&p.address).await;
+            if probe == Probe::Writable {
+                if self.no_writes_since.remove(&p.id).is_some() {
+                    tracing::info!(shard = %p.name, primary = %p.address, "the primary takes writes again");
                 }
-                Probe::ReadOnly => {
-                    // Counted from when it stopped answering, if it did.
-                    let down = self.down_since.remove(&p.id);
-                    let since = *self
-                        .read_only_since
-                        .entry(p.id)
-                        .or_insert_with(|| down.unwrap_or_else(Instant::now));
-                    if since.elapsed() >= self.after && due {
-                        self.settle(&t, p, since).await;
-                    }
-                    up.push(p);
+                self.metrics.blocked.with_label_values(&[&p.name]).set(0);
+                up.push(p);
+                continue;
+            }
+            let since = *self.no_writes_since.entry(p.id).or_insert_with(Instant::now);
+            let acting = since.elapsed() >= self.after && due;
+            if probe == Probe::ReadOnly {
+                if acting {
+                    self.settle(&t, p, since).await;
                 }
-                Probe::Silent => {
-                    self.metrics.server(&p.name, &storage::dsn::place_of(&p.address), "primary", false);
-                    let read_only = self.read_only_since.remove(&p.id);
-                    let since = *self
-                        .down_since
-                        .entry(p.id)
-                        .or_insert_with(|| read_only.unwrap_or_else(Instant::now));
-                    if since.elapsed() >= self.after && due {
-                        self.fail_over(&t, p, since).await;
-                    }
+                up.push(p);
+            } else {
+                self.metrics.server(&p.name, &storage::dsn::place_of(&p.address), "primary", false);
+                if acting {
+                    self.fail_over(&t, p, since).await;
                 }
             }
         }
@@ -175,7 +161,7 @@ impl Coordinator {
         }
         let now = self.shards.topology();
         if now.shard(p.id).is_none_or(|q| q.address != p.address) {
-            self.down_since.remove(&p.id);
+            self.no_writes_since.remove(&p.id);
             return;
         }
         tracing::warn!(shard = %p.name, primary = %p.address, down_ms = since.elapsed().as_millis() as u64,
@@ -197,8 +183,7 @@ impl Coordinator {
     async fn promoted(&mut self, p: &PhysicalShard, promoted: Promoted, since: Instant, reason: &str) {
         self.metrics.failovers.with_label_values(&[&p.name, reason]).inc();
         self.metrics.blocked.with_label_values(&[&p.name]).set(0);
-        self.down_since.remove(&p.id);
-        self.read_only_since.remove(&p.id);
+        self.no_writes_since.remove(&p.id);
         self.retry_at.remove(&p.id);
         if promoted.alone {
             self.alone_since.insert(p.id, since);
@@ -236,13 +221,13 @@ impl Coordinator {
                 let since = self.alone_since.remove(&p.id).unwrap_or(since);
                 self.metrics.unavailable.with_label_values(&[&p.name]).set(since.elapsed().as_secs_f64());
                 self.metrics.blocked.with_label_values(&[&p.name]).set(0);
-                self.read_only_since.remove(&p.id);
+                self.no_writes_since.remove(&p.id);
                 self.retry_at.remove(&p.id);
                 tracing::warn!(shard = %p.name, primary = %p.address, took_ms = since.elapsed().as_millis() as u64,
                     "a read-only primary holding everything its replicas hold takes writes again");
             }
             Ok(Settled::Writable) => {
-                self.read_only_since.remove(&p.id);
+                self.no_writes_since.remove(&p.id);
             }
             Ok(Settled::Switching) => {
                 self.retry_at.insert(p.id, Instant::now() + LOOK_EVERY);
