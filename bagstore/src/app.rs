@@ -67,6 +67,7 @@ pub fn routes(
         w.spawn_relays(&pipeline.tracker, pipeline.stop.clone())?;
         w.spawn_ingest(&pipeline.tracker, pipeline.stop.clone());
         w.spawn_ack_watch(&pipeline.tracker, pipeline.stop.clone());
+        w.spawn_unique_watch(&pipeline.tracker, pipeline.stop.clone());
         routes = routes.merge(writer::http::routes(w));
     }
     if roles.reader {
@@ -89,7 +90,8 @@ pub async fn start(settings: &Settings, roles: Roles) -> anyhow::Result<Running>
     let role_names = roles.names();
     if !roles.indexes.is_empty() {
         let metrics = indexer::Metrics::register(&registry)?;
-        for spec in roles.indexes {
+        // A unique index's rows are written by the writers themselves.
+        for spec in roles.indexes.into_iter().filter(|s| !s.unique) {
             let c = indexer::IndexConsumer::new(
                 settings.clone(),
                 spec,

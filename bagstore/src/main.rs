@@ -435,7 +435,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Indexer { service, indexes } => {
             let s = load(service.config.as_ref())?;
             let specs = if indexes.is_empty() {
-                s.indexes.clone()
+                // A unique index's rows are written by the writers.
+                s.indexes.iter().filter(|i| !i.unique).cloned().collect()
             } else {
                 indexes
                     .iter()

@@ -71,6 +71,7 @@ pub async fn create_tables(native: &Native) -> anyhow::Result<()> {
         ],
         shard_on: None,
         match_on: Default::default(),
+        unique: false,
     };
     for pool in &native.pools {
         sqlx::query(&storage::ddl::index_table(&spec)).execute(pool).await?;
@@ -344,6 +345,7 @@ pub async fn load_index_rows(native: Arc<Native>, n: u64, clients: usize) -> any
         properties: vec![IndexProperty { name: "link".into(), ty: PropType::String, max_len: Some(200) }],
         shard_on: None,
         match_on: Default::default(),
+        unique: false,
     };
     for pool in &native.pools {
         sqlx::query(&format!("DROP TABLE IF EXISTS {table}")).execute(pool).await?;

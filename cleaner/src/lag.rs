@@ -115,6 +115,10 @@ impl Cleaner {
                 let _ = m.settled.remove_label_values(&[table]);
                 continue;
             }
+            if meta.spec.unique {
+                // Its rows are written with each write: it has no lag.
+                continue;
+            }
             let applied = catalog::index_progress(shards, table).await?;
             if let Some(a) = applied {
                 m.applied_through.with_label_values(&[table]).set(a as f64 / 1e6);

@@ -298,6 +298,11 @@ impl Cleaner {
         shutdown: &CancellationToken,
     ) -> Result<Vec<IndexSpec>, CleanerError> {
         let metas = self.index_metas().await?;
+        // Expiry frees the unique keys of what it deletes.
+        self.write_context().unique().set(storage::unique::of_catalog(metas.clone()));
+        // A unique index's rows are written by the writers, and its
+        // backfill is not built yet: neither swept nor backfilled here.
+        let metas: Vec<IndexMeta> = metas.into_iter().filter(|m| !m.spec.unique).collect();
         for m in &metas {
             self.inner.metrics.index_state.with_label_values(&[&m.spec.table]).set(state_code(m.state));
             if matches!(m.state, IndexState::Creating | IndexState::Backfilling) {

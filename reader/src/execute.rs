@@ -335,8 +335,12 @@ impl Reader {
             // shard answers for and the epochs that vouch for it must
             // agree; and one route, so the servers a token was checked on
             // are the ones read.
-            let (map, route) = (self.shards().routing(), self.route());
-            if !tokens.is_empty() {
+            // A unique index's rows are written before its writes are
+            // acknowledged, on the primaries: read there, it reflects
+            // every acknowledged write without waiting for a token.
+            let map = self.shards().routing();
+            let route = if plan.spec.unique { Route::primaries(self) } else { self.route() };
+            if !tokens.is_empty() && !plan.spec.unique {
                 self.wait_applied(&route, &map, &plan.spec, &q.consistent_with, deadline).await?;
             }
             let scan = self.scan(&map, &route, &tokens, (plan, q), start.clone());

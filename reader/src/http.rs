@@ -227,13 +227,24 @@ async fn run_query(State(r): State<Reader>, body: Body) -> Result<Response, Prob
     }
     let timeout = Duration::from_millis(r.settings().reader.query_timeout_ms);
     let out = r.run(&plan, &q, tokio::time::Instant::now() + timeout).await?;
-    let freshness = r.freshness(&plan.spec.table).await.map_err(ReadError::from)?;
+    // A unique index is written with each write: never behind.
+    let (lag_ms, applied_through_us) = match plan.spec.unique {
+        true => (0, None),
+        false => {
+            let f = r.freshness(&plan.spec.table).await.map_err(ReadError::from)?;
+            (f.lag_ms(), f.applied_through_us)
+        }
+    };
+    // Every property of a unique index fixed to one value: one key, so
+    // at most one entity.
+    let at_most_one =
+        plan.spec.unique && plan.prefix_len == plan.spec.properties.len() && plan.prefixes.len() <= 1;
     Ok(Json(QueryAnswer {
         items: out.items.iter().map(EntityJson::from).collect(),
         index: &plan.spec.table,
         next_page_token: out.next_page_token.as_deref(),
-        index_lag_ms: Some(freshness.lag_ms()),
-        index_applied_through_us: freshness.applied_through_us,
+        index_lag_ms: Some(lag_ms),
+        index_applied_through_us: applied_through_us,
         explain: json!({
             "prefixes": plan.prefixes.len(),
             "range": plan.range.is_some(),
@@ -241,6 +252,8 @@ async fn run_query(State(r): State<Reader>, body: Body) -> Result<Response, Prob
             "shards_touched": out.shards_touched,
             "index_rows_read": out.index_rows,
             "dropped_by_refilter": out.dropped,
+            "unique": plan.spec.unique,
+            "at_most_one": at_most_one,
         }),
     })
     .into_response())
@@ -294,6 +307,11 @@ async fn lag(State(r): State<Reader>) -> Result<Json<JsonValue>, Problem> {
     let mut out = Vec::new();
     for m in metas.iter().filter(|m| m.state != IndexState::Dropping) {
         let table = &m.spec.table;
+        if m.spec.unique {
+            // Written with each write: no consumer, no lag.
+            out.push(json!({"index": table, "state": m.state.as_str(), "lag_ms": 0, "unique": true}));
+            continue;
+        }
         let fresh = r.freshness(table).await.map_err(ReadError::from)?;
         let events = if k.brokers.is_empty() {
             None

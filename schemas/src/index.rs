@@ -146,6 +146,11 @@ pub struct IndexSpec {
     /// Equality conditions an entity must meet to be in the index (partial index).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub match_on: BTreeMap<String, serde_json::Value>,
+    /// At most one live entity may hold each key (all properties
+    /// together; each element of an array property). Its rows are written
+    /// by the write path, not by the indexer (`storage::unique`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unique: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -43,6 +43,9 @@ pub mod tables {
     /// Per consumer group and partition, the newest claim's generation, on
     /// every shard: an index write of an older claim is refused there.
     pub const PARTITION_FENCES: &str = "bagstore_partition_fences";
+    /// Each unique-key reservation token a write claimed in its entity
+    /// transaction, or that a contender revoked (`storage::unique`).
+    pub const UNIQUE_CLAIMS: &str = "bagstore_unique_claims";
     /// Change stream snapshots: per consumer group, where the scan stands
     /// (metadata shard).
     pub const SNAPSHOTS: &str = "bagstore_snapshots";
@@ -66,6 +69,7 @@ pub const RESERVED_TABLES: &[&str] = &[
     tables::INCOMING,
     tables::IDEMPOTENCY,
     tables::PARTITION_FENCES,
+    tables::UNIQUE_CLAIMS,
     tables::INDEX_CATALOG,
     tables::INDEX_PROGRESS,
     tables::CLUSTER,
@@ -80,7 +84,8 @@ pub const RESERVED_TABLES: &[&str] = &[
 ];
 /// Columns every index table has besides its property columns; a property
 /// may not take these names.
-pub const RESERVED_COLUMNS: &[&str] = &["entity_id", "version", "entity_added_id", "logical", "removed_us"];
+pub const RESERVED_COLUMNS: &[&str] =
+    &["entity_id", "version", "entity_added_id", "logical", "removed_us", "token", "reserved_until_us"];
 
 /// `[a-z][a-z0-9_]{0,63}`: at most 64 characters, MySQL's identifier limit.
 pub fn is_valid_identifier(name: &str) -> bool {

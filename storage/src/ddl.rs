@@ -104,22 +104,44 @@ pub fn column_type(ty: PropType, max_len: u32) -> String {
 /// two; NULL where unknown (rows written before the column existed).
 /// `logical` is the row's logical shard (of its `shard_on` value), keyed so
 /// a move finds a logical shard's rows.
+///
+/// A unique index's table has the same columns and keys, so queries, moves
+/// and checksums read it as any other, and three more: the key alone is a
+/// unique key (one row per key: its holder), `token` is the reservation
+/// of a write that may still commit (NULL once confirmed) and
+/// `reserved_until_us` when that reservation may be taken over (see
+/// `crate::unique`). Its rows are never tombstones: a freed key's row is
+/// deleted.
 pub fn index_table(spec: &IndexSpec) -> String {
     let mut cols = String::new();
     for p in &spec.properties {
         cols.push_str(&format!("    `{}` {} NOT NULL,\n", p.name, column_type(p.ty, p.string_len())));
     }
     let key: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
+    let table = &spec.table;
+    let key = key.join(", ");
+    let unique = match spec.unique {
+        true => format!(
+            "    {TOKEN_COLUMN},\n    {RESERVED_UNTIL_COLUMN},\n    UNIQUE KEY `{table}_unique` ({key}),\n"
+        ),
+        false => String::new(),
+    };
     format!(
         "CREATE TABLE IF NOT EXISTS `{table}` (\n{cols}    entity_id BINARY(16) NOT NULL,\n    \
          version BIGINT UNSIGNED NOT NULL,\n    {LOCATION_COLUMN},\n    {LOGICAL_COLUMN},\n    \
-         {REMOVED_COLUMN},\n    \
+         {REMOVED_COLUMN},\n{unique}    \
          PRIMARY KEY ({key}, entity_id),\n    KEY `{table}_entity` (entity_id),\n    \
          KEY `{table}_logical` (logical)\n) ENGINE=InnoDB",
-        table = spec.table,
-        key = key.join(", "),
     )
 }
+
+/// A unique key row's reservation: the token of the write that reserved
+/// it, NULL once that write is confirmed (see `crate::unique`).
+pub const TOKEN_COLUMN: &str = "token BINARY(16) NULL";
+
+/// Until when a reserved (unconfirmed) unique key row is its writer's
+/// alone, µs since the Unix epoch; NULL once confirmed.
+pub const RESERVED_UNTIL_COLUMN: &str = "reserved_until_us BIGINT NULL";
 
 /// The expiry column of `entities` (NULL: never expires).
 pub const EXPIRES_COLUMN: &str = "expires_us BIGINT NULL";
@@ -343,7 +365,7 @@ pub fn processes() -> String {
 }
 
 /// What every physical shard has.
-pub fn shard_tables() -> [String; 9] {
+pub fn shard_tables() -> [String; 10] {
     [
         entities(),
         outbox(),
@@ -354,7 +376,26 @@ pub fn shard_tables() -> [String; 9] {
         incoming(),
         idempotency(),
         partition_fences(),
+        unique_claims(),
     ]
+}
+
+/// Per reservation token of a unique key (see `crate::unique`), on the
+/// shard of the entity that reserved it: `claimed` when the entity's
+/// write transaction committed under it, not `claimed` when a contender
+/// revoked it first. The token is the primary key, so the two race on one
+/// row and exactly one wins: a revoked token's write can never commit.
+pub fn unique_claims() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+    token BINARY(16) NOT NULL,
+    claimed BOOLEAN NOT NULL,
+    recorded_us BIGINT NOT NULL,
+    PRIMARY KEY (token),
+    KEY unique_claims_recorded (recorded_us)
+) ENGINE=InnoDB",
+        tables::UNIQUE_CLAIMS
+    )
 }
 
 /// Each `Idempotency-Key` a write carried (hashed), on the shard of the
@@ -505,9 +546,11 @@ mod tests {
             .map(|ddl| ddl.split('`').nth(1).expect("a quoted name").to_string())
             .collect();
         assert_eq!(created, schemas::names::RESERVED_TABLES);
+        // A unique index's table: every column an index table may have.
         let spec: IndexSpec = toml::from_str(
             r#"table = "t"
-               properties = [{ name = "p", type = "int" }]"#,
+               properties = [{ name = "p", type = "int" }]
+               unique = true"#,
         )
         .unwrap();
         let fixed: Vec<String> = index_table(&spec)

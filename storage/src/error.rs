@@ -74,6 +74,11 @@ pub enum StoreError {
         "move {id}: physical shard {shard}'s primary changed during the cutover; the cutover runs again"
     )]
     FailedOverMidCutover { id: u64, shard: PhysicalId },
+    /// A write's unique keys kept changing hands between its tries (each
+    /// try found another key to reserve, or its reservation taken over):
+    /// nothing was written; the write may be tried again.
+    #[error("the write's unique keys on shard {shard} kept changing hands; nothing was written, try again")]
+    UniqueKeysMoving { shard: usize },
     #[error(transparent)]
     Topology(#[from] schemas::topology::TopologyError),
     #[error("stored index metadata for {table:?} is unreadable")]
@@ -144,7 +149,12 @@ impl StoreError {
             )
             || matches!(self.mysql_number(), Some(1040 | 1203 | 1615 | 2002 | 2003))
             || self.is_journal_trigger_failure()
-            || matches!(self, StoreError::NoPrimary { .. } | StoreError::NoAcknowledgingReplica { .. })
+            || matches!(
+                self,
+                StoreError::NoPrimary { .. }
+                    | StoreError::NoAcknowledgingReplica { .. }
+                    | StoreError::UniqueKeysMoving { .. }
+            )
     }
 
     /// A move's journal trigger could not run, so the

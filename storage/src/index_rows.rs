@@ -490,7 +490,7 @@ pub fn row_fingerprint(row: &IndexRow) -> (Vec<u8>, EntityId, u64) {
 }
 
 /// A key as comparable bytes (each value length-prefixed).
-fn key_bytes(key: &IndexKey) -> Vec<u8> {
+pub(crate) fn key_bytes(key: &IndexKey) -> Vec<u8> {
     let mut out = Vec::new();
     for v in key {
         let b = v.canonical_bytes();

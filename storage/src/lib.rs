@@ -72,6 +72,7 @@ pub mod shards;
 pub mod snapshots;
 pub mod stale;
 pub mod topology;
+pub mod unique;
 pub mod write;
 
 pub use catalog::IndexMeta;

@@ -52,6 +52,11 @@ impl Api {
         )
     }
 
+    /// `PATCH` with `$`-operators.
+    pub async fn patch(&self, id: &str, doc: &Value) -> Reply {
+        Self::reply(self.client.patch(id, doc, false, false, Default::default()).await)
+    }
+
     pub async fn raw(&self, method: Method, path: &str, body: Vec<u8>) -> Reply {
         Self::reply(self.client.raw(method, path, body).await)
     }

@@ -43,6 +43,7 @@ pub mod http;
 pub mod ingest;
 pub mod metrics;
 mod relay;
+mod unique;
 
 use prometheus::Registry;
 use schemas::patch::Patch;

@@ -264,6 +264,9 @@ impl Settings {
                     .into(),
             ));
         }
+        if !(1..=10_000).contains(&self.writer.unique_reservation_ms) {
+            return Err(SettingsError::Invalid("writer.unique_reservation_ms must be 1 to 10000".into()));
+        }
         if self.indexer.batch_max == 0 || self.reader.max_limit == 0 || self.reader.max_in == 0 {
             return Err(SettingsError::Invalid("indexer and reader limits must be positive".into()));
         }

@@ -191,6 +191,15 @@ pub struct WriterSettings {
     /// carries an `Idempotency-Key`, before answering (a crash between
     /// commit and answer). Never set it in production.
     pub drill_exit_after_commit: bool,
+    /// How long a write's reservation of a unique key is its own: a
+    /// reservation whose writer died (or stalled) longer than this is
+    /// taken over by the next writer of the key, so an orphan blocks a key
+    /// at most this long. At most 10 000.
+    pub unique_reservation_ms: u64,
+    /// Test drill: exit the process right after reserving a unique key,
+    /// before the write's transaction (a crash between reserving and
+    /// committing). Never set it in production.
+    pub drill_exit_after_reserve: bool,
 }
 
 impl Default for WriterSettings {
@@ -205,6 +214,8 @@ impl Default for WriterSettings {
             idempotency_window_secs: 86_400,
             commit_timeout_ms: 10_000,
             drill_exit_after_commit: false,
+            unique_reservation_ms: 5_000,
+            drill_exit_after_reserve: false,
         }
     }
 }

@@ -6,9 +6,10 @@
 
 use schemas::clock::now_micros;
 use schemas::EntityId;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
-use super::{commit, per_item, Committed, Guard, Item, Outcome, WriteContext, WriteError};
+use super::{commit, per_item, Change, Committed, Guard, Item, Outcome, WriteContext, WriteError};
+use crate::unique::{key_id, UniqueSpec};
 use crate::{idempotency, StaleMapRetry, StoreError};
 
 /// One shard's part of a batch, committed or not.
@@ -70,20 +71,62 @@ pub async fn commit_all(
     mut each: impl FnMut(&ShardCommit),
 ) -> Vec<Result<Outcome, WriteError>> {
     let mut out: Vec<Option<Result<Outcome, WriteError>>> = (0..items.len()).map(|_| None).collect();
-    let mut todo: Vec<usize> = (0..items.len()).collect();
-    loop {
-        for shard in commit_by_shard(ctx, items, &todo).await {
-            each(&shard);
-            for (i, r) in shard.answers() {
-                out[i] = Some(r);
+    // Unreadable, the catalog fails each transaction on its own.
+    let specs = ctx.unique().get(ctx.shards()).await.unwrap_or_default();
+    for mut todo in rounds(items, &specs) {
+        loop {
+            for shard in commit_by_shard(ctx, items, &todo).await {
+                each(&shard);
+                for (i, r) in shard.answers() {
+                    out[i] = Some(r);
+                }
             }
-        }
-        todo.retain(|&i| out[i].as_ref().is_some_and(|r| matches!(r, Err(e) if e.is_stale_map())));
-        if todo.is_empty() || !stale.again(ctx.shards()).await {
-            break;
+            todo.retain(|&i| out[i].as_ref().is_some_and(|r| matches!(r, Err(e) if e.is_stale_map())));
+            if todo.is_empty() || !stale.again(ctx.shards()).await {
+                break;
+            }
         }
     }
     out.into_iter().map(|r| r.expect("every item belongs to one shard")).collect()
+}
+
+/// The rounds a batch commits in, in order: an item whose put gives a
+/// unique key that an earlier item of another entity gives too waits for
+/// the round after that item's, so the first in order gets the key
+/// whatever the shards (a later one then finds it held, or free if the
+/// first was refused). A patch's keys are known only in its transaction:
+/// it goes in the first round.
+fn rounds(items: &[Item], specs: &[UniqueSpec]) -> Vec<Vec<usize>> {
+    if specs.is_empty() {
+        return vec![(0..items.len()).collect()];
+    }
+    let mut claimed: HashMap<(usize, Vec<u8>), (EntityId, usize)> = HashMap::new();
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let keys: Vec<(usize, Vec<u8>)> = match &item.change {
+            Change::Put(bag) => specs
+                .iter()
+                .enumerate()
+                .flat_map(|(s, u)| u.spec.keys(bag).into_iter().map(move |k| (s, key_id(&k))))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let round = keys
+            .iter()
+            .filter_map(|k| claimed.get(k))
+            .filter(|(id, _)| *id != item.id)
+            .map(|(_, r)| r + 1)
+            .max()
+            .unwrap_or(0);
+        for k in keys {
+            claimed.insert(k, (item.id, round));
+        }
+        if out.len() <= round {
+            out.resize(round + 1, Vec::new());
+        }
+        out[round].push(i);
+    }
+    out
 }
 
 /// Whether a keyed item's key was used within the window for another

@@ -12,6 +12,7 @@ use schemas::value::BagJson;
 use schemas::{Bag, EntityId};
 use std::collections::HashMap;
 
+use super::keys::KeyEffects;
 use super::refusal::Refusal;
 use super::{Change, Guard, Item, Outcome, Precondition, Rules, WriteError};
 use crate::entities::EntityRecord;
@@ -59,6 +60,7 @@ pub(super) fn decide_items(
     found: Found,
     now: i64,
     rules: &Rules,
+    mut keys: Option<&mut KeyEffects<'_>>,
 ) -> Decided {
     let Found { floors, mut rows, mut records } = found;
     let limits = Limits { max_bytes: rules.max_bytes, expiry: rules.expiry.as_deref() };
@@ -74,7 +76,16 @@ pub(super) fn decide_items(
         // An id with no row starts above its logical shard's floor (the
         // versions of purged tombstones).
         let floor = floors.get(&logical).copied().unwrap_or(0);
-        let decided = decide(shard, &item.id, rows.get(&item.id), floor, &item.change, item.pre, now, limits);
+        let current = rows.get(&item.id);
+        let mut decided = decide(shard, &item.id, current, floor, &item.change, item.pre, now, limits);
+        // Unique keys after the preconditions: a write that fails both is
+        // refused for its precondition.
+        if let (Ok((row, _, _)), Some(keys)) = (&decided, keys.as_deref_mut()) {
+            let before = current.filter(|c| c.live).and_then(|c| c.bag.as_ref());
+            if let Err(e) = keys.check(item.id, before, row.bag.as_ref()) {
+                decided = Err(e);
+            }
+        }
         let record = match (&decided, guard) {
             (_, None) => None,
             (Ok((_, _, o)), Some(g)) => Some((g, record(g, o.id, o.version, o.created, None, now))),
@@ -343,7 +354,13 @@ mod tests {
 
     #[test]
     fn items_are_decided_in_order_and_a_guarded_retry_gets_the_first_answer() {
-        let rules = Rules { max_bytes: 1 << 20, expiry: None, idempotency_window_us: 1_000 };
+        let rules = Rules {
+            max_bytes: 1 << 20,
+            expiry: None,
+            idempotency_window_us: 1_000,
+            unique_reservation_us: 1_000,
+            drill_exit_after_reserve: false,
+        };
         let found =
             || Found { floors: HashMap::from([(0, 10)]), rows: HashMap::new(), records: HashMap::new() };
         let g = Guard { key: [7; 16], request: [1; 16] };
@@ -353,7 +370,7 @@ mod tests {
         // The second write of the id sees the first; a failed precondition
         // skips only its item; the key again replays its first answer.
         let items = [put(1, guarded), put(2, Precondition::default()), put(3, conflict), put(1, guarded)];
-        let d = decide_items(0, &items, &[0; 4], found(), 500, &rules);
+        let d = decide_items(0, &items, &[0; 4], found(), 500, &rules, None);
         let conflict_text = "expected version 99, but the entity is at 12".to_string();
         assert_eq!(
             answers(&d),
@@ -374,13 +391,13 @@ mod tests {
         later.records.extend(d.records.iter().map(|(k, _, r)| (*k, r.clone())));
         let other = Precondition { guard: Some(Guard { request: [2; 16], ..g }), ..Precondition::default() };
         let again = [put(5, guarded), put(5, conflict), put(5, other)];
-        let d2 = decide_items(0, &again, &[0; 3], later, 1_499, &rules);
+        let d2 = decide_items(0, &again, &[0; 3], later, 1_499, &rules, None);
         let reused = WriteError::KeyReused.to_string();
         assert_eq!(answers(&d2), [Ok((11, true)), Err(conflict_text), Err(reused)]);
         assert!(d2.events.is_empty() && d2.records.is_empty());
         let mut later = found();
         later.records.extend(d.records.iter().map(|(k, _, r)| (*k, r.clone())));
-        let d3 = decide_items(0, &again[..1], &[0], later, 1_500, &rules);
+        let d3 = decide_items(0, &again[..1], &[0], later, 1_500, &rules, None);
         assert_eq!(answers(&d3), [Ok((11, false))], "past the window, decided again");
         assert_eq!(d3.records.len(), 1);
     }

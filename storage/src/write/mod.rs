@@ -28,6 +28,7 @@
 
 pub mod batch;
 mod decide;
+mod keys;
 mod refusal;
 pub mod transaction;
 
@@ -39,6 +40,7 @@ use tokio::sync::OnceCell;
 
 use crate::acks::AckGate;
 use crate::shards::MAX_PHYSICAL;
+use crate::unique::UniqueCatalog;
 use crate::{Shards, StoreError};
 
 pub use batch::{commit_all, keys_reused, ShardCommit};
@@ -107,6 +109,10 @@ pub enum WriteError {
     OutcomeUnknown { waited_ms: u64 },
     /// The transaction this item shared with others (a batch, or a group
     /// commit) failed on its shard; the error is shared by those items.
+    /// The write would give its entity a key of a unique index that
+    /// another live entity holds (nothing was written).
+    #[error("index {index:?} already has this key, held by entity {}", existing_id.to_hex())]
+    UniqueViolation { index: String, existing_id: EntityId },
     #[error("the shared transaction on shard {shard} failed")]
     ShardFailed {
         shard: usize,
@@ -199,6 +205,10 @@ pub struct Rules {
     pub expiry: Option<String>,
     /// How long an `Idempotency-Key`'s first answer is replayed, µs.
     pub idempotency_window_us: i64,
+    /// How long a write's reservation of a unique key is its own, µs.
+    pub unique_reservation_us: i64,
+    /// `writer.drill_exit_after_reserve`.
+    pub drill_exit_after_reserve: bool,
 }
 
 impl Rules {
@@ -207,6 +217,8 @@ impl Rules {
             max_bytes: s.writer.max_body_bytes,
             expiry: s.expiry.property.clone(),
             idempotency_window_us: (s.writer.idempotency_window_secs as i64).saturating_mul(1_000_000),
+            unique_reservation_us: (s.writer.unique_reservation_ms as i64).saturating_mul(1_000),
+            drill_exit_after_reserve: s.writer.drill_exit_after_reserve,
         }
     }
 }
@@ -220,6 +232,8 @@ pub struct WriteContext {
     rules: Rules,
     /// Shards that refuse writes for want of an acknowledging replica.
     acks: Arc<AckGate>,
+    /// The unique indexes whose keys writes reserve (`crate::unique`).
+    unique: Arc<UniqueCatalog>,
     /// By physical id, asked once: whether a multi-row insert's new rows are
     /// numbered consecutively (see [`crate::entities::autoinc_is_consecutive`]).
     consecutive: Vec<OnceCell<bool>>,
@@ -228,7 +242,7 @@ pub struct WriteContext {
 impl WriteContext {
     pub fn new(shards: Shards, rules: Rules) -> WriteContext {
         let consecutive = (0..MAX_PHYSICAL).map(|_| OnceCell::new()).collect();
-        WriteContext { shards, rules, consecutive, acks: Arc::default() }
+        WriteContext { shards, rules, consecutive, acks: Arc::default(), unique: Arc::default() }
     }
 
     /// The gate the writer's watch sets (`crate::acks`).
@@ -238,6 +252,11 @@ impl WriteContext {
 
     pub fn shards(&self) -> &Shards {
         &self.shards
+    }
+
+    /// The unique indexes writes keep (their owner reloads it).
+    pub fn unique(&self) -> &Arc<UniqueCatalog> {
+        &self.unique
     }
 
     pub fn rules(&self) -> &Rules {

@@ -18,6 +18,7 @@ pub(super) enum Refusal {
     PatchClash { property: String, reason: String },
     TooLarge { bytes: usize, max: usize },
     BadExpiry { property: String, found: String },
+    UniqueViolation { index: String, existing_id: String },
 }
 
 impl Refusal {
@@ -37,6 +38,9 @@ impl Refusal {
             WriteError::BadExpiry(b) => {
                 Refusal::BadExpiry { property: b.property.clone(), found: b.found.clone() }
             }
+            WriteError::UniqueViolation { index, existing_id } => {
+                Refusal::UniqueViolation { index: index.clone(), existing_id: existing_id.to_hex() }
+            }
             _ => return None,
         };
         serde_json::to_string(&r).ok()
@@ -54,6 +58,10 @@ impl Refusal {
             }
             Refusal::TooLarge { bytes, max } => WriteError::TooLarge { bytes, max },
             Refusal::BadExpiry { property, found } => WriteError::BadExpiry(BadExpiry { property, found }),
+            Refusal::UniqueViolation { index, existing_id } => WriteError::UniqueViolation {
+                index,
+                existing_id: schemas::EntityId::parse(&existing_id).ok()?,
+            },
         })
     }
 }
@@ -71,6 +79,10 @@ mod tests {
             WriteError::PatchClash(PatchClash { property: "n".into(), reason: "not a number".into() }),
             WriteError::TooLarge { bytes: 10, max: 5 },
             WriteError::BadExpiry(BadExpiry { property: "expires_at".into(), found: "\"soon\"".into() }),
+            WriteError::UniqueViolation {
+                index: "index_email".into(),
+                existing_id: schemas::EntityId([9; 16]),
+            },
         ];
         for e in refusals {
             let record = Refusal::record(&e).unwrap_or_else(|| panic!("{e:?} is not recorded"));

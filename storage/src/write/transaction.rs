@@ -19,11 +19,12 @@ use sqlx::{Connection, MySqlConnection};
 use std::collections::{HashMap, HashSet};
 
 use super::decide::{decide_items, Decided, Found, Staged};
+use super::keys::{KeyEffects, Keys, Settled, Wanted};
 use super::{Committed, Item, WriteContext};
 use crate::entities::{self, EntityRecord, EntityWrite};
 use crate::idempotency::Record;
 use crate::outbox::{self, OutboxInsert};
-use crate::{idempotency, topology, OnShard, StoreError};
+use crate::{idempotency, topology, unique, OnShard, StoreError};
 
 /// How many times a transaction rolled back by a deadlock is run again.
 const CONFLICT_RETRIES: usize = 8;
@@ -31,15 +32,45 @@ const CONFLICT_RETRIES: usize = 8;
 /// Runs `items` in one transaction on `shard`, on one of the shard's
 /// ping-free connections, run again after a deadlock or a lost race to
 /// create an id. Items are decided in their order (see `super::decide`).
-/// The caller wakes whoever publishes the shard's outbox.
+/// With unique indexes, it runs as tries that reserve their keys (see
+/// `super::keys`). The caller wakes whoever publishes the shard's outbox.
 pub async fn commit(ctx: &WriteContext, shard: usize, items: &[Item]) -> Result<Committed, StoreError> {
+    let specs = ctx.unique().get(ctx.shards()).await?;
+    if !specs.is_empty() {
+        return super::keys::commit(ctx, shard, items, specs).await;
+    }
+    match attempt(ctx, shard, items, None).await? {
+        Tried::Done(committed, _) => Ok(committed),
+        // Without unique indexes a try wants no key.
+        Tried::NeedKeys(_) | Tried::Revoked => unreachable!("no unique index, no key"),
+    }
+}
+
+/// How one try of a transaction ended.
+#[derive(Debug)]
+pub(super) enum Tried {
+    /// It committed (with what its unique keys leave to settle).
+    Done(Committed, Option<Settled>),
+    /// Rolled back: its writes need these keys reserved first.
+    NeedKeys(Vec<Wanted>),
+    /// Rolled back: a reservation of its token was taken over.
+    Revoked,
+}
+
+/// One try of `items` (see [`commit`]), with the keys reserved so far.
+pub(super) async fn attempt(
+    ctx: &WriteContext,
+    shard: usize,
+    items: &[Item],
+    keys: Option<&Keys>,
+) -> Result<Tried, StoreError> {
     ctx.acks().check(shard)?;
     let conns = ctx.shards().conns(shard);
     let mut taken = conns.take().await?;
     let mut attempt = 0;
     loop {
         let result = match taken.conn.begin().await.on(shard) {
-            Ok(tx) => transaction(ctx, shard, tx, items).await.map_err(|e| (e, true)),
+            Ok(tx) => transaction(ctx, shard, tx, items, keys).await.map_err(|e| (e, true)),
             Err(e) => Err((e, false)),
         };
         match result {
@@ -77,7 +108,8 @@ async fn transaction(
     shard: usize,
     mut tx: sqlx::Transaction<'_, sqlx::MySql>,
     items: &[Item],
-) -> Result<Committed, StoreError> {
+    keys: Option<&Keys>,
+) -> Result<Tried, StoreError> {
     let logicals: Vec<u16> = items.iter().map(|item| ctx.shards().logical_of_id(&item.id)).collect();
     let locked = lock(shard, &mut tx, items, &logicals).await?;
     // Expired records found here are replaced; other keys are inserted,
@@ -91,7 +123,18 @@ async fn transaction(
     let rows =
         locked.rows.into_iter().map(|(id, c)| (id, Staged::stored(shard, &id, c, expiry, now))).collect();
     let found = Found { floors: locked.floors, rows, records: locked.records };
-    let mut decided = decide_items(shard, items, &logicals, found, now, ctx.rules());
+    let mut effects = keys.map(|k| KeyEffects::new(k, &found.rows));
+    let mut decided = decide_items(shard, items, &logicals, found, now, ctx.rules(), effects.as_mut());
+    let mut settled = None;
+    if let (Some(fx), Some(keys)) = (effects, keys) {
+        match unique_step(shard, &mut tx, fx, keys, &decided, now).await? {
+            Ok(s) => settled = Some(s),
+            Err(back) => {
+                tx.rollback().await.on(shard)?;
+                return Ok(back);
+            }
+        }
+    }
     let logical_of: HashMap<EntityId, u16> = items.iter().map(|item| item.id).zip(logicals).collect();
     if !decided.events.is_empty() {
         write_rows(ctx, shard, &mut tx, &mut decided, &logical_of, located, now).await?;
@@ -104,7 +147,31 @@ async fn transaction(
         idempotency::insert_records(shard, &mut tx, &inserted).await?;
     }
     tx.commit().await.map_err(|source| StoreError::Shard { shard, source })?;
-    Ok(Committed { results: decided.results, kinds: decided.kinds, recorded: !decided.records.is_empty() })
+    let committed =
+        Committed { results: decided.results, kinds: decided.kinds, recorded: !decided.records.is_empty() };
+    Ok(Tried::Done(committed, settled))
+}
+
+/// The unique keys of a decided try: sent back when a key is still to be
+/// reserved or the token was revoked, else the token claimed (when any
+/// key is newly given) and what to settle after the commit.
+async fn unique_step(
+    shard: usize,
+    tx: &mut MySqlConnection,
+    mut fx: KeyEffects<'_>,
+    keys: &Keys,
+    decided: &Decided,
+    now: i64,
+) -> Result<Result<Settled, Tried>, StoreError> {
+    if !fx.missing.is_empty() {
+        return Ok(Err(Tried::NeedKeys(std::mem::take(&mut fx.missing))));
+    }
+    let claimed = !fx.acquired.is_empty();
+    if claimed && !unique::claim(shard, tx, &keys.token, now).await? {
+        return Ok(Err(Tried::Revoked));
+    }
+    fx.finish(&decided.rows);
+    Ok(Ok(Settled { settle: fx.settle, freed: fx.freed, claimed }))
 }
 
 /// What the locking reads found, as stored.

@@ -45,6 +45,9 @@
 //!   restarted and taken back as a replica, every acknowledged write kept.
 //! - `upgrade`: what removed features left, dropped by `migrate` once it
 //!   loses nothing; removed settings refused.
+//! - `unique`: unique indexes: every write route refuses a taken key,
+//!   freed by update, delete and expiry; racing writers; a writer killed
+//!   between reserving and committing.
 //! - `docs`: every repository path the docs name exists (no servers).
 //! - `layout`: the workspace's layout rules (no two modules of a crate
 //!   referring to each other, service crates on schemas, storage and
@@ -81,4 +84,5 @@ mod replication;
 mod shards;
 mod shutdown;
 mod tls;
+mod unique;
 mod upgrade;

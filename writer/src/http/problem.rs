@@ -63,6 +63,14 @@ pub(crate) fn write_problem(e: WriteError) -> Problem {
             c.to_string(),
         )
         .with("property", c.property),
+        WriteError::UniqueViolation { index, existing_id } => Problem::new(
+            StatusCode::CONFLICT,
+            "unique-violation",
+            "Unique key taken",
+            format!("another entity holds this key of unique index {index}"),
+        )
+        .with("index", index)
+        .with("existing_id", existing_id.to_hex()),
         WriteError::TooLarge { .. } => {
             Problem::new(StatusCode::PAYLOAD_TOO_LARGE, "entity-too-large", "Entity too large", e.to_string())
         }
