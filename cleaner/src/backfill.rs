@@ -27,6 +27,7 @@ use tokio::sync::{Mutex, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::pace::{self, Pace};
+use crate::unique::Clashes;
 use crate::{Cleaner, CleanerError};
 
 /// How often the cursor is persisted while the backfill runs.
@@ -39,6 +40,10 @@ pub(crate) struct Cursor {
     /// saved by an older cluster is shorter: shards past its end are done).
     pub(crate) below: Vec<u64>,
     pub(crate) done: Vec<bool>,
+    /// When the scan began (µs; 0 in cursors saved before it was kept):
+    /// a unique index's recheck covers what was written since.
+    #[serde(default)]
+    pub(crate) started_us: i64,
 }
 
 /// Progress as shown to the operator.
@@ -71,6 +76,8 @@ struct Shared {
     rows_done: u64,
     scanned_this_run: u64,
     saved_at: Instant,
+    /// A unique index's keys held by more than one entity.
+    clashes: Clashes,
 }
 
 /// One backfill run: what its per-shard jobs need.
@@ -129,8 +136,12 @@ impl Cleaner {
         // Held for the whole backfill: closing this connection frees it.
         let _lock = self.backfill_lock(&table).await?;
         shards.try_each(|shard, pool| migrate::create_index_table(shard, pool, &meta.spec)).await?;
-        if meta.state == IndexState::Creating {
+        if matches!(meta.state, IndexState::Creating | IndexState::Conflicted) {
             catalog::set_index_state(shards, &table, IndexState::Backfilling).await?;
+            if meta.spec.unique {
+                // Every writer keeps the new index's rows before its scan.
+                tokio::time::sleep(storage::unique::WRITERS_KNOW_WITHIN).await;
+            }
         }
         let (cursor, rows_done, rows_total) = self.backfill_cursor(&meta, n).await?;
         let stop_pace = CancellationToken::new();
@@ -144,7 +155,13 @@ impl Cleaner {
             rows_total,
             started: start,
             pace,
-            shared: Mutex::new(Shared { cursor, rows_done, scanned_this_run: 0, saved_at: Instant::now() }),
+            shared: Mutex::new(Shared {
+                cursor,
+                rows_done,
+                scanned_this_run: 0,
+                saved_at: Instant::now(),
+                clashes: Clashes::default(),
+            }),
             report,
             shutdown,
         };
@@ -166,7 +183,24 @@ impl Cleaner {
             return Err(e);
         }
         run.save(&*run.shared.lock().await).await?;
-        catalog::set_index_state(shards, &table, IndexState::Active).await?;
+        let mut clashes = std::mem::take(&mut run.shared.lock().await.clashes);
+        if clashes.is_empty() {
+            catalog::set_index_state(shards, &table, IndexState::Active).await?;
+            if meta.spec.unique {
+                // Writes decided before their writer saw it ACTIVE were not
+                // refused: once every writer enforces, what was written
+                // since the scan began is looked at again.
+                tokio::time::sleep(storage::unique::WRITERS_KNOW_WITHIN).await;
+                let since = run.shared.lock().await.cursor.started_us;
+                clashes = crate::unique::recheck_since(self, &meta.spec, since).await?;
+            }
+        }
+        if !clashes.is_empty() {
+            catalog::set_conflicted(shards, &table, &clashes.to_json()).await?;
+            let state = crate::state_code(IndexState::Conflicted);
+            self.metrics().index_state.with_label_values(&[&table]).set(state);
+            return Err(CleanerError::Conflicted { table, keys: clashes.len() });
+        }
         self.metrics().index_state.with_label_values(&[&table]).set(crate::state_code(IndexState::Active));
         let p = run.progress(&*run.shared.lock().await);
         self.metrics().backfill_progress.with_label_values(&[&table]).set(1.0);
@@ -202,7 +236,8 @@ impl Cleaner {
         let bounds = shards
             .try_each(|shard, pool| async move { Ok((shard, entities::entity_bounds(shard, pool).await?)) })
             .await?;
-        let mut c = Cursor { below: vec![0; n], done: vec![true; n] };
+        let mut c =
+            Cursor { below: vec![0; n], done: vec![true; n], started_us: schemas::clock::now_micros() };
         for (shard, b) in &bounds {
             c.below[*shard] = b.max_added_id + 1;
             c.done[*shard] = false;
@@ -335,6 +370,11 @@ impl Run<'_> {
     /// ours; InnoDB rolled the statement back, so run it again (upserts
     /// are idempotent).
     async fn write(&self, batch: &[EntityRecord]) -> Result<(), CleanerError> {
+        if self.spec.unique {
+            let found = crate::unique::hold_batch(self.cleaner, self.spec, batch).await?;
+            self.shared.lock().await.clashes.extend(found);
+            return Ok(());
+        }
         let mut attempt = 0u32;
         loop {
             match self.cleaner.write_rows(self.spec, batch).await {

@@ -34,6 +34,7 @@ pub mod lag;
 pub mod metrics;
 pub mod pace;
 pub mod reconcile;
+pub mod unique;
 
 use schemas::index::IndexState;
 use schemas::{EntityId, IndexSpec, Settings};
@@ -70,6 +71,13 @@ pub enum CleanerError {
     Busy(String),
     #[error("stopped before the backfill of {0:?} finished; it resumes from its saved cursor")]
     Interrupted(String),
+    /// A unique index's backfill found entities sharing keys: the index
+    /// is CONFLICTED, its clashes listed in the catalog.
+    #[error(
+        "index {table:?} is CONFLICTED: {keys} key(s) are held by more than one entity (listed in GET /v1/indexes); \
+         fix the data, then run the backfill again"
+    )]
+    Conflicted { table: String, keys: usize },
     #[error("the backfill cursor of {table:?} is unreadable")]
     BadCursor {
         table: String,
@@ -101,7 +109,7 @@ struct Inner {
 
 /// Where each pass of the sweep stands.
 #[derive(Debug, Default)]
-struct SweepState {
+pub(crate) struct SweepState {
     started: Option<Instant>,
     /// Per shard: the deep pass's `(updated, added_id)` cursor, `None` at the start.
     deep: Vec<Option<UpdatedCursor>>,
@@ -109,6 +117,8 @@ struct SweepState {
     /// Per (index, shard): the index pass's entity-id cursor.
     index_pass: HashMap<(String, usize), Option<EntityId>>,
     index_done: HashSet<(String, usize)>,
+    /// Per (unique index, shard): the held-row pass's entity-id cursor.
+    unique_pass: HashMap<(String, usize), Option<EntityId>>,
 }
 
 impl SweepState {
@@ -141,6 +151,7 @@ pub fn state_code(s: IndexState) -> i64 {
         IndexState::Backfilling => 1,
         IndexState::Active => 2,
         IndexState::Dropping => 3,
+        IndexState::Conflicted => 4,
     }
 }
 
@@ -189,7 +200,8 @@ impl Cleaner {
         catalog::list_index_meta(self.shards()).await
     }
 
-    /// Deletes `Idempotency-Key` records older than the window, on every
+    /// Deletes `Idempotency-Key` records older than the window (and unique
+    /// key claims older than an hour), on every
     /// shard, once a minute until `shutdown` (a batch of at most 10,000
     /// rows per shard and round, so a backlog never holds a long lock).
     pub async fn purge_idempotency_keys(&self, shutdown: CancellationToken) {
@@ -203,6 +215,14 @@ impl Cleaner {
                     Err(e) => {
                         tracing::warn!(shard, error = %e, "purging idempotency keys failed; next round retries")
                     }
+                }
+                // Unique key claims and revocations: an hour is far past any
+                // reservation (at most 10 s).
+                let claims_before = schemas::clock::now_micros() - 3_600_000_000;
+                let pool = self.shards().pool(shard);
+                if let Err(e) = storage::unique::sweep::purge_claims(shard, pool, claims_before, 10_000).await
+                {
+                    tracing::warn!(shard, error = %e, "purging unique key claims failed; next round retries");
                 }
             }
             tokio::select! {
@@ -269,6 +289,7 @@ impl Cleaner {
             *st = SweepState::fresh(n, &live);
         }
         let started = *st.started.get_or_insert_with(Instant::now);
+        self.sweep_unique(st).await?;
         if specs.is_empty() {
             return Ok(());
         }
@@ -300,18 +321,17 @@ impl Cleaner {
         let metas = self.index_metas().await?;
         // Expiry frees the unique keys of what it deletes.
         self.write_context().unique().set(storage::unique::of_catalog(metas.clone()));
-        // A unique index's rows are written by the writers, and its
-        // backfill is not built yet: neither swept nor backfilled here.
-        let metas: Vec<IndexMeta> = metas.into_iter().filter(|m| !m.spec.unique).collect();
         for m in &metas {
             self.inner.metrics.index_state.with_label_values(&[&m.spec.table]).set(state_code(m.state));
             if matches!(m.state, IndexState::Creating | IndexState::Backfilling) {
                 self.start_backfill(m.spec.clone(), tracker, shutdown.clone());
             }
         }
+        // A unique index's rows are written by the writers: its sweep is
+        // `unique_sweep`'s, not this one.
         Ok(metas
             .into_iter()
-            .filter(|m| matches!(m.state, IndexState::Active | IndexState::Backfilling))
+            .filter(|m| !m.spec.unique && matches!(m.state, IndexState::Active | IndexState::Backfilling))
             .map(|m| m.spec)
             .collect())
     }

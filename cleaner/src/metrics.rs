@@ -109,7 +109,7 @@ impl CleanerMetrics {
             index_state: IntGaugeVec::new(
                 Opts::new(
                     "bagstore_index_state",
-                    "Index lifecycle: 0 CREATING, 1 BACKFILLING, 2 ACTIVE, 3 DROPPING",
+                    "Index lifecycle: 0 CREATING, 1 BACKFILLING, 2 ACTIVE, 3 DROPPING, 4 CONFLICTED",
                 ),
                 &["index"],
             )?,

@@ -274,14 +274,19 @@ async fn list_indexes(State(r): State<Reader>) -> Result<Json<JsonValue>, Proble
             } else {
                 (m.rows_done as f64 / m.rows_total as f64).min(1.0)
             };
-            json!({
+            let mut entry = json!({
                 "table": m.spec.table,
                 "properties": m.spec.properties,
                 "shard_on": m.spec.shard_on(),
                 "match_on": m.spec.match_on,
+                "unique": m.spec.unique,
                 "state": m.state.as_str(),
                 "backfill": {"fraction": fraction, "rows_done": m.rows_done, "rows_total": m.rows_total},
-            })
+            });
+            if let Some(c) = &m.conflicts {
+                entry["conflicts"] = c.clone();
+            }
+            entry
         })
         .collect();
     Ok(Json(json!({ "indexes": indexes })))

@@ -273,6 +273,10 @@ pub enum IndexState {
     Backfilling,
     Active,
     Dropping,
+    /// A unique index whose backfill found entities sharing a key: not
+    /// enforced, not queried, until the data is fixed and the backfill
+    /// runs again.
+    Conflicted,
 }
 
 impl IndexState {
@@ -282,13 +286,20 @@ impl IndexState {
             IndexState::Backfilling => "BACKFILLING",
             IndexState::Active => "ACTIVE",
             IndexState::Dropping => "DROPPING",
+            IndexState::Conflicted => "CONFLICTED",
         }
     }
 
     pub fn parse(s: &str) -> Option<IndexState> {
-        [IndexState::Creating, IndexState::Backfilling, IndexState::Active, IndexState::Dropping]
-            .into_iter()
-            .find(|st| st.as_str() == s)
+        [
+            IndexState::Creating,
+            IndexState::Backfilling,
+            IndexState::Active,
+            IndexState::Dropping,
+            IndexState::Conflicted,
+        ]
+        .into_iter()
+        .find(|st| st.as_str() == s)
     }
 }
 

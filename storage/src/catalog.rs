@@ -18,15 +18,18 @@ pub struct IndexMeta {
     pub state: IndexState,
     pub rows_done: u64,
     pub rows_total: u64,
+    /// A CONFLICTED unique index's clashes (see [`set_conflicted`]).
+    pub conflicts: Option<serde_json::Value>,
 }
 
 pub async fn list_index_meta(shards: &Shards) -> Result<Vec<IndexMeta>> {
     let pool = shards.meta();
-    let rows =
-        sqlx::query("SELECT name, spec, state, rows_done, rows_total FROM bagstore_indexes ORDER BY name")
-            .fetch_all(pool)
-            .await
-            .on(META_SHARD)?;
+    let rows = sqlx::query(
+        "SELECT name, spec, state, rows_done, rows_total, conflicts FROM bagstore_indexes ORDER BY name",
+    )
+    .fetch_all(pool)
+    .await
+    .on(META_SHARD)?;
     rows.iter()
         .map(|r| {
             let table: String = r.try_get("name").on(META_SHARD)?;
@@ -39,6 +42,10 @@ pub async fn list_index_meta(shards: &Shards) -> Result<Vec<IndexMeta>> {
                 state: IndexState::parse(&state).unwrap_or(IndexState::Creating),
                 rows_done: r.try_get("rows_done").on(META_SHARD)?,
                 rows_total: r.try_get("rows_total").on(META_SHARD)?,
+                conflicts: r
+                    .try_get::<Option<String>, _>("conflicts")
+                    .on(META_SHARD)?
+                    .and_then(|t| serde_json::from_str(&t).ok()),
             })
         })
         .collect()
@@ -69,9 +76,26 @@ pub async fn register_index(shards: &Shards, spec: &IndexSpec, initial: IndexSta
     Ok(meta.state)
 }
 
+/// A unique index's backfill found clashes: CONFLICTED with them, and
+/// its next backfill starts over (no cursor).
+pub async fn set_conflicted(shards: &Shards, table: &str, conflicts: &serde_json::Value) -> Result<()> {
+    sqlx::query(
+        "UPDATE bagstore_indexes SET state = ?, conflicts = ?, backfill_cursor = NULL, rows_done = 0, \
+         changed = NOW(6) WHERE name = ?",
+    )
+    .bind(IndexState::Conflicted.as_str())
+    .bind(conflicts.to_string())
+    .bind(table)
+    .execute(shards.meta())
+    .await
+    .on(META_SHARD)?;
+    Ok(())
+}
+
+/// Sets an index's state (and forgets any conflicts).
 pub async fn set_index_state(shards: &Shards, table: &str, state: IndexState) -> Result<()> {
     let pool = shards.meta();
-    sqlx::query("UPDATE bagstore_indexes SET state = ?, changed = NOW(6) WHERE name = ?")
+    sqlx::query("UPDATE bagstore_indexes SET state = ?, conflicts = NULL, changed = NOW(6) WHERE name = ?")
         .bind(state.as_str())
         .bind(table)
         .execute(pool)

@@ -63,6 +63,7 @@ pub fn index_catalog() -> String {
     backfill_cursor TEXT NULL,
     rows_done BIGINT UNSIGNED NOT NULL DEFAULT 0,
     rows_total BIGINT UNSIGNED NOT NULL DEFAULT 0,
+    {CONFLICTS_COLUMN},
     created TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
     changed TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
     PRIMARY KEY (name)
@@ -122,7 +123,8 @@ pub fn index_table(spec: &IndexSpec) -> String {
     let key = key.join(", ");
     let unique = match spec.unique {
         true => format!(
-            "    {TOKEN_COLUMN},\n    {RESERVED_UNTIL_COLUMN},\n    UNIQUE KEY `{table}_unique` ({key}),\n"
+            "    {TOKEN_COLUMN},\n    {RESERVED_UNTIL_COLUMN},\n    UNIQUE KEY `{table}_unique` ({key}),\n    \
+             KEY `{table}_reserved` (reserved_until_us),\n"
         ),
         false => String::new(),
     };
@@ -142,6 +144,10 @@ pub const TOKEN_COLUMN: &str = "token BINARY(16) NULL";
 /// Until when a reserved (unconfirmed) unique key row is its writer's
 /// alone, µs since the Unix epoch; NULL once confirmed.
 pub const RESERVED_UNTIL_COLUMN: &str = "reserved_until_us BIGINT NULL";
+
+/// A CONFLICTED unique index's clashes (JSON: up to 100 `{"key": […],
+/// "ids": […]}`), NULL otherwise. `migrate` adds it to older catalogs.
+pub const CONFLICTS_COLUMN: &str = "conflicts TEXT NULL";
 
 /// The expiry column of `entities` (NULL: never expires).
 pub const EXPIRES_COLUMN: &str = "expires_us BIGINT NULL";

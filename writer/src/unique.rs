@@ -2,13 +2,12 @@
 //! the catalog every [`EVERY`], so an index added, made ACTIVE or dropped
 //! is kept, enforced or let go by every writer within a second.
 
-use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::Writer;
 
 /// How often the catalog is read.
-pub const EVERY: Duration = Duration::from_secs(1);
+pub const EVERY: std::time::Duration = storage::unique::RELOAD_EVERY;
 
 impl Writer {
     /// Starts the reloads (see the module's docs).

@@ -52,6 +52,7 @@ pub async fn create_base_tables(shard: usize, pool: &MySqlPool) -> Result<()> {
         }
         add_column(shard, pool, "bagstore_partition_claims", "gen", ddl::CLAIM_GEN_COLUMN).await?;
         add_column(shard, pool, "bagstore_physical", "failovers", ddl::FAILOVERS_COLUMN).await?;
+        add_column(shard, pool, "bagstore_indexes", "conflicts", ddl::CONFLICTS_COLUMN).await?;
     }
     Ok(())
 }

@@ -61,6 +61,11 @@ pub(super) struct Keys {
     pub specs: Arc<Vec<UniqueSpec>>,
     pub token: [u8; 16],
     pub status: HashMap<Wanted, Reserved>,
+    /// When the first of the token's reservations runs out (µs, by this
+    /// process's clock, no later than the rows say): a try past it gives
+    /// up its claim and reserves again, so no write claims a token whose
+    /// revocation the cleaner may since have purged.
+    pub until_us: i64,
 }
 
 /// What one try's items do to unique keys.
@@ -184,7 +189,7 @@ pub(super) async fn commit(
     items: &[Item],
     specs: Arc<Vec<UniqueSpec>>,
 ) -> Result<Committed, StoreError> {
-    let mut keys = Keys { specs, token: unique::new_token(), status: HashMap::new() };
+    let mut keys = Keys { specs, token: unique::new_token(), status: HashMap::new(), until_us: i64::MAX };
     for _ in 0..TRIES {
         match attempt(ctx, shard, items, Some(&keys)).await? {
             Tried::Done(committed, Some(done)) => {
@@ -194,10 +199,11 @@ pub(super) async fn commit(
             Tried::Done(committed, None) => return Ok(committed),
             Tried::NeedKeys(wanted) => reserve_all(ctx, &mut keys, wanted).await?,
             Tried::Revoked => {
-                // A contender took a reservation over after it ran out: the
-                // rest are taken again under a new token.
+                // A contender took a reservation over after it ran out (or
+                // they ran out): taken again under a new token.
                 keys.token = unique::new_token();
                 keys.status.clear();
+                keys.until_us = i64::MAX;
             }
         }
     }
@@ -211,6 +217,7 @@ async fn reserve_all(ctx: &WriteContext, keys: &mut Keys, wanted: Vec<Wanted>) -
     let wanted: Vec<Wanted> = wanted.into_iter().collect::<HashSet<_>>().into_iter().collect();
     let token = keys.token;
     let specs = keys.specs.clone();
+    let until_us = schemas::clock::now_micros().saturating_add(rules.unique_reservation_us);
     let answers = futures::future::try_join_all(wanted.iter().map(|w| {
         let spec = &specs[w.index].spec;
         unique::reserve(
@@ -227,6 +234,9 @@ async fn reserve_all(ctx: &WriteContext, keys: &mut Keys, wanted: Vec<Wanted>) -
     if rules.drill_exit_after_reserve && answers.contains(&Reserved::Mine) {
         tracing::warn!("drill: exiting after reserving a unique key, before the write's transaction");
         std::process::exit(137);
+    }
+    if answers.contains(&Reserved::Mine) {
+        keys.until_us = keys.until_us.min(until_us);
     }
     keys.status.extend(wanted.into_iter().zip(answers));
     Ok(())

@@ -167,7 +167,7 @@ async fn unique_step(
         return Ok(Err(Tried::NeedKeys(std::mem::take(&mut fx.missing))));
     }
     let claimed = !fx.acquired.is_empty();
-    if claimed && !unique::claim(shard, tx, &keys.token, now).await? {
+    if claimed && (now_micros() >= keys.until_us || !unique::claim(shard, tx, &keys.token, now).await?) {
         return Ok(Err(Tried::Revoked));
     }
     fx.finish(&decided.rows);

@@ -268,7 +268,7 @@ async fn sixteen_racing_writers_on_two_shards_for_a_key_on_a_third_exactly_one_w
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_writer_killed_between_reserving_and_committing_blocks_the_key_only_for_its_reservation() {
+async fn a_writer_killed_between_reserving_and_committing_blocks_the_key_only_until_taken_over_or_cleaned() {
     let env = three_shards("uniquekill").await;
     let reservation_ms = "3000";
     // A writer that exits (as kill -9) right after its first reservation.
@@ -301,8 +301,95 @@ async fn a_writer_killed_between_reserving_and_committing_blocks_the_key_only_fo
     assert!(waited < Duration::from_millis(3000 + 5000), "the orphan blocked the key for {waited:?}");
     let rows = key_rows(&env, "index_email", "email").await;
     assert_eq!(rows, BTreeSet::from([("orphan@x".to_string(), second.clone(), false)]));
-    // The dead write's token is revoked: it can never commit.
+    // A second orphan no writer wants: the cleaner removes it once its
+    // reservation ran out.
+    let doomed = env
+        .spawn_env(
+            &["writer", "--http", "127.0.0.1:0"],
+            &[
+                ("BAGSTORE_WRITER__DRILL_EXIT_AFTER_RESERVE", "true"),
+                ("BAGSTORE_WRITER__UNIQUE_RESERVATION_MS", reservation_ms),
+            ],
+        )
+        .await;
+    let doomed_api = doomed.api();
+    let died = tokio::spawn(async move { doomed_api.put(&id(0x53), &json!({"email": "lone@x"})).await });
+    assert!(died.await.is_err(), "the drill's writer answered");
+    assert_eq!(key_rows(&env, "index_email", "email").await.len(), 2);
+    let _cleaner = env
+        .spawn_env(&["cleaner", "--http", "127.0.0.1:0"], &[("BAGSTORE_CLEANER__INTERVAL_MS", "200")])
+        .await;
+    eventually("the cleaner to remove the orphan", Duration::from_secs(60), || async {
+        let rows = key_rows(&env, "index_email", "email").await;
+        (rows == BTreeSet::from([("orphan@x".to_string(), second.clone(), false)])).then_some(())
+    })
+    .await;
+    // The dead writes' tokens are revoked: they can never commit.
     let revoked: Vec<(usize, (i64,))> =
         env.fetch_all_shards("SELECT COUNT(*) FROM bagstore_unique_claims WHERE NOT claimed").await;
-    assert_eq!(revoked.iter().map(|(_, (n,))| n).sum::<i64>(), 1, "{revoked:?}");
+    assert_eq!(revoked.iter().map(|(_, (n,))| n).sum::<i64>(), 2, "{revoked:?}");
+    let stored: Vec<(usize, (i64,))> = env
+        .fetch_all_shards(&format!(
+            "SELECT COUNT(*) FROM entities WHERE id IN (UNHEX('{}'), UNHEX('{}'))",
+            id(0x51),
+            id(0x53)
+        ))
+        .await;
+    assert_eq!(stored.iter().map(|(_, (n,))| n).sum::<i64>(), 0, "a dead write's entity was stored");
+}
+
+/// `index_email`'s entry in `GET /v1/indexes`.
+async fn email_index(api: &bagstore_tests::Api) -> Value {
+    let (status, body) = api.indexes().await;
+    assert_eq!(status, 200, "{body}");
+    body["indexes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["table"] == "index_email")
+        .cloned()
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backfill_over_duplicates_is_conflicted_until_they_are_fixed_then_enforces() {
+    let mut env = TestEnv::new("uniquefill", "").await;
+    env.migrate().await;
+    let plain = env.dev().await;
+    let (a, b, c, d) = (id(0x61), id(0x62), id(0x63), id(0x64));
+    for (i, email) in [(&a, "dup@x"), (&b, "dup@x"), (&c, "one@x")] {
+        assert_eq!(plain.api().put(i, &json!({"email": email})).await.0, 201);
+    }
+    plain.terminate().await;
+    // The unique index added over data that already has a duplicate.
+    env.indexes_toml = UNIQUE_INDEXES.to_string();
+    env.migrate().await;
+    let dev = env.dev().await;
+    let api = dev.api();
+    let entry = eventually("the backfill to find the clash", Duration::from_secs(60), || async {
+        let e = email_index(&api).await;
+        (e["state"] == "CONFLICTED").then_some(e)
+    })
+    .await;
+    let mut pair = [a.clone(), b.clone()];
+    pair.sort();
+    assert_eq!(entry["conflicts"], json!([{"key": ["dup@x"], "ids": pair}]), "{entry}");
+    // Not enforced while CONFLICTED.
+    assert_eq!(api.put(&d, &json!({"email": "dup@x"})).await.0, 201);
+    // The data fixed, the backfill run again completes and enforces.
+    assert_eq!(api.delete(&b).await.0, 200);
+    assert_eq!(api.delete(&d).await.0, 200);
+    let (ok, out, err) = env.run(&env.args(&["cleaner", "--index", "index_email"]), &[]).await;
+    assert!(ok, "{out}{err}");
+    let entry = email_index(&api).await;
+    assert_eq!((&entry["state"], entry.get("conflicts")), (&json!("ACTIVE"), None), "{entry}");
+    // The backfill returns once every writer enforces it (they read the
+    // catalog every second; it waits three, then looks again at what was
+    // written meanwhile).
+    assert_taken(&api.put(&id(0x65), &json!({"email": "one@x"})).await, "index_email", &c);
+    assert_taken(&api.put(&b, &json!({"email": "dup@x"})).await, "index_email", &a);
+    let rows = key_rows(&env, "index_email", "email").await;
+    let want: BTreeSet<_> =
+        [("dup@x", &a), ("one@x", &c)].map(|(k, e)| (k.to_string(), e.clone(), false)).into();
+    assert_eq!(rows, want);
 }

@@ -34,6 +34,8 @@ use sqlx::{MySqlConnection, Row};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+pub mod sweep;
+
 use crate::catalog;
 use crate::entities;
 use crate::error::{id_column, OnShard, Result, StoreError};
@@ -90,6 +92,14 @@ pub fn of_catalog(metas: Vec<catalog::IndexMeta>) -> Vec<UniqueSpec> {
         .map(|m| UniqueSpec { enforced: m.state == IndexState::Active, spec: m.spec })
         .collect()
 }
+
+/// How often a writer reads the unique indexes from the catalog.
+pub const RELOAD_EVERY: Duration = Duration::from_secs(1);
+
+/// How long after a unique index is registered every running writer keeps
+/// its rows: a backfill waits this long before its scan, so no write it
+/// does not see lacks its row.
+pub const WRITERS_KNOW_WITHIN: Duration = Duration::from_secs(3);
 
 /// What a reservation found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -164,7 +174,7 @@ pub async fn reserve(
     }
 }
 
-fn key_equals(spec: &IndexSpec) -> String {
+pub(crate) fn key_equals(spec: &IndexSpec) -> String {
     spec.properties.iter().map(|p| format!("`{}` = ?", p.name)).collect::<Vec<_>>().join(" AND ")
 }
 
@@ -233,7 +243,7 @@ async fn try_reserve(
 
 /// Revokes `token` on its entity's shard: a write under it can no longer
 /// commit (its claim would clash). Already claimed: nothing changes.
-async fn revoke(shards: &Shards, entity: EntityId, token: &[u8]) -> Result<()> {
+pub(crate) async fn revoke(shards: &Shards, entity: EntityId, token: &[u8]) -> Result<()> {
     let mut stale = StaleMapRetry::new(Duration::from_secs(10));
     loop {
         let logical = shards.logical_of_id(&entity);
@@ -328,7 +338,7 @@ async fn take_over(
 /// Runs `sql` (a statement on `spec`'s table ending in the key's equality,
 /// then binds from `more`) on the key's shard, under the proof it owns
 /// the key's logical shard; again on the owner after a stale map.
-async fn on_key_shard(
+pub(crate) async fn on_key_shard(
     shards: &Shards,
     spec: &IndexSpec,
     key: &IndexKey,
@@ -428,6 +438,53 @@ pub async fn forget_claim(shards: &Shards, shard: usize, token: &[u8]) -> Result
         .await
         .on(shard)
         .map(drop)
+}
+
+/// What [`hold`] found of an entity's key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    /// The key's row is the entity's (it was, or is now).
+    Kept,
+    /// The entity no longer holds the key: nothing to keep.
+    NotHeld,
+    /// Another live entity holds the key too (data written before the
+    /// index was enforced).
+    Clash(EntityId),
+}
+
+/// The backfill's step: makes sure `owner`, found holding `key`, has its
+/// row, unless another entity holding the key has it (a clash).
+pub async fn hold(
+    shards: &Shards,
+    expiry: Option<&str>,
+    spec: &IndexSpec,
+    key: &IndexKey,
+    owner: EntityId,
+    hold_us: i64,
+) -> Result<Held> {
+    if holder(shards, spec, key).await? == Some(owner) {
+        return Ok(Held::Kept);
+    }
+    let token = new_token();
+    let reserved = reserve(shards, expiry, spec, key, owner, token, hold_us).await?;
+    let held = holds(shards, expiry, owner, spec, key).await?;
+    match reserved {
+        Reserved::Mine => {
+            settle(shards, spec, key, owner, &token, held).await?;
+            Ok(if held { Held::Kept } else { Held::NotHeld })
+        }
+        Reserved::HeldBy(other) if held => Ok(Held::Clash(other)),
+        Reserved::HeldBy(_) => Ok(Held::NotHeld),
+    }
+}
+
+/// Who `key`'s row names now, if it has one.
+pub async fn holder(shards: &Shards, spec: &IndexSpec, key: &IndexKey) -> Result<Option<EntityId>> {
+    let logical = spec.logical_of_key(key, shards.logical_shards());
+    let shard = shards.of_logical(logical);
+    let sql = format!("SELECT entity_id FROM `{}` WHERE {}", spec.table, key_equals(spec));
+    let row = bind_key(sqlx::query(&sql), key).fetch_optional(shards.pool(shard)).await.on(shard)?;
+    row.map(|r| id_column(shard, &r, "entity_id")).transpose()
 }
 
 /// A new reservation token.
