@@ -306,6 +306,7 @@ impl Cleaner {
                             logical,
                             version: e.version,
                             entity_added_id: Some(e.added_id),
+                            reservation: None,
                         });
                     }
                 }

@@ -147,6 +147,7 @@ fn repairs(
                         logical: homes.logical_of(key),
                         version: *version,
                         entity_added_id: at,
+                        reservation: None,
                     });
                     r.missing_count += 1;
                 }

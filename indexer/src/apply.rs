@@ -95,6 +95,7 @@ pub async fn apply(
                     logical: o.logical,
                     version: o.version,
                     entity_added_id: o.entity_added_id,
+                    reservation: None,
                 })
                 .collect();
             // A frozen old primary never answers: a failover's move of the

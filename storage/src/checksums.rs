@@ -98,6 +98,11 @@ fn index_row(spec: &IndexSpec) -> String {
         .collect();
     cols.push("HEX(entity_id)".into());
     cols.push("version".into());
+    if spec.unique {
+        // A reservation moves with its row (CONCAT_WS skips NULLs).
+        cols.push("HEX(token)".into());
+        cols.push("reserved_until_us".into());
+    }
     format!("CONCAT_WS(',', {})", cols.join(", "))
 }
 

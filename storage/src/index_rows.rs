@@ -34,6 +34,9 @@ pub struct IndexRow {
     pub version: u64,
     /// The entity's `added_id` on its own shard; `None`: unknown.
     pub entity_added_id: Option<u64>,
+    /// A unique index's row still reserved: its token and until when
+    /// (`crate::unique`); a move carries it as it is.
+    pub reservation: Option<(Vec<u8>, i64)>,
 }
 
 /// A row to remove unless a newer event re-wrote it: removed only if its
@@ -312,7 +315,8 @@ pub async fn index_row_version(
 /// The columns [`index_rows`] decodes.
 fn row_columns(spec: &IndexSpec) -> String {
     let cols: Vec<String> = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect();
-    format!("{}, entity_id, version, entity_added_id, logical", cols.join(", "))
+    let reservation = if spec.unique { ", token, reserved_until_us" } else { "" };
+    format!("{}, entity_id, version, entity_added_id, logical{reservation}", cols.join(", "))
 }
 
 /// Decodes rows of [`row_columns`]; rows whose bytes no key of ours has
@@ -321,12 +325,21 @@ fn index_rows(shard: usize, spec: &IndexSpec, rows: &[MySqlRow]) -> Result<Vec<I
     let mut out = Vec::with_capacity(rows.len());
     for r in rows {
         let Some(key) = row_key(shard, spec, r)? else { continue };
+        let reservation = match spec.unique {
+            true => {
+                let token: Option<Vec<u8>> = r.try_get("token").on(shard)?;
+                let until: Option<i64> = r.try_get("reserved_until_us").on(shard)?;
+                token.map(|t| (t, until.unwrap_or(0)))
+            }
+            false => None,
+        };
         out.push(IndexRow {
             key,
             entity: id_column(shard, r, "entity_id")?,
             logical: r.try_get("logical").on(shard)?,
             version: r.try_get("version").on(shard)?,
             entity_added_id: r.try_get("entity_added_id").on(shard)?,
+            reservation,
         });
     }
     Ok(out)
@@ -427,6 +440,26 @@ pub async fn copy_rows(
     spec: &IndexSpec,
     rows: &[IndexRow],
 ) -> Result<()> {
+    if spec.unique {
+        // One row per key: the key's row becomes the copied one, whoever
+        // it named, with its reservation.
+        let copy = insert_rows(
+            spec,
+            &["entity_id", "version", "entity_added_id", "logical", "token", "reserved_until_us"],
+            " ON DUPLICATE KEY UPDATE entity_id = VALUES(entity_id), version = VALUES(version), \
+             entity_added_id = VALUES(entity_added_id), token = VALUES(token), \
+             reserved_until_us = VALUES(reserved_until_us)",
+        );
+        for st in copy.statements(rows) {
+            let q = st.bind(sqlx::query(&st.sql), |q, row| {
+                let (token, until) =
+                    row.reservation.as_ref().map_or((None, None), |(t, u)| (Some(t), Some(*u)));
+                bind_row(q, row).bind(token).bind(until)
+            });
+            q.execute(&mut *conn).await.on(shard)?;
+        }
+        return Ok(());
+    }
     let copy = insert_rows(
         spec,
         &["entity_id", "version", "entity_added_id", "logical"],

@@ -24,16 +24,20 @@
 
 use anyhow::{ensure, Context};
 use bagstore_tests::replicated::Cluster;
-use bagstore_tests::{metric_sum, Api, Proc, TestEnv};
+use bagstore_tests::{metric_sum, Api, TestEnv};
 use serde_json::{json, Value};
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+#[path = "../cluster.rs"]
+mod cluster;
 #[path = "../cpu.rs"]
 mod cpu;
 #[path = "../sibling.rs"]
 mod sibling;
+
+use cluster::{load, parse_args, quantiles, Options, Servers};
 
 const USAGE: &str = "usage: bench_replicas [--secs S] [--clients C] [--batch B]\n\
   --secs S     seconds per phase (default 20)\n\
@@ -49,29 +53,6 @@ shard_on = "user_id"
 
 /// Users the entities belong to (each has many, for "latest 20").
 const USERS: u64 = 200;
-
-#[derive(Debug, Clone, Copy)]
-struct Options {
-    secs: u64,
-    clients: usize,
-    batch: usize,
-}
-
-fn parse_args(args: &[String]) -> Result<Options, String> {
-    let mut o = Options { secs: 20, clients: 16, batch: 100 };
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let mut value = || it.next().and_then(|v| v.parse::<u64>().ok()).filter(|v| *v > 0);
-        match a.as_str() {
-            "--secs" => o.secs = value().ok_or("--secs takes a positive number")?,
-            "--clients" => o.clients = value().ok_or("--clients takes a positive number")? as usize,
-            "--batch" => o.batch = value().ok_or("--batch takes a positive number")? as usize,
-            "-h" | "--help" => return Err(String::new()),
-            other => return Err(format!("unknown argument {other:?}")),
-        }
-    }
-    Ok(o)
-}
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -122,7 +103,7 @@ async fn cluster_run(o: Options, replicas: u32) -> anyhow::Result<Vec<String>> {
     let api = writer.api();
     for batch in [1, o.batch] {
         let before = servers.ticks();
-        let (n, lat) = load(&api, o, batch, ids.clone()).await;
+        let (n, lat) = load(&api, o, batch, ids.clone(), entity).await;
         let cpu = servers.since(&before, n);
         let what = if batch == 1 { "single puts".to_string() } else { format!("batch puts of {batch}") };
         rows.push(format!(
@@ -178,63 +159,6 @@ fn user_id(u: u64) -> String {
     format!("{:032x}", 0x5e5e_0000_0000u64 + u)
 }
 
-/// `o.clients` clients putting new entities (`batch` per request) for
-/// `o.secs` seconds: the entities acknowledged, and each request's latency.
-async fn load(api: &Api, o: Options, batch: usize, ids: Arc<Mutex<Vec<String>>>) -> (u64, Vec<f64>) {
-    let until = Instant::now() + Duration::from_secs(o.secs);
-    let clients = (0..o.clients).map(|_| {
-        let (api, ids) = (api.clone(), ids.clone());
-        tokio::spawn(async move {
-            let (mut n, mut lat) = (0u64, Vec::new());
-            while Instant::now() < until {
-                let items: Vec<(String, Value)> = (0..batch)
-                    .map(|_| {
-                        (schemas::EntityId(rand::random()).to_hex(), entity(rand::random::<u32>().into()))
-                    })
-                    .collect();
-                let t = Instant::now();
-                let ok: Vec<String> = if batch == 1 {
-                    let (id, body) = &items[0];
-                    let (status, _) = api.put(id, body).await;
-                    if status == 201 {
-                        vec![id.clone()]
-                    } else {
-                        Vec::new()
-                    }
-                } else {
-                    let docs: Vec<Value> = items
-                        .iter()
-                        .map(|(id, b)| {
-                            let mut doc = b.clone();
-                            doc["id"] = json!(id);
-                            doc
-                        })
-                        .collect();
-                    let (_, body) = api.batch(&docs).await;
-                    let answers = body["results"].as_array().cloned().unwrap_or_default();
-                    items
-                        .iter()
-                        .zip(answers)
-                        .filter(|(_, a)| a["version"].is_u64())
-                        .map(|((id, _), _)| id.clone())
-                        .collect()
-                };
-                lat.push(t.elapsed().as_secs_f64());
-                n += ok.len() as u64;
-                ids.lock().unwrap().extend(ok);
-            }
-            (n, lat)
-        })
-    });
-    let mut total = (0, Vec::new());
-    for c in futures::future::join_all(clients).await {
-        let (n, lat) = c.expect("a load client");
-        total.0 += n;
-        total.1.extend(lat);
-    }
-    total
-}
-
 /// `o.clients` clients reading through `api` for `o.secs` seconds: point
 /// gets of `ids`, or the latest 20 of a user; each read's latency. Every
 /// answer must be a 200.
@@ -268,91 +192,4 @@ async fn reads(api: &Api, o: Options, ids: &[String], query: bool) -> anyhow::Re
         all.extend(c.context("a read client")??);
     }
     Ok(all)
-}
-
-/// "p50 / p99" in milliseconds.
-fn quantiles(mut lat: Vec<f64>) -> String {
-    if lat.is_empty() {
-        return "-".into();
-    }
-    lat.sort_by(|a, b| a.total_cmp(b));
-    let at = |q: f64| lat[((lat.len() as f64 * q).ceil() as usize).clamp(1, lat.len()) - 1] * 1e3;
-    format!("{:.2} / {:.2} ms", at(0.5), at(0.99))
-}
-
-/// The cluster's servers, each with its name (`s0 primary`, `s1
-/// replica`): a shard's first member is its primary here (no failover
-/// runs).
-struct Servers {
-    all: Vec<(String, u32)>,
-}
-
-/// CPU seconds per 1000 entities: the primaries', the replicas' (sums),
-/// and each server's.
-struct Cpu {
-    primaries: f64,
-    replicas: f64,
-    each: Vec<(String, f64)>,
-}
-
-impl Servers {
-    fn of(cluster: &Cluster) -> Servers {
-        let pid = |m: &bagstore_tests::replicated::Member| m.server.as_ref().expect("running").pid();
-        let all = cluster
-            .shards
-            .iter()
-            .enumerate()
-            .flat_map(|(i, members)| {
-                members.iter().enumerate().map(move |(m, member)| {
-                    (format!("s{i} {}", if m == 0 { "primary" } else { "replica" }), pid(member))
-                })
-            })
-            .collect();
-        Servers { all }
-    }
-
-    /// The servers on core 0, `procs` and this process on the others.
-    fn pin(&self, procs: &[&Proc]) -> anyhow::Result<()> {
-        if cpu::online_cores() < 2 {
-            return Ok(());
-        }
-        for (_, pid) in &self.all {
-            cpu::pin(*pid, "0")?;
-        }
-        let rest = cpu::off_server_cores();
-        for pid in procs.iter().map(|p| p.pid() as u32).chain([std::process::id()]) {
-            cpu::pin(pid, &rest)?;
-        }
-        Ok(())
-    }
-
-    /// Each server's CPU ticks so far.
-    fn ticks(&self) -> Vec<u64> {
-        self.all.iter().map(|(_, pid)| cpu::cpu_ticks(*pid).unwrap_or(0)).collect()
-    }
-
-    /// CPU seconds per 1000 entities since `before`, of `n` entities.
-    fn since(&self, before: &[u64], n: u64) -> Cpu {
-        let each: Vec<(String, f64)> = self
-            .all
-            .iter()
-            .zip(self.ticks().into_iter().zip(before))
-            .map(|((name, _), (now, then))| {
-                (name.clone(), now.saturating_sub(*then) as f64 / 100.0 / n.max(1) as f64 * 1000.0)
-            })
-            .collect();
-        let sum = |role: &str| each.iter().filter(|(name, _)| name.ends_with(role)).map(|(_, c)| c).sum();
-        Cpu { primaries: sum("primary"), replicas: sum("replica"), each }
-    }
-}
-
-impl std::fmt::Display for Cpu {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "primaries {:.3}", self.primaries)?;
-        if self.each.iter().any(|(name, _)| name.ends_with("replica")) {
-            write!(f, ", replicas {:.3}", self.replicas)?;
-        }
-        let each: Vec<String> = self.each.iter().map(|(name, c)| format!("{name} {c:.3}")).collect();
-        write!(f, " ({})", each.join(", "))
-    }
 }

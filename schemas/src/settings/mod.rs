@@ -97,7 +97,11 @@ pub struct Settings {
     /// - `shard_on`: the property whose value picks the shard of an index
     ///   row (default: the first property);
     /// - `match_on`: equality conditions an entity must meet to be in the
-    ///   index (a partial index), e.g. `match_on = { kind = "post" }`.
+    ///   index (a partial index), e.g. `match_on = { kind = "post" }`;
+    /// - `unique`: `true` lets at most one live entity hold each key; a
+    ///   write that would give a second one a key is refused (409
+    ///   `unique-violation`). Its rows are written by the writers, not an
+    ///   indexer. See `docs/operations.md`, "Unique indexes".
     ///
     /// An entity that lacks an indexed property is not in the index; an
     /// array value is indexed once per element. A new index is created by

@@ -154,3 +154,30 @@ pub async fn keys_reused(ctx: &WriteContext, guarded: &[(EntityId, Guard)]) -> R
     }
     Ok(false)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use schemas::value::bag_from_json;
+
+    fn put(n: u8, email: &str) -> Item {
+        let bag = bag_from_json(&serde_json::json!({ "email": email })).unwrap();
+        Item { id: EntityId([n; 16]), change: Change::Put(bag), pre: Default::default() }
+    }
+
+    #[test]
+    fn a_later_claimant_of_a_key_goes_in_the_round_after_the_earlier_one() {
+        let spec: schemas::IndexSpec = toml::from_str(
+            r#"table = "index_email"
+               properties = [{ name = "email", type = "string" }]
+               unique = true"#,
+        )
+        .unwrap();
+        let specs = [UniqueSpec { spec, enforced: true }];
+        // Items 0, 2 and 3 claim "a": each waits for the one before it.
+        // Item 4 is item 0's entity again, claiming "c": it waits for no one.
+        let items = [put(0, "a"), put(1, "b"), put(2, "a"), put(3, "a"), put(0, "c")];
+        assert_eq!(rounds(&items, &specs), vec![vec![0, 1, 4], vec![2], vec![3]]);
+        assert_eq!(rounds(&items, &[]), vec![vec![0, 1, 2, 3, 4]]);
+    }
+}

@@ -192,6 +192,8 @@ struct Counters {
     gets_purged: AtomicU64,
     /// The expiring client's.
     exp: ExpCounters,
+    /// The unique-key competitors'.
+    unique: UniqueCounters,
 }
 
 /// State the clients, the checker and the fault injector share.
@@ -272,10 +274,12 @@ mod faults;
 mod load;
 pub mod matrix;
 mod report;
+mod unique;
 
 use expiry::*;
 use faults::*;
 use load::*;
+use unique::*;
 
 /// Runs the suite; panics (after printing the seed, the fault timeline and
 /// the history of the entities involved) if any check failed.
@@ -287,6 +291,7 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
     );
     // Expiry on, tombstones purged 2 s after the delete: for every process.
     env.indexes_toml.push_str(CONFIG_TOML);
+    env.indexes_toml.push_str(UNIQUE_TOML);
     // With moves, a third shard, owning nothing until the first move
     // fault rebalances onto it during the load.
     let shards = if cfg.faults.contains(&Fault::Move) { 3 } else { 2 };
@@ -335,6 +340,7 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
         tasks.push(tokio::spawn(client(shared.clone(), n, cfg.seed, cfg.keys)));
     }
     tasks.push(tokio::spawn(expiring_client(shared.clone(), cfg.seed)));
+    tasks.push(tokio::spawn(unique_client(shared.clone(), cfg.seed)));
     tasks.push(tokio::spawn(checker(shared.clone(), cfg.seed, cfg.keys)));
     tasks.push(tokio::spawn(monitor(shared.clone(), env.kafka_settings(), cleaner_url.clone())));
 
@@ -434,6 +440,7 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
         shared.fail(format!("after a cleaner sweep: {d}"));
     }
     let rows: usize = want.values().map(BTreeSet::len).sum();
+    let handles = check_unique(&shared, env).await;
 
     // Invariant W: acknowledged writes are stored (or were deleted later,
     // and the tombstone purged); the topic has every version in order.
@@ -495,6 +502,13 @@ pub async fn run(env: &mut TestEnv, cfg: ChaosConfig) {
         report,
         "  keyed puts: {}, {retried} of them sent again after an unknown outcome; each on the topic at most once, at the version answered",
         shared.keyed.lock().unwrap().len()
+    )
+    .ok();
+    writeln!(
+        report,
+        "  unique-key competitors ({UNIQUE_IDS} ids): {} writes refused 409 unique-violation; at the end {handles} handles held, \
+         each by one live entity, and the unique index's rows exactly those",
+        n(&c.unique.refused)
     )
     .ok();
     let kinds: Vec<String> = per_kind.iter().map(|(k, v)| format!("{k:?} x{v}")).collect();

@@ -338,6 +338,7 @@ async fn index_order_in_mysql_equals_value_order_for_every_type() {
                 logical: 0,
                 version: 1,
                 entity_added_id: None,
+                reservation: None,
             });
         }
         let mut conn = shards.pool(0).acquire().await.unwrap();
