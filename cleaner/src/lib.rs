@@ -201,7 +201,7 @@ impl Cleaner {
     }
 
     /// Deletes `Idempotency-Key` records older than the window (and unique
-    /// key claims older than an hour), on every
+    /// key claims older than a minute, revocations than an hour), on every
     /// shard, once a minute until `shutdown` (a batch of at most 10,000
     /// rows per shard and round, so a backlog never holds a long lock).
     pub async fn purge_idempotency_keys(&self, shutdown: CancellationToken) {
@@ -216,11 +216,13 @@ impl Cleaner {
                         tracing::warn!(shard, error = %e, "purging idempotency keys failed; next round retries")
                     }
                 }
-                // Unique key claims and revocations: an hour is far past any
-                // reservation (at most 10 s).
-                let claims_before = schemas::clock::now_micros() - 3_600_000_000;
+                // Unique key claims after a minute, revocations after an
+                // hour: far past any reservation (at most 10 s).
+                let now = schemas::clock::now_micros();
+                let (claims, revoked) = (now - 60_000_000, now - 3_600_000_000);
                 let pool = self.shards().pool(shard);
-                if let Err(e) = storage::unique::sweep::purge_claims(shard, pool, claims_before, 10_000).await
+                if let Err(e) =
+                    storage::unique::sweep::purge_claims(shard, pool, claims, revoked, 100_000).await
                 {
                     tracing::warn!(shard, error = %e, "purging unique key claims failed; next round retries");
                 }

@@ -34,6 +34,7 @@ use sqlx::{MySqlConnection, Row};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+pub mod many;
 pub mod sweep;
 
 use crate::catalog;
@@ -149,14 +150,17 @@ pub async fn reserve(
         };
         let Some(row) = found else { return Ok(Reserved::Mine) };
         let now = schemas::clock::now_micros();
-        if row.token.is_some() && row.reserved_until_us.is_some_and(|u| now < u) {
-            // Another write's reservation runs: wait for its outcome.
-            if Instant::now() >= deadline {
-                return Ok(Reserved::HeldBy(row.owner));
+        if let Some(t) = row.token.as_ref().filter(|_| row.reserved_until_us.is_some_and(|u| now < u)) {
+            // Another write's reservation runs: wait for its outcome,
+            // unless its write has committed already.
+            if !many::claimed(shards, row.owner, t).await? {
+                if Instant::now() >= deadline {
+                    return Ok(Reserved::HeldBy(row.owner));
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(50));
+                continue;
             }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(50));
-            continue;
         }
         if let Some(t) = &row.token {
             revoke(shards, row.owner, t).await?;
@@ -427,17 +431,6 @@ pub async fn claim(shard: usize, conn: &mut MySqlConnection, token: &[u8], now: 
     .on(shard)?
     .rows_affected();
     Ok(inserted == 1)
-}
-
-/// Deletes a claim whose reservations are all settled: no one revokes a
-/// token its rows no longer carry.
-pub async fn forget_claim(shards: &Shards, shard: usize, token: &[u8]) -> Result<()> {
-    sqlx::query("DELETE FROM bagstore_unique_claims WHERE token = ? AND claimed")
-        .bind(token)
-        .execute(shards.pool(shard))
-        .await
-        .on(shard)
-        .map(drop)
 }
 
 /// What [`hold`] found of an entity's key.

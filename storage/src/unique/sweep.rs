@@ -115,15 +115,29 @@ pub async fn resolve(
     Ok(Resolved::Removed)
 }
 
-/// Deletes claim and revocation records older than `before_us`: by then
-/// no write under their tokens is still running (a write gives up its
-/// try once its reservation ran out: `Keys::until_us` in the write path).
-pub async fn purge_claims(shard: usize, pool: &MySqlPool, before_us: i64, limit: usize) -> Result<u64> {
-    sqlx::query("DELETE FROM bagstore_unique_claims WHERE recorded_us < ? LIMIT ?")
-        .bind(before_us)
-        .bind(limit as u64)
-        .execute(pool)
-        .await
-        .on(shard)
-        .map(|r| r.rows_affected())
+/// Deletes claims older than `claims_before_us` and revocations older
+/// than `revoked_before_us`. A claim only spares a contender the wait for a
+/// write that is done: once it is gone, a revocation of its token is
+/// harmless, as the contender then reads whether the entity holds the key.
+/// A revocation stops a write that may still be running; by the time it
+/// goes no write under its token is (a write gives up its try once its
+/// reservation ran out: `Keys::until_us` in the write path).
+pub async fn purge_claims(
+    shard: usize,
+    pool: &MySqlPool,
+    claims_before_us: i64,
+    revoked_before_us: i64,
+    limit: usize,
+) -> Result<u64> {
+    sqlx::query(
+        "DELETE FROM bagstore_unique_claims WHERE (claimed AND recorded_us < ?) OR (NOT claimed AND recorded_us < ?) \
+         LIMIT ?",
+    )
+    .bind(claims_before_us)
+    .bind(revoked_before_us)
+    .bind(limit as u64)
+    .execute(pool)
+    .await
+    .on(shard)
+    .map(|r| r.rows_affected())
 }

@@ -12,13 +12,14 @@
 
 use schemas::index::IndexKey;
 use schemas::{Bag, EntityId};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use super::decide::Staged;
 use super::transaction::{attempt, Tried};
 use super::{Committed, Item, WriteContext, WriteError};
+use crate::unique::many::{self, Look};
 use crate::unique::{self, key_id, Reserved, UniqueSpec};
 use crate::StoreError;
 
@@ -210,15 +211,46 @@ pub(super) async fn commit(
     Err(StoreError::UniqueKeysMoving { shard })
 }
 
-/// Reserves `wanted` (at once), noting each answer.
+/// Reserves `wanted`, noting each answer: those of one index on one key
+/// shard in one transaction (all at once), a key another entity's row has
+/// the one-key way.
 async fn reserve_all(ctx: &WriteContext, keys: &mut Keys, wanted: Vec<Wanted>) -> Result<(), StoreError> {
     let shards = ctx.shards();
     let rules = ctx.rules();
     let wanted: Vec<Wanted> = wanted.into_iter().collect::<HashSet<_>>().into_iter().collect();
-    let token = keys.token;
-    let specs = keys.specs.clone();
+    let (token, specs) = (keys.token, keys.specs.clone());
     let until_us = schemas::clock::now_micros().saturating_add(rules.unique_reservation_us);
-    let answers = futures::future::try_join_all(wanted.iter().map(|w| {
+    let map = shards.routing();
+    let mut groups: BTreeMap<(usize, usize), Vec<&Wanted>> = BTreeMap::new();
+    for w in &wanted {
+        let logical = specs[w.index].spec.logical_of_key(&w.key, map.logical_shards());
+        groups.entry((w.index, map.of_logical(logical))).or_default().push(w);
+    }
+    let looked = futures::future::join_all(groups.iter().map(|((index, shard), ws)| {
+        let wants: Vec<(IndexKey, EntityId)> = ws.iter().map(|w| (w.key.clone(), w.owner)).collect();
+        let spec = &specs[*index].spec;
+        async move { many::reserve_many(shards, *shard, spec, &wants, token, until_us).await }
+    }))
+    .await;
+    let mut answers: Vec<(Wanted, Reserved)> = Vec::new();
+    let mut contended: Vec<&Wanted> = Vec::new();
+    for ((_, ws), looks) in groups.iter().zip(looked) {
+        match looks {
+            Ok(looks) => {
+                for (w, look) in ws.iter().zip(looks) {
+                    match look {
+                        Look::Answered(r) => answers.push(((*w).clone(), r)),
+                        Look::Contended => contended.push(w),
+                    }
+                }
+            }
+            // A stale map or a lost race: each key the one-key way, which
+            // reloads and tries again.
+            Err(e) if e.is_stale_map() || e.is_retryable_conflict() => contended.extend(ws.iter().copied()),
+            Err(e) => return Err(e),
+        }
+    }
+    let slow = futures::future::try_join_all(contended.iter().map(|w| {
         let spec = &specs[w.index].spec;
         unique::reserve(
             shards,
@@ -231,42 +263,52 @@ async fn reserve_all(ctx: &WriteContext, keys: &mut Keys, wanted: Vec<Wanted>) -
         )
     }))
     .await?;
-    if rules.drill_exit_after_reserve && answers.contains(&Reserved::Mine) {
+    answers.extend(contended.into_iter().cloned().zip(slow));
+    if rules.drill_exit_after_reserve && answers.iter().any(|(_, r)| *r == Reserved::Mine) {
         tracing::warn!("drill: exiting after reserving a unique key, before the write's transaction");
         std::process::exit(137);
     }
-    if answers.contains(&Reserved::Mine) {
+    if answers.iter().any(|(_, r)| *r == Reserved::Mine) {
         keys.until_us = keys.until_us.min(until_us);
     }
-    keys.status.extend(wanted.into_iter().zip(answers));
+    keys.status.extend(answers);
     Ok(())
 }
 
-/// What follows a committed try: reservations settled, dropped keys
-/// freed, the claim forgotten once nothing carries its token. A failure
-/// here is logged and left: a reservation left pending resolves when it
-/// runs out (see `crate::unique`), a held row of a dropped key is taken
-/// over by the next writer and removed by the cleaner.
+/// What follows a committed try: per index and key shard, one statement
+/// each for the reservations now held, those its entities did not keep,
+/// and the keys they dropped. A failure here is logged and left: a
+/// reservation left pending resolves when it runs out (see
+/// `crate::unique`), a held row of a dropped key is taken over by the next
+/// writer and removed by the cleaner. The claim stays until the cleaner
+/// purges it.
 async fn settle(ctx: &WriteContext, shard: usize, keys: &Keys, done: Settled) {
     let shards = ctx.shards();
-    let spec = |w: &Wanted| &keys.specs[w.index].spec;
-    let settled = futures::future::join_all(
-        done.settle
-            .iter()
-            .map(|(w, held)| unique::settle(shards, spec(w), &w.key, w.owner, &keys.token, *held)),
-    );
-    let freed =
-        futures::future::join_all(done.freed.iter().map(|w| unique::free(shards, spec(w), &w.key, w.owner)));
-    let (settled, freed) = futures::join!(settled, freed);
-    let mut clean = true;
-    for e in settled.into_iter().chain(freed).filter_map(Result::err) {
-        tracing::warn!(shard, error = %e, "a unique key row was not settled; it resolves when its reservation runs out");
-        clean = false;
-    }
-    if clean && done.claimed {
-        if let Err(e) = unique::forget_claim(shards, shard, &keys.token).await {
-            tracing::warn!(shard, error = %e, "a unique key claim was not removed; the cleaner removes it");
+    let map = shards.routing();
+    type Group<'a> = (Vec<&'a IndexKey>, Vec<&'a IndexKey>, Vec<(&'a IndexKey, EntityId)>);
+    let mut groups: BTreeMap<(usize, usize), Group<'_>> = BTreeMap::new();
+    let home = |w: &Wanted| {
+        let logical = keys.specs[w.index].spec.logical_of_key(&w.key, map.logical_shards());
+        (w.index, map.of_logical(logical))
+    };
+    for (w, held) in &done.settle {
+        let g = groups.entry(home(w)).or_default();
+        if *held {
+            g.0.push(&w.key)
+        } else {
+            g.1.push(&w.key)
         }
+    }
+    for w in &done.freed {
+        groups.entry(home(w)).or_default().2.push((&w.key, w.owner));
+    }
+    let settled = futures::future::join_all(groups.iter().map(|((index, on), (held, dropped, freed))| {
+        let spec = &keys.specs[*index].spec;
+        many::settle_many(shards, *on, spec, &keys.token, held, dropped, freed)
+    }))
+    .await;
+    for e in settled.into_iter().filter_map(Result::err) {
+        tracing::warn!(shard, error = %e, "unique key rows were not settled; they resolve when their reservations run out");
     }
 }
 
@@ -275,6 +317,4 @@ async fn settle(ctx: &WriteContext, shard: usize, keys: &Keys, done: Settled) {
 pub(super) struct Settled {
     pub settle: Vec<(Wanted, bool)>,
     pub freed: Vec<Wanted>,
-    /// The try claimed the call's token.
-    pub claimed: bool,
 }

@@ -171,7 +171,7 @@ async fn unique_step(
         return Ok(Err(Tried::Revoked));
     }
     fx.finish(&decided.rows);
-    Ok(Ok(Settled { settle: fx.settle, freed: fx.freed, claimed }))
+    Ok(Ok(Settled { settle: fx.settle, freed: fx.freed }))
 }
 
 /// What the locking reads found, as stored.
