@@ -34,8 +34,8 @@ pub struct IndexRow {
     pub version: u64,
     /// The entity's `added_id` on its own shard; `None`: unknown.
     pub entity_added_id: Option<u64>,
-    /// A unique index's row still reserved: its token and until when
-    /// (`crate::unique`); a move carries it as it is.
+    /// A unique index's row still reserved: its token and until when (see
+    /// the unique module); a move carries it as it is.
     pub reservation: Option<(Vec<u8>, i64)>,
 }
 
