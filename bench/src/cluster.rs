@@ -11,6 +11,22 @@ use std::time::{Duration, Instant};
 
 use crate::cpu;
 
+/// The index both cluster benchmarks declare: a user's posts by time.
+pub const POSTS_INDEX: &str = r#"
+[[indexes]]
+table = "index_user_published"
+properties = [{ name = "user_id", type = "uuid" }, { name = "published", type = "int" }]
+shard_on = "user_id"
+"#;
+
+/// The usage text of the benchmark `name`.
+pub fn usage(name: &str) -> String {
+    format!(
+        "usage: {name} [--secs S] [--clients C] [--batch B]\n  --secs S     seconds per phase (default 20)\n  \
+         --clients C  concurrent clients (default 16)\n  --batch B    entities per batch put (default 100)"
+    )
+}
+
 /// Seconds per phase, concurrent clients, entities per batch put.
 #[derive(Debug, Clone, Copy)]
 pub struct Options {
@@ -19,9 +35,33 @@ pub struct Options {
     pub batch: usize,
 }
 
+/// The options of the benchmark `name` from the command line, the
+/// `bagstore` binary beside it located; the exit code when it is not to
+/// run (`--help`, a bad argument, no `bagstore`).
+pub fn options_or_exit(name: &str) -> Result<Options, std::process::ExitCode> {
+    let usage = usage(name);
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let opts = match parse_args(&args) {
+        Ok(o) => o,
+        Err(e) if e.is_empty() => {
+            println!("{usage}");
+            return Err(std::process::ExitCode::SUCCESS);
+        }
+        Err(e) => {
+            eprintln!("{name}: {e}\n{usage}");
+            return Err(std::process::ExitCode::from(2));
+        }
+    };
+    if let Err(e) = crate::sibling::locate_bagstore() {
+        eprintln!("{name}: {e}");
+        return Err(std::process::ExitCode::FAILURE);
+    }
+    Ok(opts)
+}
+
 /// `--secs S --clients C --batch B` (defaults 20, 16, 100); `Err("")` for
 /// `--help`.
-pub fn parse_args(args: &[String]) -> Result<Options, String> {
+fn parse_args(args: &[String]) -> Result<Options, String> {
     let mut o = Options { secs: 20, clients: 16, batch: 100 };
     let mut it = args.iter();
     while let Some(a) = it.next() {

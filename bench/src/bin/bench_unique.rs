@@ -30,19 +30,7 @@ mod cpu;
 #[path = "../sibling.rs"]
 mod sibling;
 
-use cluster::{load, parse_args, quantiles, Options, Servers};
-
-const USAGE: &str = "usage: bench_unique [--secs S] [--clients C] [--batch B]\n\
-  --secs S     seconds per phase (default 20)\n\
-  --clients C  concurrent clients (default 16)\n\
-  --batch B    entities per batch put (default 100)";
-
-const INDEXES: &str = r#"
-[[indexes]]
-table = "index_user_published"
-properties = [{ name = "user_id", type = "uuid" }, { name = "published", type = "int" }]
-shard_on = "user_id"
-"#;
+use cluster::{load, options_or_exit, quantiles, Options, Servers, POSTS_INDEX as INDEXES};
 
 const UNIQUE: &str = r#"
 [[indexes]]
@@ -71,22 +59,10 @@ struct Figures {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let opts = match parse_args(&args) {
+    let opts = match options_or_exit("bench_unique") {
         Ok(o) => o,
-        Err(e) if e.is_empty() => {
-            println!("{USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!("bench_unique: {e}\n{USAGE}");
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
-    if let Err(e) = sibling::locate_bagstore() {
-        eprintln!("bench_unique: {e}");
-        return ExitCode::FAILURE;
-    }
     let mut runs = Vec::new();
     for unique in [false, true] {
         match cluster_run(opts, unique).await {

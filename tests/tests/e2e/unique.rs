@@ -267,11 +267,9 @@ async fn sixteen_racing_writers_on_two_shards_for_a_key_on_a_third_exactly_one_w
     assert!(rows.iter().all(|(_, _, pending)| !pending), "{rows:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_writer_killed_between_reserving_and_committing_blocks_the_key_only_until_taken_over_or_cleaned() {
-    let env = three_shards("uniquekill").await;
-    let reservation_ms = "3000";
-    // A writer that exits (as kill -9) right after its first reservation.
+/// A writer that exits (as `kill -9`) right after its first reservation,
+/// asked to put `email` on `entity`: it dies without answering.
+async fn dies_reserving(env: &TestEnv, reservation_ms: &str, entity: &str, email: &str) {
     let doomed = env
         .spawn_env(
             &["writer", "--http", "127.0.0.1:0"],
@@ -281,10 +279,17 @@ async fn a_writer_killed_between_reserving_and_committing_blocks_the_key_only_un
             ],
         )
         .await;
-    let (first, second) = (id(0x51), id(0x52));
-    let doomed_api = doomed.api();
-    let died = tokio::spawn(async move { doomed_api.put(&first, &json!({"email": "orphan@x"})).await });
+    let (api, entity, body) = (doomed.api(), entity.to_string(), json!({ "email": email }));
+    let died = tokio::spawn(async move { api.put(&entity, &body).await });
     assert!(died.await.is_err(), "the drill's writer answered");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_killed_between_reserving_and_committing_blocks_the_key_only_until_taken_over_or_cleaned() {
+    let env = three_shards("uniquekill").await;
+    let reservation_ms = "3000";
+    let second = id(0x52);
+    dies_reserving(&env, reservation_ms, &id(0x51), "orphan@x").await;
     // Its reservation is left, pending, naming an entity that never was.
     let rows = key_rows(&env, "index_email", "email").await;
     assert_eq!(rows, BTreeSet::from([("orphan@x".to_string(), id(0x51), true)]));
@@ -303,18 +308,7 @@ async fn a_writer_killed_between_reserving_and_committing_blocks_the_key_only_un
     assert_eq!(rows, BTreeSet::from([("orphan@x".to_string(), second.clone(), false)]));
     // A second orphan no writer wants: the cleaner removes it once its
     // reservation ran out.
-    let doomed = env
-        .spawn_env(
-            &["writer", "--http", "127.0.0.1:0"],
-            &[
-                ("BAGSTORE_WRITER__DRILL_EXIT_AFTER_RESERVE", "true"),
-                ("BAGSTORE_WRITER__UNIQUE_RESERVATION_MS", reservation_ms),
-            ],
-        )
-        .await;
-    let doomed_api = doomed.api();
-    let died = tokio::spawn(async move { doomed_api.put(&id(0x53), &json!({"email": "lone@x"})).await });
-    assert!(died.await.is_err(), "the drill's writer answered");
+    dies_reserving(&env, reservation_ms, &id(0x53), "lone@x").await;
     assert_eq!(key_rows(&env, "index_email", "email").await.len(), 2);
     let _cleaner = env
         .spawn_env(&["cleaner", "--http", "127.0.0.1:0"], &[("BAGSTORE_CLEANER__INTERVAL_MS", "200")])
