@@ -173,7 +173,7 @@ async fn leases_give_a_restarted_member_its_partitions_and_a_dead_ones_to_the_ot
     .await;
 
     // Nothing was lost across the kills: every entity has its index row.
-    writing.store(false, std::sync::atomic::Ordering::Relaxed);
+    writing.stop();
     tokio::time::sleep(Duration::from_millis(100)).await;
     env.until_caught_up(&[INDEX]).await;
     assert_eq!(env.count_rows(INDEX).await, env.count_rows("entities").await, "index rows against entities");

@@ -48,23 +48,30 @@ async fn a_broker_that_dies_on_its_own_is_recorded_as_a_crash() {
 
 /// No partition is fetched and applied by two indexers after the broker
 /// process was gone for longer than the session timeout (issue 17; the
-/// mock-cluster run is in the e2e suite's `membership`). tansu does not
-/// tell a replaced member so (its heartbeats and commits are accepted):
-/// before the partition claims (`service::membership`), two indexers both
-/// held and applied a partition for 40 s and more here, beside the chaos
-/// suite.
+/// mock-cluster runs, with the broker's group protocol and with member
+/// leases, are in the `membership` suite), with the indexers on member
+/// leases: the assignment docs/design-notes.md advises on tansu 0.6.0,
+/// whose group coordinator keeps a dead member as the group's leader. On
+/// its group protocol this scenario settled 4 to 23 s after the broker
+/// returned in earlier runs and not within 45 s in a CI run (a partition
+/// fetched by two members while tansu's group had not formed again),
+/// which measures that defect of the broker, not bagstore. What the
+/// partition claims (`service::membership`) guarantee on either protocol,
+/// nothing applied from a partition another member claimed since, is
+/// tested with the group protocol on the mock broker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_broker_kill_past_the_session_timeout_each_partition_has_one_worker() {
-    use bagstore_tests::membership::{no_partition_is_worked_twice_after_an_outage, OUTAGE};
+    use bagstore_tests::membership::{no_partition_is_worked_twice_after_an_outage_with, OUTAGE};
     let env = TestEnv::with_tansu("overlaptansu", STANDARD_INDEXES).await;
     let tansu = env.kafka.tansu().expect("tansu");
-    let outcome = no_partition_is_worked_twice_after_an_outage(&env, || async {
+    let leases = [("BAGSTORE_INDEXER__ASSIGNMENT", "leases")];
+    let outcome = no_partition_is_worked_twice_after_an_outage_with(&env, &leases, || async {
         tansu.kill9();
         tokio::time::sleep(OUTAGE).await;
         tansu.restart().await.expect("tansu restarts");
     })
     .await;
-    eprintln!("tansu: {outcome}");
+    eprintln!("tansu, member leases: {outcome}");
 }
 
 /// The public change stream read by a PyPI `kafka-python` consumer (a
