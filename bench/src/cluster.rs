@@ -77,57 +77,23 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
     Ok(o)
 }
 
-/// `o.clients` clients putting new entities (`batch` per request) for
-/// `o.secs` seconds: the entities acknowledged, and each request's latency.
-/// Entity `i`'s body comes from `entity`.
-pub async fn load(
-    api: &Api,
-    o: Options,
-    batch: usize,
-    ids: Arc<Mutex<Vec<String>>>,
-    entity: fn(u64) -> Value,
-) -> (u64, Vec<f64>) {
+/// `o.clients` clients, each calling `op` back to back for `o.secs`
+/// seconds: the sum of what the calls returned (entities acknowledged),
+/// and each call's latency.
+pub async fn closed_loop<F, Fut>(o: Options, op: F) -> (u64, Vec<f64>)
+where
+    F: Fn() -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = u64> + Send,
+{
     let until = Instant::now() + Duration::from_secs(o.secs);
     let clients = (0..o.clients).map(|_| {
-        let (api, ids) = (api.clone(), ids.clone());
+        let op = op.clone();
         tokio::spawn(async move {
             let (mut n, mut lat) = (0u64, Vec::new());
             while Instant::now() < until {
-                let items: Vec<(String, Value)> = (0..batch)
-                    .map(|_| {
-                        (schemas::EntityId(rand::random()).to_hex(), entity(rand::random::<u32>().into()))
-                    })
-                    .collect();
                 let t = Instant::now();
-                let ok: Vec<String> = if batch == 1 {
-                    let (id, body) = &items[0];
-                    let (status, _) = api.put(id, body).await;
-                    if status == 201 {
-                        vec![id.clone()]
-                    } else {
-                        Vec::new()
-                    }
-                } else {
-                    let docs: Vec<Value> = items
-                        .iter()
-                        .map(|(id, b)| {
-                            let mut doc = b.clone();
-                            doc["id"] = json!(id);
-                            doc
-                        })
-                        .collect();
-                    let (_, body) = api.batch(&docs).await;
-                    let answers = body["results"].as_array().cloned().unwrap_or_default();
-                    items
-                        .iter()
-                        .zip(answers)
-                        .filter(|(_, a)| a["version"].is_u64())
-                        .map(|((id, _), _)| id.clone())
-                        .collect()
-                };
+                n += op().await;
                 lat.push(t.elapsed().as_secs_f64());
-                n += ok.len() as u64;
-                ids.lock().unwrap().extend(ok);
             }
             (n, lat)
         })
@@ -139,6 +105,57 @@ pub async fn load(
         total.1.extend(lat);
     }
     total
+}
+
+/// `o.clients` clients putting new entities (`batch` per request) for
+/// `o.secs` seconds: the entities acknowledged, and each request's latency.
+/// Entity `i`'s body comes from `entity`.
+pub async fn load(
+    api: &Api,
+    o: Options,
+    batch: usize,
+    ids: Arc<Mutex<Vec<String>>>,
+    entity: fn(u64) -> Value,
+) -> (u64, Vec<f64>) {
+    let api = api.clone();
+    closed_loop(o, move || {
+        let (api, ids) = (api.clone(), ids.clone());
+        async move {
+            let items: Vec<(String, Value)> = (0..batch)
+                .map(|_| (schemas::EntityId(rand::random()).to_hex(), entity(rand::random::<u32>().into())))
+                .collect();
+            let ok: Vec<String> = if batch == 1 {
+                let (id, body) = &items[0];
+                let (status, _) = api.put(id, body).await;
+                if status == 201 {
+                    vec![id.clone()]
+                } else {
+                    Vec::new()
+                }
+            } else {
+                let docs: Vec<Value> = items
+                    .iter()
+                    .map(|(id, b)| {
+                        let mut doc = b.clone();
+                        doc["id"] = json!(id);
+                        doc
+                    })
+                    .collect();
+                let (_, body) = api.batch(&docs).await;
+                let answers = body["results"].as_array().cloned().unwrap_or_default();
+                items
+                    .iter()
+                    .zip(answers)
+                    .filter(|(_, a)| a["version"].is_u64())
+                    .map(|((id, _), _)| id.clone())
+                    .collect()
+            };
+            let n = ok.len() as u64;
+            ids.lock().unwrap().extend(ok);
+            n
+        }
+    })
+    .await
 }
 
 /// "p50 / p99" in milliseconds.

@@ -45,13 +45,16 @@ use std::time::{Duration, Instant};
 use storage::conns::Conns;
 
 mod floor;
+mod json_table;
 mod moves;
 
 const USAGE: &str =
-    "usage: bench [--quick] [--only-move] [--only-writes] [--entities N] [--phase-secs S] [--clients C] [--steady-rate R]\n\
+    "usage: bench [--quick] [--only-move] [--only-writes] [--only-reads] [--perf-reader FILE] [--entities N] [--phase-secs S] [--clients C] [--steady-rate R]\n\
   --quick          CI smoke run: 3000 entities, 2 s phases, 4 clients\n\
   --only-move      load bagstore's N entities, then run the move phase alone (for working on the mover)\n\
   --only-writes    load N entities, then run the write phases and MariaDB's cost per entity alone\n\
+  --only-reads     load N entities, then run the query and point-get phases alone\n\
+  --perf-reader FILE  record the reader with `perf` during the point gets into FILE (for scripts/flamegraph)\n\
   --entities N     entities loaded before queries and the index build (default 1000000)\n\
   --phase-secs S   length of each measured phase (default 20)\n\
   --clients C      concurrent clients (connections, requests in flight) for every contender (default 16)\n\
@@ -86,6 +89,10 @@ struct Options {
     only_move: bool,
     /// After the load, only the write phases (for working on the write path).
     only_writes: bool,
+    /// After the load, only the queries and point gets (the read path).
+    only_reads: bool,
+    /// Where `perf record` writes the reader's profile during the point gets.
+    perf_reader: Option<PathBuf>,
     entities: usize,
     phase: Duration,
     clients: usize,
@@ -102,6 +109,8 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
     let mut quick = false;
     let mut only_move = false;
     let mut only_writes = false;
+    let mut only_reads = false;
+    let mut perf_reader = None;
     let mut backfill_rate = 0;
     let (mut entities, mut phase, mut clients, mut rate) = (None, None, None, None);
     let mut it = args.iter();
@@ -110,6 +119,8 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
             "--quick" => quick = true,
             "--only-move" => only_move = true,
             "--only-writes" => only_writes = true,
+            "--only-reads" => only_reads = true,
+            "--perf-reader" => perf_reader = Some(value::<PathBuf>(a, it.next())?),
             "--entities" => entities = Some(value::<usize>(a, it.next())?),
             "--phase-secs" => phase = Some(value::<f64>(a, it.next())?),
             "--clients" => clients = Some(value::<usize>(a, it.next())?),
@@ -123,14 +134,16 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
         quick,
         only_move,
         only_writes,
+        only_reads,
+        perf_reader,
         entities: entities.unwrap_or(if quick { 3000 } else { 1_000_000 }),
         phase: Duration::from_secs_f64(phase.unwrap_or(if quick { 2.0 } else { 20.0 })),
         clients: clients.unwrap_or(if quick { 4 } else { 16 }),
         steady_rate: rate.unwrap_or(if quick { 50 } else { 200 }),
         backfill_rate,
     };
-    if o.only_move && o.only_writes {
-        return Err("--only-move and --only-writes exclude each other".into());
+    if [o.only_move, o.only_writes, o.only_reads].iter().filter(|on| **on).count() > 1 {
+        return Err("--only-move, --only-writes and --only-reads exclude each other".into());
     }
     if o.entities < 100 || o.clients == 0 || o.steady_rate == 0 || o.phase.is_zero() {
         return Err(
@@ -992,20 +1005,7 @@ async fn setup(opts: &Options) -> anyhow::Result<World> {
             .connect(&s.dsn("bench_native"))
             .await?;
         sqlx::query(&storage::ddl::entities()).execute(&pool).await?;
-        sqlx::query(
-            "CREATE TABLE IF NOT EXISTS docs (
-                added_id BIGINT UNSIGNED NOT NULL AUTO_INCREMENT,
-                id BINARY(16) NOT NULL,
-                doc JSON NOT NULL,
-                user_id VARCHAR(32) AS (JSON_VALUE(doc, '$.user_id')) VIRTUAL,
-                published BIGINT AS (JSON_VALUE(doc, '$.published')) VIRTUAL,
-                PRIMARY KEY (added_id),
-                UNIQUE KEY docs_id (id),
-                KEY docs_user_published (user_id, published)
-            ) ENGINE=InnoDB",
-        )
-        .execute(&pool)
-        .await?;
+        sqlx::query(json_table::DDL).execute(&pool).await?;
         pools.push(pool);
         let options = sqlx::mysql::MySqlConnectOptions::from_str(&s.dsn("bench_native"))?;
         conns.push(Conns::new(i, options, opts.clients as u32 + 4));
@@ -1105,10 +1105,8 @@ async fn raw_insert(native: Arc<Native>, items: Vec<(String, Vec<u8>)>) -> anyho
 
 /// JSON documents into the native table.
 async fn json_insert(native: Arc<Native>, items: Vec<(String, String)>) -> anyhow::Result<()> {
-    insert_by_shard(native, items, "INSERT INTO docs (id, doc) VALUES", "(?, ?)", |q, doc| {
-        q.bind(doc.as_str())
-    })
-    .await
+    insert_by_shard(native, items, json_table::INSERT_HEAD, json_table::ROW, |q, doc| q.bind(doc.as_str()))
+        .await
 }
 
 fn body_of(i: u64) -> Vec<u8> {
@@ -1495,7 +1493,16 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
             Ok(())
         }
     };
-    let ((gj, _), (gb, _)) = side_by_side(world, c, d, json_get, bag_get).await;
+    let perf = match &opts.perf_reader {
+        Some(file) => Some(Perf::record(reader.pid() as u32, file)?),
+        None => None,
+    };
+    let ((gj, ugj), (gb, ugb)) = side_by_side(world, c, d, json_get, bag_get).await;
+    q_cpu.push(("json: point get by id".to_string(), ugj.per_op(gj.latency.n as f64, "gets")));
+    q_cpu.push(("bagstore: point get by id".to_string(), ugb.per_op(gb.latency.n as f64, "gets")));
+    if let Some(p) = perf {
+        p.stop().await?;
+    }
     report.run("get_json", "json: point get by id", &gj, "gets/s");
     report.run("get_bagstore", "bagstore: point get by id", &gb, "gets/s");
     report.line(
@@ -1507,6 +1514,12 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
 
     for (i, (what, line)) in q_cpu.iter().enumerate() {
         report.line(&format!("qcpu_{i}"), &format!("CPU, {what}"), String::new(), line.clone());
+    }
+    if opts.only_reads {
+        for p in [writer, indexer, reader] {
+            p.terminate().await;
+        }
+        return Ok(());
     }
 
     // ---- Adding an index to the N entities while a steady writer writes.
@@ -1828,8 +1841,9 @@ async fn write_phases(
         })
         .await
     };
-    cpu_lines
-        .push(("json single".to_string(), world.usage_step(&mut cpu0, one_json.rate * secs, "rows").await));
+    let spent = world.spent_since(&mut cpu0).await;
+    cpu_lines.push(("json single".to_string(), spent.per_op(one_json.rate * secs, "rows")));
+    mysql_lines.push(("json single", spent, one_json.rate * secs));
     let batch_json = {
         let nat = native.clone();
         closed_loop(c, d, BATCH, move || {
@@ -1840,8 +1854,9 @@ async fn write_phases(
         })
         .await
     };
-    cpu_lines
-        .push(("json batch".to_string(), world.usage_step(&mut cpu0, batch_json.rate * secs, "rows").await));
+    let spent = world.spent_since(&mut cpu0).await;
+    cpu_lines.push(("json batch".to_string(), spent.per_op(batch_json.rate * secs, "rows")));
+    mysql_lines.push(("json batch", spent, batch_json.rate * secs));
     // The design's floors (see `floor`): its rows, none of bagstore's own
     // statements; each measured until its deferred rows are written.
     let mut floors = Vec::new();
@@ -2018,6 +2033,14 @@ async fn write_phases(
         format!("single {}", ratio(per("bagstore single"), per("raw single"))),
         format!("batch {}", ratio(per("bagstore batch"), per("raw batch"))),
     );
+    // Against what a user would pick instead (issue 35): the JSON table
+    // with the same index, its generated columns and secondary index.
+    report.line(
+        "mysql_cpu_json_ratio",
+        "mariadbd CPU per entity: bagstore / json (target ≤ 2.0 single, ≤ 2.5 batch)",
+        format!("single {}", ratio(per("bagstore single"), per("json single"))),
+        format!("batch {}", ratio(per("bagstore batch"), per("json batch"))),
+    );
     // What the design's rows cost (the floors against raw), and what
     // bagstore adds to them (bagstore against the floor of its design).
     for (key, what, over, under) in [
@@ -2049,6 +2072,41 @@ async fn write_phases(
     }
 
     Ok((writer, one_bag.rate))
+}
+
+/// `perf record` of one process (`--perf-reader`): CPU-clock samples with
+/// DWARF call graphs, so release code without frame pointers unwinds;
+/// `scripts/flamegraph` draws them.
+struct Perf {
+    child: tokio::process::Child,
+}
+
+impl Perf {
+    fn record(pid: u32, file: &Path) -> anyhow::Result<Perf> {
+        let child = tokio::process::Command::new("perf")
+            .args(["record", "-e", "cpu-clock", "-F", "199", "--call-graph", "dwarf,16384", "-p"])
+            .arg(pid.to_string())
+            .arg("-o")
+            .arg(file)
+            .stdout(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .context("perf record (Debian's linux-perf)")?;
+        Ok(Perf { child })
+    }
+
+    /// Stops the recording as Ctrl-C would, so perf writes its file out.
+    async fn stop(mut self) -> anyhow::Result<()> {
+        let pid = self.child.id().context("perf exited early")?;
+        let sent = tokio::process::Command::new("kill").args(["-INT", &pid.to_string()]).status().await?;
+        ensure!(sent.success(), "kill -INT {pid}: {sent}");
+        let status = self.child.wait().await?;
+        // perf ends on the SIGINT itself, or exits 0 or 130 after it.
+        use std::os::unix::process::ExitStatusExt;
+        let stopped = status.success() || status.code() == Some(130) || status.signal() == Some(libc::SIGINT);
+        ensure!(stopped, "perf record: {status}");
+        Ok(())
+    }
 }
 
 /// Waits until `indexer` holds every partition of the change topic.

@@ -17,7 +17,10 @@
 //! figures are its own. Phases: single puts, then batch puts, each with C
 //! clients for S seconds: entities per second, latency, and the CPU seconds
 //! per 1000 entities of the primaries and of the replicas apart, and of
-//! each server. With the
+//! each server. Then the same two phases into the JSON table a user would
+//! make instead (`json_table`), on the same servers with the same
+//! replication, and the ratio of the primaries' CPU per entity, bagstore's
+//! (measured until its index caught up) to the JSON table's. With the
 //! replica: point gets and a query (the latest 20 of a user) through a
 //! reader that reads the primaries and one that reads the replicas
 //! (`reader.read_from`), p50 and p99 side by side.
@@ -26,18 +29,23 @@ use anyhow::{ensure, Context};
 use bagstore_tests::replicated::Cluster;
 use bagstore_tests::{metric_sum, Api, TestEnv};
 use serde_json::{json, Value};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool};
 use std::process::ExitCode;
+use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use storage::conns::Conns;
 
 #[path = "../cluster.rs"]
 mod cluster;
 #[path = "../cpu.rs"]
 mod cpu;
+#[path = "../json_table.rs"]
+mod json_table;
 #[path = "../sibling.rs"]
 mod sibling;
 
-use cluster::{load, options_or_exit, quantiles, Options, Servers, POSTS_INDEX as INDEXES};
+use cluster::{closed_loop, load, options_or_exit, quantiles, Options, Servers, POSTS_INDEX as INDEXES};
 
 /// Users the entities belong to (each has many, for "latest 20").
 const USERS: u64 = 200;
@@ -77,9 +85,13 @@ async fn cluster_run(o: Options, replicas: u32) -> anyhow::Result<Vec<String>> {
     let ids: Arc<Mutex<Vec<String>>> = Arc::default();
     let mut rows = Vec::new();
     let api = writer.api();
+    let mut bagstore_cpu = Vec::new();
     for batch in [1, o.batch] {
         let before = servers.ticks();
         let (n, lat) = load(&api, o, batch, ids.clone(), entity).await;
+        // The deferred work (the relay's outbox deletes, the index rows)
+        // counts too.
+        env.until_caught_up(&["index_user_published"]).await;
         let cpu = servers.since(&before, n);
         let what = if batch == 1 { "single puts".to_string() } else { format!("batch puts of {batch}") };
         rows.push(format!(
@@ -88,7 +100,31 @@ async fn cluster_run(o: Options, replicas: u32) -> anyhow::Result<Vec<String>> {
             quantiles(lat),
         ));
         eprintln!("bench_replicas: {}", rows.last().expect("pushed"));
+        bagstore_cpu.push(cpu.primaries);
     }
+    let json = Json::create(&cluster, o.clients).await?;
+    let mut json_cpu = Vec::new();
+    for batch in [1, o.batch] {
+        let before = servers.ticks();
+        let (n, lat) = json.load(o, batch).await;
+        let cpu = servers.since(&before, n);
+        let what = if batch == 1 { "single inserts".to_string() } else { format!("inserts of {batch}") };
+        rows.push(format!(
+            "| {replicas} | JSON table: {what} | {:.0} entities/s | {} | {cpu} |",
+            n as f64 / o.secs as f64,
+            quantiles(lat),
+        ));
+        eprintln!("bench_replicas: {}", rows.last().expect("pushed"));
+        json_cpu.push(cpu.primaries);
+    }
+    json.replicated(&cluster).await?;
+    rows.push(format!(
+        "| {replicas} | primaries' CPU per entity, bagstore / JSON table (target ≤ 2.0 single, ≤ 2.5 batch) | \
+         single {:.2}×, batch {:.2}× | - | - |",
+        bagstore_cpu[0] / json_cpu[0].max(1e-9),
+        bagstore_cpu[1] / json_cpu[1].max(1e-9),
+    ));
+    eprintln!("bench_replicas: {}", rows.last().expect("pushed"));
     if replicas > 0 {
         env.until_caught_up(&["index_user_published"]).await;
         let ids = ids.lock().unwrap().clone();
@@ -168,4 +204,94 @@ async fn reads(api: &Api, o: Options, ids: &[String], query: bool) -> anyhow::Re
         all.extend(c.context("a read client")??);
     }
     Ok(all)
+}
+
+/// The JSON table (`json_table`) in database `bench_json` of each shard's
+/// primary, documents placed by id as bagstore places entities; written
+/// through reused connections, as `bench`'s contenders are.
+struct Json {
+    conns: Arc<Vec<Conns>>,
+}
+
+impl Json {
+    async fn create(cluster: &Cluster, clients: usize) -> anyhow::Result<Json> {
+        let mut conns = Vec::new();
+        for (i, shard) in cluster.shards.iter().enumerate() {
+            let server = shard[0].server.as_ref().context("a running primary")?;
+            let root = MySqlPool::connect(&server.dsn("")).await?;
+            sqlx::query("CREATE DATABASE IF NOT EXISTS bench_json").execute(&root).await?;
+            root.close().await;
+            let pool = MySqlPool::connect(&server.dsn("bench_json")).await?;
+            sqlx::query(json_table::DDL).execute(&pool).await?;
+            pool.close().await;
+            let options = MySqlConnectOptions::from_str(&server.dsn("bench_json"))?;
+            conns.push(Conns::new(i, options, clients as u32 + 4));
+        }
+        Ok(Json { conns: Arc::new(conns) })
+    }
+
+    /// `o.clients` clients inserting new documents (`batch` per request,
+    /// one multi-row insert per shard, shards in parallel) for `o.secs`
+    /// seconds.
+    async fn load(&self, o: Options, batch: usize) -> (u64, Vec<f64>) {
+        let conns = self.conns.clone();
+        closed_loop(o, move || {
+            let conns = conns.clone();
+            async move {
+                let mut per: Vec<Vec<([u8; 16], String)>> = vec![Vec::new(); conns.len()];
+                for _ in 0..batch {
+                    let id: [u8; 16] = rand::random();
+                    let logical = schemas::logical_of(&id, schemas::shard::DEFAULT_LOGICAL_SHARDS);
+                    per[logical as usize % conns.len()]
+                        .push((id, entity(rand::random::<u32>().into()).to_string()));
+                }
+                let inserts = per.iter().enumerate().filter(|(_, docs)| !docs.is_empty()).map(|(s, docs)| {
+                    let conns = conns.clone();
+                    async move {
+                        let sql = format!(
+                            "{} {}",
+                            json_table::INSERT_HEAD,
+                            vec![json_table::ROW; docs.len()].join(", ")
+                        );
+                        let q = docs
+                            .iter()
+                            .fold(sqlx::query(&sql), |q, (id, doc)| q.bind(&id[..]).bind(doc.as_str()));
+                        let mut t = conns[s].take().await.ok()?;
+                        q.execute(&mut t.conn).await.ok()?;
+                        conns[s].give_back(t);
+                        Some(docs.len() as u64)
+                    }
+                });
+                futures::future::join_all(inserts).await.into_iter().flatten().sum()
+            }
+        })
+        .await
+    }
+
+    /// Every replica holds as many documents as its primary (within 60 s):
+    /// the JSON table was written with the same replication as bagstore.
+    async fn replicated(&self, cluster: &Cluster) -> anyhow::Result<()> {
+        for shard in &cluster.shards {
+            let count = |m: usize| async move {
+                let server = shard[m].server.as_ref().context("a running server")?;
+                let pool = MySqlPool::connect(&server.dsn("bench_json")).await?;
+                let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM docs").fetch_one(&pool).await?;
+                pool.close().await;
+                anyhow::Ok(n)
+            };
+            let primary = count(0).await?;
+            ensure!(primary > 0, "the JSON table holds no documents");
+            for m in 1..shard.len() {
+                let until = Instant::now() + Duration::from_secs(60);
+                while count(m).await? != primary {
+                    ensure!(
+                        Instant::now() < until,
+                        "a replica's JSON table did not reach its primary's {primary} documents"
+                    );
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+        Ok(())
+    }
 }
