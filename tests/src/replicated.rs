@@ -22,13 +22,31 @@ pub const ADMIN_ENV: [(&str, &str); 3] = [
 /// restarted where the map lists it), or a free one; `as_replica` starts
 /// it read-only with `--init-rpl-role=SLAVE`.
 pub async fn start_on(dir: &Path, server_id: u32, as_replica: bool, port: Option<u16>) -> MariaDb {
+    try_start_on(dir, server_id, as_replica, port).await.expect("a private mariadbd")
+}
+
+/// [`start_on`], with mariadbd's refusal to start as an error.
+async fn try_start_on(
+    dir: &Path,
+    server_id: u32,
+    as_replica: bool,
+    port: Option<u16>,
+) -> anyhow::Result<MariaDb> {
     let opts = MariaDbOptions {
         innodb_buffer_pool_size: Some("16M".into()),
         replicated: Some(Replicated { server_id, as_replica }),
         port,
         ..Default::default()
     };
-    MariaDb::start_with(dir, opts).await.expect("a private mariadbd")
+    MariaDb::start_with(dir, opts).await
+}
+
+/// Whether mariadbd refused to start because its crash recovery could not
+/// truncate a binary-log tail no replica acknowledged: a statement it
+/// cannot take back (a DDL, such as a move's journal triggers) follows the
+/// tail. Such a server cannot rejoin; it is re-seeded.
+pub fn cannot_truncate(refusal: &anyhow::Error) -> bool {
+    format!("{refusal:#}").contains("Cannot truncate the binary log")
 }
 
 /// The address the map lists database `db` of `server` at.
@@ -179,10 +197,32 @@ impl Cluster {
     }
 
     /// Restarts a killed member where it was, as a replica (its recovery
-    /// discards a tail no replica acknowledged).
-    pub async fn restart_as_replica(&mut self, shard: usize, m: usize) {
+    /// discards a tail no replica acknowledged); mariadbd's refusal to
+    /// start as an error (see [`cannot_truncate`]).
+    pub async fn restart_as_replica(&mut self, shard: usize, m: usize) -> anyhow::Result<()> {
         let member = &mut self.shards[shard][m];
-        member.server = Some(start_on(&member.dir, member.server_id, true, Some(member.port)).await);
+        member.server = Some(try_start_on(&member.dir, member.server_id, true, Some(member.port)).await?);
+        Ok(())
+    }
+
+    /// Re-seeds member `m` of `shard`, a dead server that cannot rejoin, as
+    /// docs/operations.md tells an operator to: removed from the map, its
+    /// data thrown away, an empty server started on its port (under a new
+    /// server id) and added as a replica, which seeds it.
+    pub async fn reseed(&mut self, env: &TestEnv, shard: usize, m: usize) {
+        let (name, dsn) = (format!("s{shard}"), self.dsn(env, shard, m));
+        let (ok, out, err) =
+            env.run(&env.args(&["shards", "replicas", "remove", &name, &dsn]), &ADMIN_ENV).await;
+        assert!(ok, "replicas remove: {out}{err}");
+        let member = &mut self.shards[shard][m];
+        std::fs::remove_dir_all(&member.dir).expect("the dead server's directory");
+        member.server_id += 100;
+        let server = start_on(&member.dir, member.server_id, true, Some(member.port)).await;
+        replication::create_accounts(&server).await.expect("accounts");
+        member.server = Some(server);
+        let (ok, out, err) =
+            env.run(&env.args(&["shards", "replicas", "add", &name, &dsn]), &ADMIN_ENV).await;
+        assert!(ok, "replicas add: {out}{err}");
     }
 
     /// Stops every running member cleanly.

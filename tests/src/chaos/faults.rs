@@ -616,7 +616,16 @@ async fn inject_failover(
     *shared.primaries.write().unwrap() = env.dsns.clone();
     // Down a while longer, as a server being looked at would be.
     tokio::time::sleep(Duration::from_millis(rng.random_range(0..1500))).await;
-    cluster.restart_as_replica(shard, victim).await;
+    // A server whose recovery cannot take its unacknowledged tail back
+    // does not start; it is re-seeded, as an operator would.
+    let reseeded = match cluster.restart_as_replica(shard, victim).await {
+        Ok(()) => false,
+        Err(refusal) if crate::replicated::cannot_truncate(&refusal) => {
+            cluster.reseed(env, shard, victim).await;
+            true
+        }
+        Err(refusal) => panic!("restarting the dead primary as a replica: {refusal:#}"),
+    };
     eventually("the coordinator to take the dead server back", Duration::from_secs(60), || async {
         online_replica(&*env, shard, &old).await.then_some(())
     })
@@ -624,9 +633,14 @@ async fn inject_failover(
     let back = killed.elapsed().as_millis();
     servers.reconnect(env).await;
     servers.failovers.push((shard, to_map, back));
+    let how = if reseeded {
+        "refused to start (its recovery could not truncate the unacknowledged tail), re-seeded as a replica"
+    } else {
+        "restarted as a replica and taken back"
+    };
     format!(
-        "s{shard}'s primary {old} (pid {pid}) killed -9; the map named {} after {to_map} ms; restarted as a \
-         replica and taken back (writes taken again) after {back} ms",
+        "s{shard}'s primary {old} (pid {pid}) killed -9; the map named {} after {to_map} ms; {how} \
+         (writes taken again) after {back} ms",
         after[shard]
     )
 }
