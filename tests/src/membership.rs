@@ -132,20 +132,12 @@ fn applied(c: &Counts) -> f64 {
     c.iter().filter(|((_, s), _)| s == "applied").map(|(_, n)| n).sum()
 }
 
-/// Runs the scenario. `outage` takes the broker away for [`OUTAGE`] and
-/// brings it back. Returns a line for the test's output: how long the
-/// processes overlapped and how long until each partition had one worker.
-pub async fn no_partition_is_worked_twice_after_an_outage<F, Fut>(env: &TestEnv, outage: F) -> String
-where
-    F: FnOnce() -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    no_partition_is_worked_twice_after_an_outage_with(env, &[], outage).await
-}
-
-/// The scenario with `vars` in each indexer's environment (member leases:
-/// `BAGSTORE_INDEXER__ASSIGNMENT=leases`).
-pub async fn no_partition_is_worked_twice_after_an_outage_with<F, Fut>(
+/// Runs the scenario with `vars` in each indexer's environment (member
+/// leases: `BAGSTORE_INDEXER__ASSIGNMENT=leases`). `outage` takes the
+/// broker away for [`OUTAGE`] and brings it back. Returns a line for the
+/// test's output: how long the processes overlapped and how long until
+/// each partition had one worker.
+pub async fn no_partition_is_worked_twice_after_an_outage<F, Fut>(
     env: &TestEnv,
     vars: &[(&str, &str)],
     outage: F,

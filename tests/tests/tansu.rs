@@ -61,11 +61,11 @@ async fn a_broker_that_dies_on_its_own_is_recorded_as_a_crash() {
 /// tested with the group protocol on the mock broker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_broker_kill_past_the_session_timeout_each_partition_has_one_worker() {
-    use bagstore_tests::membership::{no_partition_is_worked_twice_after_an_outage_with, OUTAGE};
+    use bagstore_tests::membership::{no_partition_is_worked_twice_after_an_outage, OUTAGE};
     let env = TestEnv::with_tansu("overlaptansu", STANDARD_INDEXES).await;
     let tansu = env.kafka.tansu().expect("tansu");
     let leases = [("BAGSTORE_INDEXER__ASSIGNMENT", "leases")];
-    let outcome = no_partition_is_worked_twice_after_an_outage_with(&env, &leases, || async {
+    let outcome = no_partition_is_worked_twice_after_an_outage(&env, &leases, || async {
         tansu.kill9();
         tokio::time::sleep(OUTAGE).await;
         tansu.restart().await.expect("tansu restarts");
