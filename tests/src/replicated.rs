@@ -18,26 +18,48 @@ pub const ADMIN_ENV: [(&str, &str); 3] = [
     ("BAGSTORE_MYSQL__REPLICATION_PASSWORD", replication::REPLICATION_PASSWORD),
 ];
 
+/// How big a private server of a replicated shard is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Size {
+    /// The suites': many servers on one machine, a 16 MiB buffer pool.
+    Test,
+    /// As `bench` runs its servers, so their figures compare: a 2 GiB
+    /// buffer pool, a 512 MiB redo log, each commit's binlog write synced.
+    Bench,
+}
+
+impl Size {
+    fn options(self) -> MariaDbOptions {
+        match self {
+            Size::Test => {
+                MariaDbOptions { innodb_buffer_pool_size: Some("16M".into()), ..Default::default() }
+            }
+            Size::Bench => MariaDbOptions {
+                innodb_buffer_pool_size: Some("2G".into()),
+                extra_args: vec!["--innodb-log-file-size=512M".into(), "--sync-binlog=1".into()],
+                ..Default::default()
+            },
+        }
+    }
+}
+
 /// A private server of a replicated shard on `port` (a dead server
 /// restarted where the map lists it), or a free one; `as_replica` starts
 /// it read-only with `--init-rpl-role=SLAVE`.
 pub async fn start_on(dir: &Path, server_id: u32, as_replica: bool, port: Option<u16>) -> MariaDb {
-    try_start_on(dir, server_id, as_replica, port).await.expect("a private mariadbd")
+    try_start_on(dir, server_id, as_replica, port, Size::Test).await.expect("a private mariadbd")
 }
 
-/// [`start_on`], with mariadbd's refusal to start as an error.
+/// [`start_on`] at `size`, with mariadbd's refusal to start as an error.
 async fn try_start_on(
     dir: &Path,
     server_id: u32,
     as_replica: bool,
     port: Option<u16>,
+    size: Size,
 ) -> anyhow::Result<MariaDb> {
-    let opts = MariaDbOptions {
-        innodb_buffer_pool_size: Some("16M".into()),
-        replicated: Some(Replicated { server_id, as_replica }),
-        port,
-        ..Default::default()
-    };
+    let opts =
+        MariaDbOptions { replicated: Some(Replicated { server_id, as_replica }), port, ..size.options() };
     MariaDb::start_with(dir, opts).await
 }
 
@@ -103,6 +125,7 @@ pub struct Cluster {
     /// Per physical shard, in order: its servers.
     pub shards: Vec<Vec<Member>>,
     replicas: u32,
+    size: Size,
 }
 
 impl Cluster {
@@ -112,7 +135,12 @@ impl Cluster {
     /// and points `env` at the primaries (the metadata shard's replicas as
     /// seeds).
     pub async fn start(env: &mut TestEnv, shards: usize, replicas: u32) -> Cluster {
-        let mut cluster = Cluster { shards: Vec::new(), replicas };
+        Cluster::start_sized(env, shards, replicas, Size::Test).await
+    }
+
+    /// [`Cluster::start`] on servers of `size`.
+    pub async fn start_sized(env: &mut TestEnv, shards: usize, replicas: u32, size: Size) -> Cluster {
+        let mut cluster = Cluster { shards: Vec::new(), replicas, size };
         let first = shards.min(2);
         for _ in 0..first {
             cluster.start_shard(env).await;
@@ -140,7 +168,8 @@ impl Cluster {
         for m in 0..=self.replicas {
             let server_id = i * 10 + m + 1;
             let dir = env.dir.path().join(format!("s{i}-{m}"));
-            let server = start_on(&dir, server_id, m > 0, None).await;
+            let server =
+                try_start_on(&dir, server_id, m > 0, None, self.size).await.expect("a private mariadbd");
             replication::create_accounts(&server).await.expect("accounts");
             members.push(Member { dir, server_id, port: server.port(), server: Some(server) });
         }
@@ -201,7 +230,8 @@ impl Cluster {
     /// start as an error (see [`cannot_truncate`]).
     pub async fn restart_as_replica(&mut self, shard: usize, m: usize) -> anyhow::Result<()> {
         let member = &mut self.shards[shard][m];
-        member.server = Some(try_start_on(&member.dir, member.server_id, true, Some(member.port)).await?);
+        member.server =
+            Some(try_start_on(&member.dir, member.server_id, true, Some(member.port), self.size).await?);
         Ok(())
     }
 
@@ -217,7 +247,9 @@ impl Cluster {
         let member = &mut self.shards[shard][m];
         std::fs::remove_dir_all(&member.dir).expect("the dead server's directory");
         member.server_id += 100;
-        let server = start_on(&member.dir, member.server_id, true, Some(member.port)).await;
+        let server = try_start_on(&member.dir, member.server_id, true, Some(member.port), self.size)
+            .await
+            .expect("a private mariadbd");
         replication::create_accounts(&server).await.expect("accounts");
         member.server = Some(server);
         let (ok, out, err) =

@@ -9,7 +9,8 @@
 //!
 //! Two clusters, one after the other, on the same machine and alike but
 //! for the replicas: two physical shards (the metadata shard is one), each
-//! a private `mariadbd` primary, first alone, then with one semi-sync
+//! a private `mariadbd` primary sized as `bench` sizes its servers (2 GiB
+//! buffer pool, 512 MiB redo log, `sync_binlog=1`), first alone, then with one semi-sync
 //! replica (`AFTER_SYNC`: a commit waits until the replica has it), the
 //! real `bagstore` writer, indexer and readers, a mock Kafka in this
 //! process. As `bench` does for its write phases, the MariaDB servers run
@@ -26,7 +27,7 @@
 //! (`reader.read_from`), p50 and p99 side by side.
 
 use anyhow::{ensure, Context};
-use bagstore_tests::replicated::Cluster;
+use bagstore_tests::replicated::{Cluster, Size};
 use bagstore_tests::{metric_sum, Api, TestEnv};
 use serde_json::{json, Value};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool};
@@ -77,7 +78,7 @@ async fn main() -> ExitCode {
 /// One cluster with `replicas` replicas per shard: its phases' report rows.
 async fn cluster_run(o: Options, replicas: u32) -> anyhow::Result<Vec<String>> {
     let mut env = TestEnv::new(&format!("benchrepl{replicas}"), INDEXES).await;
-    let cluster = Cluster::start(&mut env, 2, replicas).await;
+    let cluster = Cluster::start_sized(&mut env, 2, replicas, Size::Bench).await;
     let writer = env.spawn(&["writer"]).await;
     let indexer = env.spawn(&["indexer"]).await;
     let servers = Servers::of(&cluster);
@@ -94,12 +95,7 @@ async fn cluster_run(o: Options, replicas: u32) -> anyhow::Result<Vec<String>> {
         env.until_caught_up(&["index_user_published"]).await;
         let cpu = servers.since(&before, n);
         let what = if batch == 1 { "single puts".to_string() } else { format!("batch puts of {batch}") };
-        rows.push(format!(
-            "| {replicas} | {what} | {:.0} entities/s | {} | {cpu} |",
-            n as f64 / o.secs as f64,
-            quantiles(lat),
-        ));
-        eprintln!("bench_replicas: {}", rows.last().expect("pushed"));
+        say(&mut rows, write_row(replicas, &what, n, o.secs, lat, &cpu));
         bagstore_cpu.push(cpu.primaries);
     }
     let json = Json::create(&cluster, o.clients).await?;
@@ -109,22 +105,22 @@ async fn cluster_run(o: Options, replicas: u32) -> anyhow::Result<Vec<String>> {
         let (n, lat) = json.load(o, batch).await;
         let cpu = servers.since(&before, n);
         let what = if batch == 1 { "single inserts".to_string() } else { format!("inserts of {batch}") };
-        rows.push(format!(
-            "| {replicas} | JSON table: {what} | {:.0} entities/s | {} | {cpu} |",
-            n as f64 / o.secs as f64,
-            quantiles(lat),
-        ));
-        eprintln!("bench_replicas: {}", rows.last().expect("pushed"));
+        say(&mut rows, write_row(replicas, &format!("JSON table: {what}"), n, o.secs, lat, &cpu));
         json_cpu.push(cpu.primaries);
     }
     json.replicated(&cluster).await?;
-    rows.push(format!(
-        "| {replicas} | primaries' CPU per entity, bagstore / JSON table (target ≤ 2.0 single, ≤ 2.5 batch) | \
-         single {:.2}×, batch {:.2}× | - | - |",
+    let ratio = format!(
+        "single {:.2}×, batch {:.2}×",
         bagstore_cpu[0] / json_cpu[0].max(1e-9),
-        bagstore_cpu[1] / json_cpu[1].max(1e-9),
-    ));
-    eprintln!("bench_replicas: {}", rows.last().expect("pushed"));
+        bagstore_cpu[1] / json_cpu[1].max(1e-9)
+    );
+    say(
+        &mut rows,
+        format!(
+            "| {replicas} | primaries' CPU per entity, bagstore / JSON table (target ≤ 2.0 single, ≤ 2.5 batch) | \
+             {ratio} | - | - |"
+        ),
+    );
     if replicas > 0 {
         env.until_caught_up(&["index_user_published"]).await;
         let ids = ids.lock().unwrap().clone();
@@ -134,11 +130,13 @@ async fn cluster_run(o: Options, replicas: u32) -> anyhow::Result<Vec<String>> {
             for (what, query) in [("point gets", false), ("latest 20 of a user", true)] {
                 let lat = reads(&reader.api(), o, &ids, query).await?;
                 let rate = lat.len() as f64 / o.secs as f64;
-                rows.push(format!(
-                    "| {replicas} | {what} from the {from} | {rate:.0} reads/s | {} | - |",
-                    quantiles(lat)
-                ));
-                eprintln!("bench_replicas: {}", rows.last().expect("pushed"));
+                say(
+                    &mut rows,
+                    format!(
+                        "| {replicas} | {what} from the {from} | {rate:.0} reads/s | {} | - |",
+                        quantiles(lat)
+                    ),
+                );
             }
             // The reads went where they were sent.
             let m = reader.api().metrics().await;
@@ -155,6 +153,25 @@ async fn cluster_run(o: Options, replicas: u32) -> anyhow::Result<Vec<String>> {
     drop((writer, indexer));
     cluster.stop().await;
     Ok(rows)
+}
+
+/// Adds `row` to the table, said on stderr as it is measured.
+fn say(rows: &mut Vec<String>, row: String) {
+    eprintln!("bench_replicas: {row}");
+    rows.push(row);
+}
+
+/// A write phase's row: `n` entities in `secs` seconds, their latencies,
+/// the servers' CPU.
+fn write_row(
+    replicas: u32,
+    what: &str,
+    n: u64,
+    secs: u64,
+    lat: Vec<f64>,
+    cpu: &impl std::fmt::Display,
+) -> String {
+    format!("| {replicas} | {what} | {:.0} entities/s | {} | {cpu} |", n as f64 / secs as f64, quantiles(lat))
 }
 
 /// Entity number `i` of the load: a post of one of [`USERS`].

@@ -10,7 +10,7 @@ use devstack::replication;
 use serde_json::Value;
 use std::time::{Duration, Instant};
 
-use bagstore_tests::replicated::two_shards;
+use bagstore_tests::replicated::{cannot_truncate, two_shards, Cluster};
 
 use crate::replication::{all_read_back, start, start_on, SteadyWriter, ADMIN_ENV};
 
@@ -378,6 +378,111 @@ async fn a_write_no_replica_acknowledged_is_never_acknowledged_published_or_kept
     for server in [a, c, revived] {
         server.stop().await.expect("a clean stop");
     }
+}
+
+/// The re-seed path (docs/operations.md), made on purpose rather than left
+/// to the chaos suite's luck. A write waits for an acknowledgement no
+/// replica can give (the replica's I/O thread stopped) and a DDL follows
+/// it in the primary's binary log, as a move's journal triggers can. The
+/// primary is killed with `kill -9` and failed over. Restarted as a
+/// replica, mariadbd refuses to start: its recovery cannot truncate a tail
+/// a DDL follows. Re-seeded as an operator would (`replicas remove`, an
+/// empty server on its port, `replicas add`), it holds every write the
+/// shard acknowledged, at its version, and not the unacknowledged one, and
+/// the shard takes writes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_primary_that_cannot_truncate_its_tail_is_reseeded_with_every_acknowledged_write() {
+    use sqlx::Row;
+    use storage::write::{self, Change, Item, Precondition, Rules, WriteContext};
+    let mut env = TestEnv::new("reseed", "").await;
+    let mut cluster = Cluster::start(&mut env, 2, 1).await;
+    let writer = env.spawn(&["writer"]).await;
+    let client = SteadyWriter::start(writer.api());
+    client.more(40).await;
+    let (acked, _) = client.finish().await;
+
+    let toml = std::fs::read_to_string(env.config_path()).unwrap();
+    let settings = schemas::Settings::from_toml_and_env(&toml, Vec::new()).unwrap();
+    let shards = storage::Shards::connect(&settings.mysql).await.unwrap();
+    let on_s1 = |hex: &str| shards.of_id(&schemas::EntityId::parse(hex).unwrap()) == 1;
+    let acked_s1: Vec<(String, u64)> = acked.into_iter().filter(|(id, _)| on_s1(id)).collect();
+    assert!(!acked_s1.is_empty(), "no acknowledged write landed on s1");
+    let held = loop {
+        let id = schemas::EntityId(rand::random());
+        if shards.of_id(&id) == 1 {
+            break id;
+        }
+    };
+    let ctx = std::sync::Arc::new(WriteContext::new(shards.clone(), Rules::from_settings(&settings)));
+    let bag = schemas::value::bag_from_json(&serde_json::json!({"v": "never acknowledged"})).unwrap();
+    let item = Item { id: held, change: Change::Put(bag), pre: Precondition::default() };
+
+    let replica = cluster.shards[1][1].server.as_ref().unwrap().server_dsn();
+    let mut root_replica = crate::replication::connect(&replica).await;
+    sqlx::query("STOP SLAVE IO_THREAD").execute(&mut root_replica).await.unwrap();
+    let commit = tokio::spawn(async move { write::commit(&ctx, 1, &[item]).await.map(|c| c.results.len()) });
+    let mut commit = std::pin::pin!(commit);
+    let early = tokio::time::timeout(Duration::from_secs(3), &mut commit).await;
+    assert!(early.is_err(), "the write was acknowledged with no replica receiving: {early:?}");
+
+    // A DDL after the held write in the binary log: its commit waits too.
+    // Seen in the file: while the DDL waits, the server answers no `SHOW
+    // MASTER STATUS`.
+    let primary = cluster.shards[1][0].server.as_ref().unwrap().server_dsn();
+    let mut root = crate::replication::connect(&primary).await;
+    let file: String = sqlx::query("SHOW MASTER STATUS").fetch_one(&mut root).await.unwrap().get("File");
+    drop(root);
+    let binlog = cluster.shards[1][0].dir.join("data").join(file);
+    let logged = || std::fs::metadata(&binlog).expect("the primary's binary log").len();
+    let before = logged();
+    let ddl = {
+        let (primary, db) = (primary.clone(), format!("{}_s1", env.name));
+        tokio::spawn(async move {
+            let mut root = crate::replication::connect(&primary).await;
+            sqlx::query(&format!("CREATE TABLE `{db}`.reseed_marker (x INT)")).execute(&mut root).await
+        })
+    };
+    eventually("the DDL to reach the primary's binary log", Duration::from_secs(30), || async {
+        (logged() > before).then_some(())
+    })
+    .await;
+
+    cluster.kill_9(1, 0);
+    let ended = tokio::time::timeout(Duration::from_secs(30), &mut commit).await.expect("the commit ends");
+    assert!(!matches!(ended, Ok(Ok(_))), "the write was acknowledged: {ended:?}");
+    assert!(!matches!(ddl.await, Ok(Ok(_))), "the DDL was acknowledged");
+    let (ok, out, err) = env.run(&env.args(&["shards", "failover", "s1"]), &ADMIN_ENV).await;
+    assert!(ok, "failover: {out}{err}");
+    env.dsns[1] = cluster.dsn(&env, 1, 1);
+
+    let refusal =
+        cluster.restart_as_replica(1, 0).await.expect_err("mariadbd started over a DDL it cannot take back");
+    assert!(cannot_truncate(&refusal), "refused for another reason: {refusal:#}");
+    cluster.reseed(&env, 1, 0).await;
+
+    // The shard takes writes again: the re-seeded server acknowledges them.
+    let api = writer.api();
+    let after = eventually("a write to s1 after the re-seed", Duration::from_secs(60), || async {
+        let id = schemas::EntityId(rand::random());
+        if shards.of_id(&id) != 1 {
+            return None;
+        }
+        let (status, body) = api.put(&id.to_hex(), &serde_json::json!({"v": "after"})).await;
+        (status == 201).then(|| (id.to_hex(), body["version"].as_u64().unwrap()))
+    })
+    .await;
+    let reseeded = cluster.dsn(&env, 1, 0);
+    let mut conn = crate::replication::connect(&reseeded).await;
+    let rows: Vec<(String, u64)> =
+        sqlx::query_as("SELECT LOWER(HEX(id)), version FROM entities").fetch_all(&mut conn).await.unwrap();
+    let rows: std::collections::HashMap<String, u64> = rows.into_iter().collect();
+    for (id, version) in acked_s1.iter().chain([&after]) {
+        assert_eq!(rows.get(id), Some(version), "the re-seeded server lacks an acknowledged write {id}");
+    }
+    assert!(!rows.contains_key(&held.to_hex()), "the re-seeded server holds the unacknowledged write");
+    shards.close().await;
+    drop(writer);
+    cluster.stop().await;
 }
 
 /// How many rows of `entities` have id `id`, on `conn`.
