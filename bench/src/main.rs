@@ -927,18 +927,14 @@ impl World {
 /// MySQL: the binary log on, each commit's binlog write synced
 /// (`sync_binlog=1`) as well as its redo log.
 fn server_options(quick: bool, server_id: usize) -> devstack::mariadb::MariaDbOptions {
-    devstack::mariadb::MariaDbOptions {
-        ephemeral: true,
-        innodb_buffer_pool_size: Some(if quick { "256M" } else { "2G" }.into()),
-        extra_args: vec![
-            "--innodb-log-file-size=512M".into(),
-            "--log-bin=binlog".into(),
-            "--binlog-format=ROW".into(),
-            "--sync-binlog=1".into(),
-            format!("--server-id={}", server_id + 1),
-        ],
-        ..Default::default()
-    }
+    let mut o = devstack::mariadb::MariaDbOptions::bench_sized(quick);
+    o.ephemeral = true;
+    o.extra_args.extend([
+        "--log-bin=binlog".into(),
+        "--binlog-format=ROW".into(),
+        format!("--server-id={}", server_id + 1),
+    ]);
+    o
 }
 
 impl ProcSampler {

@@ -158,23 +158,10 @@ impl Cleaner {
             let lag_us = fresh.lag_us(events_behind, schemas::clock::now_micros());
             m.lag_seconds.with_label_values(&[table]).set(lag_us as f64 / 1e6);
             let group = k.group_for(table);
-            if k.brokers.is_empty() {
-                continue;
-            }
-            // The group's members on the broker, plus the indexers holding
-            // member leases (`indexer.assignment = "leases"`, which never
-            // join the broker's group): one of the two is 0.
-            let on_broker = kafka::group_members(k, &group).await;
-            let leased = storage::leases::live_members(shards, &group).await;
-            if let Err(e) = &on_broker {
-                tracing::debug!(index = table, error = %e, "cannot list consumer-group members");
-            }
-            if let Err(e) = &leased {
-                tracing::debug!(index = table, error = %e, "cannot count member leases");
-            }
-            if on_broker.is_ok() || leased.is_ok() {
-                let n = on_broker.unwrap_or(0) + leased.unwrap_or(0);
-                m.consumers.with_label_values(&[table]).set(n as i64);
+            // The indexers holding member leases in the index's group.
+            match storage::leases::live_members(shards, &group).await {
+                Ok(n) => m.consumers.with_label_values(&[table]).set(n as i64),
+                Err(e) => tracing::debug!(index = table, error = %e, "cannot count member leases"),
             }
         }
         Ok(())

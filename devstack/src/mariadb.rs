@@ -49,6 +49,21 @@ pub struct MariaDbOptions {
     pub replicated: Option<Replicated>,
 }
 
+impl MariaDbOptions {
+    /// The benchmarks' server size, one home for `bench` and the replicated
+    /// shards `bench_replicas` runs, so their figures compare: a 2 GiB
+    /// buffer pool (256 MiB for `--quick`), a 512 MiB redo log, each
+    /// commit's binary log write synced (`--sync-binlog=1`, where the
+    /// server logs at all).
+    pub fn bench_sized(quick: bool) -> MariaDbOptions {
+        MariaDbOptions {
+            innodb_buffer_pool_size: Some(if quick { "256M" } else { "2G" }.into()),
+            extra_args: vec!["--innodb-log-file-size=512M".into(), "--sync-binlog=1".into()],
+            ..Default::default()
+        }
+    }
+}
+
 /// How a private server of a replicated shard runs. Every server runs
 /// with what any role needs, so a replica can be promoted and a primary
 /// can rejoin as a replica: the binary log in ROW format with GTID strict

@@ -139,7 +139,6 @@ impl IndexConsumer {
             group: settings.kafka.group_for(&spec.table),
             topic: settings.kafka.topic.clone(),
             fetch_wait_ms: i.fetch_wait_ms(),
-            assignment: i.assignment,
             member: i.member.clone(),
             member_setting: "indexer.member",
             batch_max: i.batch_max,

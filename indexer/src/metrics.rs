@@ -100,7 +100,7 @@ impl Metrics {
             rejoins: IntCounterVec::new(
                 Opts::new(
                     "bagstore_indexer_consumer_rejoins_total",
-                    "Consumers closed and replaced by a new group member because they had lost their partitions",
+                    "Consumers closed and replaced by a new one (taking the lease's share afresh) because they had lost their partitions",
                 ),
                 &["index"],
             )?,

@@ -52,9 +52,9 @@ pub mod tables {
     /// Which indexer consumer last took each partition of each consumer
     /// group (metadata shard): the indexers' own fence.
     pub const PARTITION_CLAIMS: &str = "bagstore_partition_claims";
-    /// The indexers that assign partitions among themselves (`indexer.
-    /// assignment = "leases"`): per consumer group, each member's lease
-    /// (metadata shard).
+    /// The consumers (indexers, the writers' ingest) that assign partitions
+    /// among themselves: per consumer group, each member's lease (metadata
+    /// shard).
     pub const GROUP_MEMBERS: &str = "bagstore_group_members";
 }
 

@@ -104,9 +104,6 @@ pub fn consumer_config(k: &KafkaSettings, group: &str, fetch_wait_ms: u64) -> Cl
         .set("auto.commit.interval.ms", "500")
         .set("enable.auto.offset.store", "false")
         .set("auto.offset.reset", "earliest")
-        .set("session.timeout.ms", k.session_timeout_ms.to_string())
-        .set("heartbeat.interval.ms", (k.session_timeout_ms / 4).max(100).to_string())
-        .set("partition.assignment.strategy", "cooperative-sticky")
         .set("fetch.wait.max.ms", fetch_wait_ms.to_string());
     with_options(c, k)
 }
@@ -316,26 +313,49 @@ fn lag_of(consumer: &BaseConsumer, topic: &str) -> Result<Vec<PartitionLag>, Kaf
     Ok(out)
 }
 
-/// Members of a consumer group (the indexer processes consuming for one
-/// index), as the group coordinator reports them.
-pub async fn group_members(k: &KafkaSettings, group: &str) -> Result<usize, KafkaError> {
-    let cfg = base_config(k);
+/// Commits the group's offsets at the topic's current end on every
+/// partition where it has none, so a consumer group created for a new
+/// index does not replay the whole topic: the backfill that follows reads
+/// every entity as it is now, and later events are consumed normally. A
+/// partition the group already committed on is left alone: its indexers
+/// may be consuming it (they never join the broker's group, so the broker
+/// would not refuse), and skipping their events could lose an index row
+/// the backfill already passed. Returns the partitions placed.
+pub async fn start_group_at_end(k: &KafkaSettings, group: &str) -> Result<Vec<i32>, KafkaError> {
+    let k = k.clone();
     let group = group.to_string();
     tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = create(&cfg)?;
-        let list = consumer.fetch_group_list(Some(&group), Duration::from_secs(5))?;
-        Ok(list.groups().iter().filter(|g| g.name() == group).map(|g| g.members().len()).sum())
+        let consumer = warm_group_consumer(&k, &group)?;
+        let topic = k.topic.clone();
+        let placed = (|| {
+            let timeout = Duration::from_secs(5);
+            let mut all = TopicPartitionList::new();
+            for p in topic_partitions(&consumer, &topic, timeout)? {
+                all.add_partition(&topic, p);
+            }
+            let committed = consumer.committed_offsets(all, timeout)?;
+            let mut tpl = TopicPartitionList::new();
+            let mut placed = Vec::new();
+            for e in committed.elements() {
+                if matches!(e.offset(), Offset::Offset(_)) {
+                    continue;
+                }
+                let (_, high) = consumer.fetch_watermarks(&topic, e.partition(), timeout)?;
+                tpl.add_partition_offset(&topic, e.partition(), Offset::Offset(high))?;
+                placed.push(e.partition());
+            }
+            if !placed.is_empty() {
+                consumer.commit(&tpl, CommitMode::Sync)?;
+            }
+            Ok(placed)
+        })();
+        if placed.is_err() {
+            forget_group_consumer(&k, &group);
+        }
+        placed
     })
     .await
     .map_err(|_| KafkaError::Canceled)?
-}
-
-/// Commits the group's offsets at the topic's current end, so a consumer
-/// group created for a new index does not replay the whole topic: the
-/// backfill that follows reads every entity as it is now, and later events
-/// are consumed normally. Fails (harmlessly) if the group has live members.
-pub async fn start_group_at_end(k: &KafkaSettings, group: &str) -> Result<(), KafkaError> {
-    commit_group_at_end(k, group, &k.topic).await.map(|_| ())
 }
 
 /// Commits `group`'s offsets on `topic` at its current end; returns them

@@ -1,9 +1,11 @@
 //! Keeping a consumer's member lease (`storage::leases`) while it runs, so
 //! the consumers of a group split its partitions among themselves: the
-//! indexers of an index (`indexer.assignment = "leases"`), the writers'
-//! Kafka ingest (`ingest.assignment = "leases"`).
+//! indexers of an index, the writers' Kafka ingest. They never join the
+//! broker's consumer group; they only commit their offsets under its id.
 //!
-//! Why not the broker's group protocol: a member killed with `kill -9`
+//! Why not the broker's group protocol (which bagstore ran too, until the
+//! numbers below and two defective coordinators retired it, DESIGN §13;
+//! docs/design-notes.md, "Levers tried and removed"): a member killed with `kill -9`
 //! holds its partitions until the broker ends its session, and when it is
 //! restarted at once it waits for a rebalance the broker runs (6 to 18 s in
 //! the chaos reports, and a lone tansu survivor never got them back). With

@@ -1,6 +1,6 @@
-//! Member leases: indexers that assign a consumer group's partitions among
-//! themselves instead of through the broker's group protocol
-//! (`indexer.assignment = "leases"`, see `service::leases`).
+//! Member leases: the consumers of a group (an index's indexers, the
+//! writers' ingest) assign its partitions among themselves, never through
+//! the broker's group protocol (see `service::leases`).
 //!
 //! Each member renews a lease on the metadata shard under a stable name
 //! (Kubernetes' pod name survives a container restart). The live members
@@ -110,7 +110,7 @@ pub async fn look(shards: &Shards, group: &str, member: &str, incarnation: [u8; 
 }
 
 /// How many members of `group` hold a live lease (the indexers of an
-/// index on leases; 0 for one on the broker's group protocol).
+/// index).
 pub async fn live_members(shards: &Shards, group: &str) -> Result<usize> {
     let (n,): (i64,) = sqlx::query_as(&format!("SELECT COUNT(*) {LIVE}"))
         .bind(group)

@@ -166,11 +166,10 @@ pub async fn holds(writer: &Proc) -> f64 {
 
 /// The whole run: `count` commands from kafka-python while two writers
 /// consume them; the first is killed with `kill -9` once it has taken
-/// some and while it holds ingest partitions (with `ingest.assignment =
-/// "leases"`: while it holds its lease's share), and a writer is started
-/// again at once (a new member: no `ingest.member` is set, so the dead
-/// one's partitions move only when its lease or session ends). Returns the
-/// tally.
+/// some and while it holds ingest partitions (its lease's share), and a
+/// writer is started again at once (a new member: no `ingest.member` is
+/// set, so the dead one's partitions move only when its lease ends).
+/// Returns the tally.
 pub async fn producer_scenario(env: &TestEnv, count: usize, api_version: Option<&'static str>) -> Tally {
     let reader = env.spawn(&["reader", "--http", "127.0.0.1:0"]).await;
     let first = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;

@@ -14,8 +14,7 @@
 //!   blindly.
 //! - [`model`]: the reference model the suites check results against.
 //! - [`chaos`]: the chaos suite, written once, run as a matrix of broker and
-//!   partition assignment (`chaos::matrix`: mock_group, mock_leases,
-//!   tansu_leases).
+//!   replication (`chaos::matrix`: mock, tansu, failover).
 //! - [`membership`]: no partition worked on by two indexers after an
 //!   outage, also run against both brokers.
 //! - [`replicated`]: private replicated shards (issue 33's suites and

@@ -23,8 +23,8 @@ pub const ADMIN_ENV: [(&str, &str); 3] = [
 pub enum Size {
     /// The suites': many servers on one machine, a 16 MiB buffer pool.
     Test,
-    /// As `bench` runs its servers, so their figures compare: a 2 GiB
-    /// buffer pool, a 512 MiB redo log, each commit's binlog write synced.
+    /// As `bench` runs its servers, so their figures compare
+    /// ([`MariaDbOptions::bench_sized`]).
     Bench,
 }
 
@@ -34,11 +34,7 @@ impl Size {
             Size::Test => {
                 MariaDbOptions { innodb_buffer_pool_size: Some("16M".into()), ..Default::default() }
             }
-            Size::Bench => MariaDbOptions {
-                innodb_buffer_pool_size: Some("2G".into()),
-                extra_args: vec!["--innodb-log-file-size=512M".into(), "--sync-binlog=1".into()],
-                ..Default::default()
-            },
+            Size::Bench => MariaDbOptions::bench_sized(false),
         }
     }
 }

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 /// Where `scripts/test` installs tansu, relative to `$CARGO_HOME`: a root
 /// of its own, named for the version and the storage feature it needs.
-pub const DEFAULT_PATH: &str = "bagstore/tansu-0.6.0-postgres/bin/tansu";
+pub const DEFAULT_PATH: &str = "bagstore/tansu-0.6.0-postgres-dev/bin/tansu";
 
 /// The oldest PostgreSQL whose SQL dialect tansu 0.6.0's statements fit:
 /// PostgreSQL 15 (Debian 12's) rejects a subquery in FROM without an alias.

@@ -1,23 +1,13 @@
 //! No partition is fetched and applied by two indexers after a mock-broker
-//! outage longer than the session timeout (issue 17), on member leases; the
-//! same scenario against the standalone broker is in `tansu.rs`. Member
-//! leases: a member killed and restarted under its name takes its own
+//! outage longer than the lease (issue 17); the same scenario against the
+//! standalone broker is in `tansu.rs`. Member leases: a member killed and restarted under its name takes its own
 //! partitions back and no other member touches them; one not restarted is
 //! replaced within its lease; a second process under a taken name wins and
 //! the first stops. A newer partition claim waits for the old owner's write
 //! in hand and refuses its next ones (the fence on InnoDB).
 //!
-//! The outage scenario does not run on the mock broker's group protocol:
-//! its coordinator cannot play it. It names a member it creates after the
-//! member's memory address and adopts any unknown member id a JoinGroup
-//! brings (a real broker answers UNKNOWN_MEMBER_ID). After the outage the
-//! sessions it ended free their members; a client that rejoins afresh gets
-//! a recycled address as its id while another still retries its JoinGroup
-//! under that same old id, and the coordinator, finding that member's join
-//! already held, aborts the whole test process
-//! (`rd_kafka_mock_cgrp_classic_member_add: Assertion '!member->resp'`).
-//! CI hit it on both runs of one stop. A binary of its own, one test at a
-//! time, run after the end-to-end suites.
+//! A binary of its own, one test at a time, run after the end-to-end
+//! suites.
 
 use bagstore_tests::membership::{
     counts, no_partition_is_worked_twice_after_an_outage, sample, steady_writes, Counts, INDEX, OUTAGE,
@@ -30,8 +20,7 @@ use std::time::{Duration, Instant};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_member_leases_after_an_outage_each_partition_has_one_worker() {
     let env = TestEnv::new("overlapleases", STANDARD_INDEXES).await;
-    let leases = [("BAGSTORE_INDEXER__ASSIGNMENT", "leases")];
-    let outcome = no_partition_is_worked_twice_after_an_outage(&env, &leases, || async {
+    let outcome = no_partition_is_worked_twice_after_an_outage(&env, || async {
         env.kafka.broker_down(1).expect("broker down");
         tokio::time::sleep(OUTAGE).await;
         env.kafka.broker_up(1).expect("broker up");
@@ -45,11 +34,7 @@ async fn with_member_leases_after_an_outage_each_partition_has_one_worker() {
 const LEASE_MS: &str = "10000";
 
 async fn leased_indexer(env: &TestEnv, member: &str) -> Proc {
-    let vars = [
-        ("BAGSTORE_INDEXER__ASSIGNMENT", "leases"),
-        ("BAGSTORE_INDEXER__MEMBER", member),
-        ("BAGSTORE_KAFKA__SESSION_TIMEOUT_MS", LEASE_MS),
-    ];
+    let vars = [("BAGSTORE_INDEXER__MEMBER", member), ("BAGSTORE_KAFKA__SESSION_TIMEOUT_MS", LEASE_MS)];
     env.spawn_env(&["indexer", "--index", INDEX], &vars).await
 }
 

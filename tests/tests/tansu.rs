@@ -6,19 +6,13 @@
 //! leases handing a frozen indexer's partitions on. The chaos suite's tansu
 //! run is a combination of `tests/tests/chaos.rs`.
 //!
-//! Its indexers assign partitions by member leases (`indexer.assignment =
-//! "leases"`), and so does the writers' Kafka ingest in its test
-//! (`ingest.assignment = "leases"`): tansu 0.6.0's group coordinator can
-//! keep a dead member as the group's leader, and the group then never forms
-//! again (docs/design-notes.md, "tansu's group coordinator and a dead leader";
-//! [`a_frozen_indexers_partitions_go_to_the_survivor_with_member_leases`]).
+//! Its indexers and the writers' Kafka ingest take their partitions by
+//! member leases, as they always do; tansu 0.6.0's own group coordinator
+//! can keep a dead member as the group's leader, and a group then never
+//! forms again (docs/design-notes.md, "tansu's group coordinator and a
+//! dead leader"), one of the reasons bagstore does not use it.
 
 use bagstore_tests::{TestEnv, STANDARD_INDEXES};
-
-/// The suite's indexes, with the indexers on member leases.
-fn leases_toml() -> String {
-    format!("{STANDARD_INDEXES}\n[indexer]\nassignment = \"leases\"\n")
-}
 
 /// The chaos suite's crash detector: a broker process that dies without
 /// the harness killing it is noticed, recorded (the suite fails on any
@@ -47,25 +41,16 @@ async fn a_broker_that_dies_on_its_own_is_recorded_as_a_crash() {
 }
 
 /// No partition is fetched and applied by two indexers after the broker
-/// process was gone for longer than the session timeout (issue 17; the
-/// mock-cluster runs, with the broker's group protocol and with member
-/// leases, are in the `membership` suite), with the indexers on member
-/// leases: the assignment docs/design-notes.md advises on tansu 0.6.0,
-/// whose group coordinator keeps a dead member as the group's leader. On
-/// its group protocol this scenario settled 4 to 23 s after the broker
-/// returned in earlier runs and not within 45 s in a CI run (a partition
-/// fetched by two members while tansu's group had not formed again),
-/// which measures that defect of the broker, not bagstore. What the
-/// partition claims (`service::membership`) guarantee on either protocol,
-/// nothing applied from a partition another member claimed since, is
-/// tested with the group protocol on the mock broker.
+/// process was gone for longer than the lease (issue 17; the mock-cluster
+/// run is in the `membership` suite). On tansu's own group protocol, which
+/// bagstore no longer uses, this scenario settled 4 to 23 s after the
+/// broker returned in earlier runs and not within 45 s in a CI run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_broker_kill_past_the_session_timeout_each_partition_has_one_worker() {
     use bagstore_tests::membership::{no_partition_is_worked_twice_after_an_outage, OUTAGE};
     let env = TestEnv::with_tansu("overlaptansu", STANDARD_INDEXES).await;
     let tansu = env.kafka.tansu().expect("tansu");
-    let leases = [("BAGSTORE_INDEXER__ASSIGNMENT", "leases")];
-    let outcome = no_partition_is_worked_twice_after_an_outage(&env, &leases, || async {
+    let outcome = no_partition_is_worked_twice_after_an_outage(&env, || async {
         tansu.kill9();
         tokio::time::sleep(OUTAGE).await;
         tansu.restart().await.expect("tansu restarts");
@@ -113,9 +98,7 @@ async fn a_kafka_python_consumer_rebuilds_the_live_entities_from_snapshot_and_ta
 /// code with librdkafka) on the standalone broker: 10,000 commands, with
 /// malformed ones, refused ones and resends of keyed ones, while two
 /// writers consume them and one that holds ingest partitions (its member
-/// lease's share: the writers' ingest runs on member leases, as
-/// docs/design-notes.md, "tansu's group coordinator and a dead leader",
-/// advises on tansu 0.6.0) is killed with `kill -9`; a writer is started
+/// lease's share) is killed with `kill -9`; a writer is started
 /// again as a new member, so the dead one's partitions move when its lease
 /// runs out. Every valid command is applied exactly once (each entity's
 /// version and properties are the producer's valid commands applied once
@@ -124,8 +107,7 @@ async fn a_kafka_python_consumer_rebuilds_the_live_entities_from_snapshot_and_ta
 /// always the same way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_python_commands_apply_exactly_once_across_a_writer_kill() {
-    let toml = format!("{STANDARD_INDEXES}\n[ingest]\nassignment = \"leases\"\n");
-    let env = TestEnv::with_tansu("ingesttansu", &toml).await;
+    let env = TestEnv::with_tansu("ingesttansu", STANDARD_INDEXES).await;
     env.migrate().await;
     let tally = bagstore_tests::ingest::producer_scenario(&env, 10_000, None).await;
     eprintln!("ingest: {tally:?}");
@@ -141,7 +123,7 @@ async fn kafka_python_commands_apply_exactly_once_across_a_writer_kill() {
 /// partitions when the lease runs out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_indexers_partitions_go_to_the_survivor_with_member_leases() {
-    let env = TestEnv::with_tansu("frozentansu", &leases_toml()).await;
+    let env = TestEnv::with_tansu("frozentansu", STANDARD_INDEXES).await;
     let took = bagstore_tests::membership::a_frozen_indexers_partitions_go_to_the_survivor(&env).await;
     eprintln!("tansu, member leases: the survivor applied every partition {took:?} after the freeze");
 }

@@ -1,12 +1,11 @@
 //! Benchmark of index recovery after an indexer dies (issue 20, target 4):
 //! the index lag while one of two indexers is killed with `kill -9` and
 //! either started again at once under the same name (as Kubernetes
-//! restarts a crashed container in its pod) or not started again, with
-//! dynamic group membership, with static membership (KIP-345's
-//! `group.instance.id`, set through `kafka.options`), and with bagstore's
-//! own member leases (`indexer.assignment = "leases"`, the name as
-//! `indexer.member`), on librdkafka's mock cluster and on the standalone
-//! tansu broker.
+//! restarts a crashed container in its pod, `indexer.member`) or not
+//! started again, on librdkafka's mock cluster and on the standalone tansu
+//! broker. The indexers take their partitions by member leases; the runs
+//! that weighed them against the broker's group protocol, dynamic and
+//! static, are in docs/benchmarks-history.md (R4-R6).
 //!
 //! ```sh
 //! cargo build --release -p bagstore -p bench --bins
@@ -37,10 +36,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const USAGE: &str = "usage: bench_recovery [--rate R] [--broker mock|tansu|both] [--membership dynamic|static|leases|all] [--restart yes|no|both]\n\
+const USAGE: &str = "usage: bench_recovery [--rate R] [--broker mock|tansu|both] [--restart yes|no|both]\n\
   --rate R        single PUTs per second during the run (default 100)\n\
   --broker B      which broker to measure on (default both)\n\
-  --membership M  which group membership, or all (default all)\n\
   --restart X     whether the killed indexer is started again (default both)\n\
   --lag-secs S    per broker, first the max single-PUT rate and the index lag at 50% of it, phases of S s (default 15; 0: skip)\n\
   --fetch-wait MS the indexers' fetch wait, indexer.fetch_wait_ms (default bagstore's: 5 on the mock, as in bagstore dev; 20 on tansu)\n\
@@ -55,7 +53,6 @@ const STAYS: Duration = Duration::from_secs(1);
 struct Options {
     rate: f64,
     brokers: Vec<&'static str>,
-    memberships: Vec<&'static str>,
     restarts: Vec<bool>,
     /// Seconds of each lag phase (0: no lag measurement).
     lag_secs: f64,
@@ -80,7 +77,6 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
     let mut o = Options {
         rate: 100.0,
         brokers: vec!["mock", "tansu"],
-        memberships: vec!["dynamic", "static", "leases"],
         restarts: vec![true, false],
         lag_secs: 15.0,
         fetch_wait_ms: None,
@@ -95,10 +91,6 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
                 o.rate = v.parse().map_err(|_| format!("--rate: cannot parse {v:?}"))?;
             }
             "--broker" => o.brokers = pick(a, value()?, &[("mock", "mock"), ("tansu", "tansu")])?,
-            "--membership" => {
-                o.memberships =
-                    pick(a, value()?, &[("dynamic", "dynamic"), ("static", "static"), ("leases", "leases")])?
-            }
             "--restart" => o.restarts = pick(a, value()?, &[("yes", true), ("no", false)])?,
             "--lag-secs" => {
                 let v = value()?;
@@ -162,7 +154,6 @@ fn main() -> ExitCode {
 /// One measured kill.
 struct Outcome {
     broker: &'static str,
-    membership: &'static str,
     restarted: bool,
     /// Whether the two indexers were applying (lag low) within 60 s.
     formed: bool,
@@ -195,17 +186,15 @@ async fn run(opts: Options) -> anyhow::Result<()> {
             eprintln!("{broker}: {l:?}");
             lags.push(l);
         }
-        for membership in opts.memberships.clone().into_iter().filter(|_| opts.recovery) {
-            for restarted in opts.restarts.clone() {
-                let o = measure(broker, membership, restarted, opts.rate, opts.fetch_wait_ms(broker)).await?;
-                eprintln!(
-                    "{broker} {membership} {}: peak {} messages, back {:?} after the kill",
-                    if restarted { "restarted" } else { "not restarted" },
-                    o.peak,
-                    o.back_after_kill
-                );
-                outcomes.push(o);
-            }
+        for restarted in opts.restarts.clone().into_iter().filter(|_| opts.recovery) {
+            let o = measure(broker, restarted, opts.rate, opts.fetch_wait_ms(broker)).await?;
+            eprintln!(
+                "{broker} {}: peak {} messages, back {:?} after the kill",
+                if restarted { "restarted" } else { "not restarted" },
+                o.peak,
+                o.back_after_kill
+            );
+            outcomes.push(o);
         }
     }
     if !lags.is_empty() {
@@ -241,8 +230,8 @@ async fn run(opts: Options) -> anyhow::Result<()> {
         opts.rate,
         SESSION_TIMEOUT.as_millis()
     );
-    println!("| broker | membership | killed indexer | lag before (max msgs) | peak lag (msgs) | back after the kill | back after the restart | applied again |");
-    println!("|---|---|---|---:|---:|---:|---:|---:|");
+    println!("| broker | killed indexer | lag before (max msgs) | peak lag (msgs) | back after the kill | back after the restart | applied again |");
+    println!("|---|---|---:|---:|---:|---:|---:|");
     let secs = |d: Option<Duration>| {
         d.map_or("not within 60 s".to_string(), |d| format!("{:.2} s", d.as_secs_f64()))
     };
@@ -258,8 +247,8 @@ async fn run(opts: Options) -> anyhow::Result<()> {
         };
         if !o.formed {
             println!(
-                "| {} | {} | {killed} | the two indexers did not start applying within 60 s | | | | |",
-                o.broker, o.membership
+                "| {} | {killed} | the two indexers did not start applying within 60 s | | | | |",
+                o.broker
             );
             continue;
         }
@@ -269,9 +258,8 @@ async fn run(opts: Options) -> anyhow::Result<()> {
             "after the kill, every partition by the survivor"
         };
         println!(
-            "| {} | {} | {killed} | {} | {} | {} | {} | {} {again} |",
+            "| {} | {killed} | {} | {} | {} | {} | {} {again} |",
             o.broker,
-            o.membership,
             o.before_max,
             o.peak,
             back(o.back_after_kill),
@@ -313,7 +301,7 @@ async fn lag_at_half(broker: &'static str, phase: Duration, fetch_wait_ms: u64) 
     };
     env.migrate().await;
     let writer = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;
-    let indexer = indexer(&env, "indexer-a", "dynamic", fetch_wait_ms).await;
+    let indexer = indexer(&env, "indexer-a", fetch_wait_ms).await;
     let http = reqwest::Client::new();
     // Applying: a first write shows up in the histogram.
     let scrape = || async {
@@ -565,24 +553,15 @@ async fn put(http: &reqwest::Client, base: &str, i: u64) -> bool {
         .is_ok_and(|r| r.status().is_success())
 }
 
-/// An indexer of [`INDEX`]; a static member (Kafka's `group.instance.id`,
-/// through `kafka.options`) named `name`, a dynamic one, or a member named
-/// `name` by bagstore's leases; fetching with a wait of `fetch_wait_ms`.
-async fn indexer(env: &TestEnv, name: &str, membership: &str, fetch_wait_ms: u64) -> Proc {
-    let options = format!("{{\"group.instance.id\" = \"{name}\"}}");
+/// An indexer of [`INDEX`], the member `name`, fetching with a wait of
+/// `fetch_wait_ms`.
+async fn indexer(env: &TestEnv, name: &str, fetch_wait_ms: u64) -> Proc {
     let fetch_wait = fetch_wait_ms.to_string();
-    let mut vars = vec![
+    let vars = [
         ("BAGSTORE_KAFKA__SESSION_TIMEOUT_MS", "6000"),
         ("BAGSTORE_INDEXER__FETCH_WAIT_MS", fetch_wait.as_str()),
+        ("BAGSTORE_INDEXER__MEMBER", name),
     ];
-    match membership {
-        "static" => vars.push(("BAGSTORE_KAFKA__OPTIONS", options.as_str())),
-        "leases" => {
-            vars.push(("BAGSTORE_INDEXER__ASSIGNMENT", "leases"));
-            vars.push(("BAGSTORE_INDEXER__MEMBER", name));
-        }
-        _ => {}
-    }
     env.spawn_env(&["indexer", "--index", INDEX, "--http", "127.0.0.1:0"], &vars).await
 }
 
@@ -594,20 +573,19 @@ async fn group_lag(env: &TestEnv) -> Option<i64> {
 
 async fn measure(
     broker: &'static str,
-    membership: &'static str,
     restarted: bool,
     rate: f64,
     fetch_wait_ms: u64,
 ) -> anyhow::Result<Outcome> {
-    let name = format!("recovery{}{}{}", &broker[..1], &membership[..1], u8::from(restarted));
+    let name = format!("recovery{}{}", &broker[..1], u8::from(restarted));
     let env = match broker {
         "mock" => TestEnv::new(&name, STANDARD_INDEXES).await,
         _ => TestEnv::with_tansu(&name, STANDARD_INDEXES).await,
     };
     env.migrate().await;
     let writer = env.spawn(&["writer", "--http", "127.0.0.1:0"]).await;
-    let doomed = indexer(&env, "indexer-a", membership, fetch_wait_ms).await;
-    let survivor = indexer(&env, "indexer-b", membership, fetch_wait_ms).await;
+    let doomed = indexer(&env, "indexer-a", fetch_wait_ms).await;
+    let survivor = indexer(&env, "indexer-b", fetch_wait_ms).await;
 
     let stop = Arc::new(AtomicBool::new(false));
     let failed = Arc::new(AtomicU64::new(0));
@@ -622,7 +600,6 @@ async fn measure(
             stop.store(true, Ordering::Relaxed);
             return Ok(Outcome {
                 broker,
-                membership,
                 restarted,
                 formed: false,
                 before_max: 0,
@@ -658,7 +635,7 @@ async fn measure(
     let mut again = None;
     if restarted {
         restarted_at = Some(Instant::now());
-        again = Some(indexer(&env, "indexer-a", membership, fetch_wait_ms).await);
+        again = Some(indexer(&env, "indexer-a", fetch_wait_ms).await);
     }
     let mut peak = 0;
     let mut calm_since: Option<Instant> = None;
@@ -709,7 +686,6 @@ async fn measure(
     }
     Ok(Outcome {
         broker,
-        membership,
         restarted,
         formed: true,
         before_max,

@@ -22,8 +22,8 @@ mod sections;
 pub use mysql::{FailoverMode, MysqlSettings};
 pub use secrets::{is_secret_kafka_option, Dsn, Secret};
 pub use sections::{
-    Assignment, AuthSettings, ChangesSettings, CleanerSettings, ExpirySettings, HttpSettings,
-    IndexerSettings, IngestSettings, KafkaSettings, MoverSettings, ReadFrom, ReaderSettings, WriterSettings,
+    AuthSettings, ChangesSettings, CleanerSettings, ExpirySettings, HttpSettings, IndexerSettings,
+    IngestSettings, KafkaSettings, MoverSettings, ReadFrom, ReaderSettings, WriterSettings,
     EMBEDDED_FETCH_WAIT_MS, FETCH_WAIT_MS,
 };
 
@@ -58,6 +58,18 @@ const REMOVED: &[(&str, &str, &str)] = &[
     ),
     ("cleaner", "backfill_method", "a backfill always upserts in small resumable transactions"),
     ("cleaner", "backfill_bulk_rows", "it sized the bulk backfill, which is gone"),
+    (
+        "indexer",
+        "assignment",
+        "the index consumers always take their partitions by member leases on the metadata shard \
+         (the broker's group protocol is gone; docs/operations.md says how to upgrade)",
+    ),
+    (
+        "ingest",
+        "assignment",
+        "the writers' ingest always takes its partitions by member leases on the metadata shard \
+         (the broker's group protocol is gone; docs/operations.md says how to upgrade)",
+    ),
 ];
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
@@ -407,6 +419,8 @@ pub(crate) mod tests {
             ("[writer]\noutbox = \"binlog\"", "BAGSTORE_WRITER__OUTBOX"),
             ("[cleaner]\nbackfill_method = \"bulk\"", "BAGSTORE_CLEANER__BACKFILL_METHOD"),
             ("[cleaner]\nbackfill_bulk_rows = 10", "BAGSTORE_CLEANER__BACKFILL_BULK_ROWS"),
+            ("[indexer]\nassignment = \"leases\"", "BAGSTORE_INDEXER__ASSIGNMENT"),
+            ("[ingest]\nassignment = \"group\"", "BAGSTORE_INGEST__ASSIGNMENT"),
         ] {
             let key = var.trim_start_matches("BAGSTORE_").replace("__", ".").to_ascii_lowercase();
             let e = Settings::from_toml_and_env(toml, env(&[])).unwrap_err().to_string();
@@ -418,24 +432,16 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn assignment_is_the_group_protocol_unless_leases_are_asked_for_under_a_sound_name() {
+    fn a_member_is_named_by_the_process_unless_a_sound_name_is_set() {
         let s = Settings::from_toml_and_env("", env(&[])).unwrap();
-        assert_eq!(s.indexer.assignment, Assignment::Group);
-        assert_eq!(s.indexer.member, None);
-        let vars = [
-            ("BAGSTORE_INDEXER__ASSIGNMENT", "leases"),
-            ("BAGSTORE_INDEXER__MEMBER", "bagstore-indexer-7f9c"),
-        ];
+        assert_eq!((s.indexer.member.as_deref(), s.ingest.member.as_deref()), (None, None));
+        let vars =
+            [("BAGSTORE_INDEXER__MEMBER", "bagstore-indexer-7f9c"), ("BAGSTORE_INGEST__MEMBER", "writer-1")];
         let s = Settings::from_toml_and_env("", env(&vars)).unwrap();
-        assert_eq!(s.indexer.assignment, Assignment::Leases);
         assert_eq!(s.indexer.member.as_deref(), Some("bagstore-indexer-7f9c"));
-        let e = Settings::from_toml_and_env(
-            "[indexer]
-assignment = \"lease\"",
-            env(&[]),
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("lease"), "{e}");
+        assert_eq!(s.ingest.member.as_deref(), Some("writer-1"));
+        let s = Settings::from_toml_and_env("[ingest]\nmember = \"writer-0\"", env(&[])).unwrap();
+        assert_eq!((s.ingest.member.as_deref(), s.indexer.member.as_deref()), (Some("writer-0"), None));
         for bad in ["\"\"", "\"a\\tb\"", &format!("{:?}", "m".repeat(256))] {
             for section in ["indexer", "ingest"] {
                 let e = Settings::from_toml_and_env(&format!("[{section}]\nmember = {bad}"), env(&[]))
@@ -443,27 +449,6 @@ assignment = \"lease\"",
                 assert!(e.to_string().contains(&format!("{section}.member")), "{bad}: {e}");
             }
         }
-    }
-
-    #[test]
-    fn the_ingest_takes_its_partitions_by_the_group_protocol_unless_leases_are_asked_for() {
-        let s = Settings::from_toml_and_env("", env(&[])).unwrap();
-        assert_eq!((s.ingest.assignment, s.ingest.member.as_deref()), (Assignment::Group, None));
-        let s =
-            Settings::from_toml_and_env("[ingest]\nassignment = \"leases\"\nmember = \"writer-0\"", env(&[]))
-                .unwrap();
-        assert_eq!((s.ingest.assignment, s.ingest.member.as_deref()), (Assignment::Leases, Some("writer-0")));
-        let vars =
-            [("BAGSTORE_INGEST__ASSIGNMENT", "leases"), ("BAGSTORE_INGEST__MEMBER", "bagstore-writer-1")];
-        let s = Settings::from_toml_and_env("", env(&vars)).unwrap();
-        assert_eq!(
-            (s.ingest.assignment, s.ingest.member.as_deref()),
-            (Assignment::Leases, Some("bagstore-writer-1"))
-        );
-        // The index consumers' choice is their own.
-        assert_eq!(s.indexer.assignment, Assignment::Group);
-        let e = Settings::from_toml_and_env("[ingest]\nassignment = \"broker\"", env(&[])).unwrap_err();
-        assert!(e.to_string().contains("broker"), "{e}");
     }
 
     #[test]

@@ -47,11 +47,9 @@ pub struct KafkaSettings {
     /// cluster keep their groups apart. At most 100 of `a-z`, `A-Z`, `0-9`,
     /// `.`, `_` and `-`.
     pub group_prefix: String,
-    /// Consumer session timeout: how long a dead indexer (or ingest
-    /// consumer) holds its partitions on the group protocol; with member
-    /// leases it is the lease's length. Measured recovery after a `kill -9`:
-    /// about this plus the broker's rebalance wait on the group protocol,
-    /// about this alone with leases.
+    /// The member lease's length: how long a dead indexer (or ingest
+    /// consumer) holds its partitions before the others take them. Measured
+    /// recovery after a `kill -9`: about this.
     pub session_timeout_ms: u64,
     /// How long the relay waits for a round's acknowledgements before it
     /// drops its producer and sends the unacknowledged rows again with a new
@@ -239,37 +237,14 @@ pub struct IndexerSettings {
     /// Apache Kafka answers as soon as data arrives, so there it only sets
     /// how often an idle consumer asks.
     pub fetch_wait_ms: Option<u64>,
-    /// Who gives the index consumers their partitions: the broker's group
-    /// protocol, or the indexers themselves by leases on the metadata shard.
-    /// Use leases on tansu 0.6, whose coordinator can keep a dead leader.
-    pub assignment: Assignment,
-    /// With leases: this indexer's member name, stable across restarts
-    /// (Kubernetes: the pod's name). A process that starts under a name
+    /// This indexer's member name, stable across restarts (Kubernetes: the
+    /// pod's name). An index's consumers split its topic's partitions by
+    /// member leases on the metadata shard (`service::leases`). A process that starts under a name
     /// takes its partitions at once. Unset: a name of its own per process,
     /// so a restarted one is a new member. 1 to 255 printable characters,
     /// unique among live processes: a second process under a taken name
     /// takes it, and the first stops applying and reports not ready.
     pub member: Option<String>,
-}
-
-/// How the consumers of one group split its topic's partitions: the index
-/// consumers of an index (`indexer.assignment`), the writers' Kafka ingest
-/// (`ingest.assignment`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Assignment {
-    /// The broker's consumer group protocol (cooperative-sticky): a member
-    /// that dies holds its partitions until the broker ends its session,
-    /// and every change is a rebalance the broker runs.
-    #[default]
-    Group,
-    /// Member leases on the metadata shard (`storage::leases`): a member
-    /// restarted under its name takes its partitions back at once, and the
-    /// others take a dead member's within its lease (`kafka.session_timeout_ms`)
-    /// and a renewal. Offsets are still committed to the broker under the
-    /// group's id; switch every member of a group together, with all of
-    /// them stopped.
-    Leases,
 }
 
 /// The index consumers' fetch wait on a broker that answers a fetch as soon
@@ -303,7 +278,6 @@ impl Default for IndexerSettings {
             batch_wait_ms: 5,
             retry_max_ms: 5_000,
             fetch_wait_ms: None,
-            assignment: Assignment::Group,
             member: None,
         }
     }
@@ -478,15 +452,11 @@ pub struct IngestSettings {
     pub reply_topic: String,
     /// Commands taken from the topic per round at most.
     pub batch: usize,
-    /// Who gives the writers their ingest partitions: the broker's group
-    /// protocol, or the writers themselves by leases on the metadata shard
-    /// (on tansu 0.6.0, whose coordinator can keep a dead writer as the
-    /// group's leader and so stall ingest for good).
-    pub assignment: Assignment,
-    /// With leases: this writer's member name, stable across restarts
-    /// (Kubernetes: the pod's name). A process that starts under a name
-    /// takes its partitions at once. Unset: a name of its own per process,
-    /// so a restarted one is a new member.
+    /// This writer's member name, stable across restarts (Kubernetes: the
+    /// pod's name). The writers split the ingest topic's partitions by
+    /// member leases on the metadata shard, as the indexers do. A process
+    /// that starts under a name takes its partitions at once. Unset: a name
+    /// of its own per process, so a restarted one is a new member.
     pub member: Option<String>,
 }
 
@@ -497,7 +467,6 @@ impl Default for IngestSettings {
             topic: "bagstore.ingest.v1".into(),
             reply_topic: "bagstore.ingest.v1.replies".into(),
             batch: 500,
-            assignment: Assignment::Group,
             member: None,
         }
     }

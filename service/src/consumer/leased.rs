@@ -1,5 +1,5 @@
-//! With `assignment = "leases"`: the member lease a consumer follows, and
-//! the topic's partition count its share is computed over.
+//! The member lease a consumer follows, and the topic's partition count
+//! its share is computed over.
 
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::{Offset, TopicPartitionList};

@@ -4,24 +4,22 @@
 //! (`writer::ingest`). Each keeps only its own work (applying index rows;
 //! applying commands and answering them); [`FencedConsumer`] owns the rest:
 //!
-//! - **Assignment.** By the broker's group protocol (subscribe,
-//!   cooperative-sticky), or by member leases on the metadata shard
-//!   (`assignment = "leases"`, [`crate::leases`]): the consumer then never
-//!   joins the group, assigns itself its lease's share, and commits its
-//!   offsets under the same group id.
+//! - **Assignment.** By member leases on the metadata shard
+//!   ([`crate::leases`]): the consumer never joins the broker's group, it
+//!   assigns itself its lease's share and commits its offsets under the
+//!   group's id.
 //! - **Claims before work.** Each partition given is claimed on the
 //!   metadata shard (`storage::fences`) before anything of it is handed to
 //!   the worker; a [`Batch`] carries the claims of its partitions, which
 //!   every index write proves in its own transaction.
-//! - **Loss.** Before every batch (and once a second while idle): the
-//!   signs librdkafka gives ([`Membership`]), and whether another member
-//!   claimed one of the partitions since. Events of partitions not held
-//!   (strays) are never handed out; if they keep coming the consumer is
-//!   confused. The worker may ask again ([`FencedConsumer::still_ours`]) or
-//!   report a loss it found itself ([`FencedConsumer::lose`]). Whatever
-//!   the sign, the consumer is closed and a new one joins as a new member,
-//!   holding nothing (see [`crate::membership`] for why each sign is
-//!   needed).
+//! - **Loss.** Before every batch (and once a second while idle): whether
+//!   another member claimed one of the partitions since ([`Membership`]).
+//!   Events of partitions not held (strays) are never handed out; if they
+//!   keep coming the consumer is confused. The worker may ask again
+//!   ([`FencedConsumer::still_ours`]) or report a loss it found itself
+//!   ([`FencedConsumer::lose`]). Whatever the sign, the consumer is closed
+//!   and a new one takes the lease's share afresh, holding nothing until
+//!   it has claimed it.
 //! - **Readiness.** With [`Options::gates_readiness`], the process is not
 //!   ready ([`Health::starting`]) until the consumer holds its first
 //!   assignment with every partition of it claimed, so what is written
@@ -29,7 +27,7 @@
 //! - **Offsets.** Stored only when the worker says a batch is done
 //!   ([`FencedConsumer::store`]); librdkafka's auto-commit commits what was
 //!   stored (rust-rdkafka's `at_least_once` example). [`FencedConsumer::close`]
-//!   commits synchronously, then leaves the group (or the lease).
+//!   commits synchronously, then ends the lease.
 //!
 //! A worker's loop:
 //!
@@ -55,7 +53,7 @@ pub use spec::{Next, Observer, Options, Ownership, Unobserved};
 
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
-use schemas::settings::{Assignment, KafkaSettings};
+use schemas::settings::KafkaSettings;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -74,7 +72,8 @@ use turn::{Ctx, Live, Rebuild, Step};
 /// rebuilt whenever its partitions turn out to be someone else's.
 pub struct FencedConsumer {
     ctx: Ctx,
-    /// With leases: the lease, kept across the consumers it outlives.
+    /// The member lease, kept across the consumers it outlives; None until
+    /// the first [`FencedConsumer::next`].
     leased: Option<Leased>,
     /// The consumer now; None until the first [`FencedConsumer::next`] and
     /// between a loss and the rebuild.
@@ -137,7 +136,8 @@ impl FencedConsumer {
                 }
             }
             let live = self.live.as_mut().expect("connected");
-            match self.ctx.step(live, self.leased.as_ref(), shutdown).await {
+            let leased = self.leased.as_ref().expect("a lease is made before the first consumer");
+            match self.ctx.step(live, leased, shutdown).await {
                 Step::Yield(next) => return Ok(next),
                 Step::Again => {}
                 Step::Rebuild(why) => self.rebuild(why),
@@ -153,11 +153,11 @@ impl FencedConsumer {
         }
     }
 
-    /// Librdkafka's signs that the partitions were given away (no I/O:
-    /// cheap enough before every attempt of a write).
+    /// Why the partitions are known lost, if the worker or
+    /// [`FencedConsumer::still_ours`] found them so (no I/O: cheap enough
+    /// before every attempt of a write).
     pub fn lost(&self) -> Option<String> {
-        let live = self.live.as_ref()?;
-        live.lost.clone().or_else(|| live.consumer.context().lost(&live.consumer))
+        self.live.as_ref()?.lost.clone()
     }
 
     /// The worker found the partitions lost (a write refused by a newer
@@ -169,15 +169,15 @@ impl FencedConsumer {
         }
     }
 
-    /// Whether `partitions` are still this consumer's: librdkafka's signs,
-    /// and no newer claim by another member since. Unlike the comparison
+    /// Whether `partitions` are still this consumer's: not found lost, and
+    /// no newer claim by another member since. Unlike the comparison
     /// before a batch, a metadata shard that does not answer leaves it
     /// [`Ownership::Unknown`]: a worker about to do what cannot be undone
     /// (send answers) waits rather than guess. Once lost, the next
     /// [`FencedConsumer::next`] rebuilds the consumer.
     pub async fn still_ours(&mut self, partitions: &BTreeSet<i32>) -> Ownership {
         let Some(live) = self.live.as_mut() else { return Ownership::Lost("the consumer is closed".into()) };
-        let why = match live.lost.clone().or_else(|| live.consumer.context().lost(&live.consumer)) {
+        let why = match live.lost.clone() {
             Some(why) => why,
             None => match self.ctx.compare_claims(live, partitions).await {
                 Ok(None) => return Ownership::Ours,
@@ -211,8 +211,8 @@ impl FencedConsumer {
         }
     }
 
-    /// Commits the stored offsets synchronously, leaves the group (or ends
-    /// the lease, so the others take the partitions at once). The process's
+    /// Commits the stored offsets synchronously and ends the lease, so the
+    /// others take the partitions at once. The process's
     /// readiness no longer waits for it.
     pub async fn close(mut self) {
         self.ctx.health.started(&self.ctx.options.part);
@@ -221,8 +221,7 @@ impl FencedConsumer {
                 tracing::debug!(consumer = %self.ctx.options.part, error = %e,
                     "final commit had nothing to commit or failed");
             }
-            live.consumer.unsubscribe();
-            // Closing leaves the group, which may wait on a broker.
+            // Closing may wait on a broker.
             let _ = tokio::task::spawn_blocking(move || drop(live)).await;
         }
         if let Some(l) = self.leased.take() {
@@ -232,12 +231,12 @@ impl FencedConsumer {
         tracing::info!(consumer = %self.ctx.options.part, "consumer stopped");
     }
 
-    /// Makes a consumer (and, the first time with leases, the lease):
-    /// false when shutdown came first.
+    /// Makes a consumer (and, the first time, the lease): false when
+    /// shutdown came first.
     async fn connect(&mut self, shutdown: &CancellationToken) -> Result<bool, KafkaError> {
         let (k, o) = (&self.ctx.kafka, &self.ctx.options);
         let session = Duration::from_millis(k.session_timeout_ms);
-        if o.assignment == Assignment::Leases && self.leased.is_none() {
+        if self.leased.is_none() {
             let failing = |why: String| self.ctx.health.report(&o.part, Err(why));
             let Some(partitions) = leased::partition_count(k, &o.topic, shutdown, failing).await else {
                 return Ok(false);
@@ -247,24 +246,13 @@ impl FencedConsumer {
                 Lease::start(self.ctx.shards.clone(), o.group.clone(), member, session, o.member_setting);
             self.leased = Some(Leased { lease, partitions });
         }
-        let mut config = kafka::consumer_config(k, &o.group, o.fetch_wait_ms);
-        if self.leased.is_none() {
-            // The statistics feed the membership watch (crate::membership).
-            config.set("statistics.interval.ms", "1000");
-        }
-        let consumer: StreamConsumer<Membership> =
-            kafka::create_with(&config, Membership::new(session, &o.topic))?;
-        match &self.leased {
-            None => {
-                consumer.subscribe(&[&o.topic])?;
-                tracing::info!(consumer = %o.part, group = %o.group, topic = %o.topic,
-                    fetch_wait_ms = o.fetch_wait_ms, "joining its group");
-            }
-            Some(l) => tracing::info!(consumer = %o.part, group = %o.group, topic = %o.topic,
-                member = %l.lease.member(), partitions = l.partitions,
-                "assigning its partitions by member leases"),
-        }
-        let lease_changes = self.leased.as_ref().map(|l| l.lease.changes());
+        let leased = self.leased.as_ref().expect("made above");
+        let config = kafka::consumer_config(k, &o.group, o.fetch_wait_ms);
+        let consumer: StreamConsumer<Membership> = kafka::create_with(&config, Membership::new(&o.topic))?;
+        tracing::info!(consumer = %o.part, group = %o.group, topic = %o.topic,
+            member = %leased.lease.member(), partitions = leased.partitions, fetch_wait_ms = o.fetch_wait_ms,
+            "assigning its partitions by member leases");
+        let lease_changes = leased.lease.changes();
         self.live = Some(Live {
             consumer,
             lease_changes,
@@ -293,11 +281,7 @@ impl FencedConsumer {
         self.ctx.observer.holds(0);
         match why {
             Rebuild::Lost(why) => {
-                let again = match self.leased {
-                    None => "rejoining its group",
-                    Some(_) => "taking its lease's share again",
-                };
-                self.ctx.health.report(part, Err(format!("{again}: {why}")));
+                self.ctx.health.report(part, Err(format!("taking its lease's share again: {why}")));
                 tracing::warn!(consumer = %part, %why,
                     "this consumer no longer owns its partitions; it stops working on them and is replaced by a new one");
                 self.ctx.observer.rebuilt();
@@ -306,9 +290,8 @@ impl FencedConsumer {
                 tracing::info!(consumer = %part, "the member lease's share changed; a new consumer takes it")
             }
         }
-        // Closing stops its fetchers and commits the offsets stored, then
-        // leaves the group, which may wait on a broker: not on a runtime
-        // thread, and not waited for.
+        // Closing stops its fetchers and commits the offsets stored, which
+        // may wait on a broker: not on a runtime thread, and not waited for.
         tokio::task::spawn_blocking(move || drop(live));
     }
 }

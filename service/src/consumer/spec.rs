@@ -1,7 +1,6 @@
 //! What a fenced consumer is for ([`Options`]), what it hands its worker
 //! ([`Next`]), and what the worker counts of it ([`Observer`]).
 
-use schemas::settings::Assignment;
 use std::time::Duration;
 
 use super::batch::Batch;
@@ -16,8 +15,8 @@ pub struct Options {
     pub topic: String,
     /// Its `fetch.wait.max.ms` (see `schemas::settings::FETCH_WAIT_MS`).
     pub fetch_wait_ms: u64,
-    pub assignment: Assignment,
-    /// With leases: the member name (None: one of its own per process).
+    /// Its member name, under which its lease takes a share of the
+    /// partitions (None: one of its own per process).
     pub member: Option<String>,
     /// The setting that names the member (`indexer.member`), for the error
     /// when two processes share a name.
@@ -57,7 +56,7 @@ pub enum Next {
     Idle,
     /// Shutdown was asked: finish, then `FencedConsumer::close`.
     Stop,
-    /// With leases: another process took this member's name, and this
+    /// Another process took this member's name, and this
     /// consumer holds nothing any more (why).
     Taken(String),
 }

@@ -54,8 +54,8 @@ pub(super) struct Ctx {
 /// One rdkafka consumer (one member) and what its loop keeps.
 pub(super) struct Live {
     pub(super) consumer: StreamConsumer<Membership>,
-    /// With leases: wakes the loop when the members change.
-    pub(super) lease_changes: Option<watch::Receiver<View>>,
+    /// Wakes the loop when the members change.
+    pub(super) lease_changes: watch::Receiver<View>,
     pub(super) strays_since: Option<Instant>,
     pub(super) claims_checked: Option<Instant>,
     pub(super) last_error: Option<Instant>,
@@ -78,32 +78,25 @@ pub(super) enum Step {
 pub(super) enum Rebuild {
     /// Its partitions are no longer its own; why.
     Lost(String),
-    /// With leases: its share changed; a new consumer takes the new one.
+    /// Its lease's share changed; a new consumer takes the new one.
     Reshared,
 }
 
 impl Ctx {
     /// One turn of the consumer loop: a batch, an idle tick, or a finding.
-    pub(super) async fn step(
-        &self,
-        live: &mut Live,
-        leased: Option<&Leased>,
-        shutdown: &CancellationToken,
-    ) -> Step {
+    pub(super) async fn step(&self, live: &mut Live, leased: &Leased, shutdown: &CancellationToken) -> Step {
         if let Some(why) = live.lost.take() {
             return Step::Rebuild(Rebuild::Lost(why));
         }
-        if let Some(l) = leased {
-            match leased::follow(&live.consumer, l, &self.options.topic) {
-                Ok(Follow::Holds) => {}
-                Ok(Follow::Assigned(partitions)) => {
-                    tracing::info!(consumer = %self.options.part, member = %l.lease.member(), ?partitions,
-                        "applying the member lease's share");
-                    self.observer.holds(partitions.len());
-                }
-                Ok(Follow::Reshare) => return Step::Rebuild(Rebuild::Reshared),
-                Err(why) => return Step::Taken(why),
+        match leased::follow(&live.consumer, leased, &self.options.topic) {
+            Ok(Follow::Holds) => {}
+            Ok(Follow::Assigned(partitions)) => {
+                tracing::info!(consumer = %self.options.part, member = %leased.lease.member(), ?partitions,
+                    "applying the member lease's share");
+                self.observer.holds(partitions.len());
             }
+            Ok(Follow::Reshare) => return Step::Rebuild(Rebuild::Reshared),
+            Err(why) => return Step::Taken(why),
         }
         let first = {
             let Live { consumer, lease_changes, .. } = &mut *live;
@@ -117,10 +110,7 @@ impl Ctx {
                     self.record_claims(live).await;
                     return Step::Again;
                 }
-                Some(Ok(())) = async { match lease_changes.as_mut() {
-                    Some(c) => Some(c.changed().await),
-                    None => None,
-                } } => return Step::Again,
+                Ok(()) = lease_changes.changed() => return Step::Again,
                 _ = tokio::time::sleep(IDLE_TICK) => return self.idle(live).await,
             }
         };
@@ -152,12 +142,9 @@ impl Ctx {
         }
     }
 
-    /// Nothing arrived: the membership is checked, and an idle consumer
-    /// with no consumer error for a while reports itself well.
+    /// Nothing arrived: the claims are compared, and an idle consumer with
+    /// no consumer error for a while reports itself well.
     async fn idle(&self, live: &mut Live) -> Step {
-        if let Some(why) = live.consumer.context().lost(&live.consumer) {
-            return Step::Rebuild(Rebuild::Lost(why));
-        }
         let held = live.consumer.context().held(&live.consumer);
         if let Some(why) = self.fence(live, &held, false).await {
             return Step::Rebuild(Rebuild::Lost(why));
@@ -212,9 +199,6 @@ impl Ctx {
     ) -> Result<Vec<Claim>, Step> {
         let mut backoff = Duration::from_millis(50);
         loop {
-            if let Some(why) = live.consumer.context().lost(&live.consumer) {
-                return Err(Step::Rebuild(Rebuild::Lost(why)));
-            }
             if let Some(why) = self.fence(live, held, true).await {
                 return Err(Step::Rebuild(Rebuild::Lost(why)));
             }

@@ -262,7 +262,7 @@ pub(super) async fn assignments(indexers: &[Option<Proc>]) -> HashMap<&'static s
 pub(super) enum Spread {
     /// Every partition owned once, every live indexer owning part of each
     /// group: a new member has really joined (a sum alone could be met by
-    /// the survivor before the newcomer's rebalance has even begun).
+    /// the survivor before the newcomer's lease has even been read).
     Settled,
     /// Every partition owned and every live indexer owning some, but some
     /// partitions claimed twice. Momentarily normal (the processes are
@@ -289,16 +289,18 @@ pub(super) fn spread(per_index: &HashMap<&str, Vec<f64>>) -> Spread {
 }
 
 /// How long an overlap must last before the wait takes it as the group's
-/// state: a session timeout (6 s), the indexer's membership watch noticing
-/// a lost assignment (up to a session timeout more) and a rebalance.
+/// state: a lease's length (6 s), the members' next reads of the lease
+/// list, and an indexer noticing a newer claim on its partitions (within a
+/// second while idle), with room to spare.
 pub(super) const OVERLAP_FOR: Duration = Duration::from_secs(20);
 
-/// Waits until the groups are [`Spread::Settled`]; usually 5–16 s here:
-/// the dead member's session timeout (6 s), then a rebalance or two. On
-/// timeout the message says which group was stuck, and how.
+/// Waits until the groups are [`Spread::Settled`]: at once for a member
+/// restarted under its name, within the dead member's lease (6 s) and a
+/// read of the list otherwise. On timeout the message says which group was
+/// stuck, and how.
 ///
 /// An overlap that lasts [`OVERLAP_FOR`] (an indexer holding partitions
-/// the group gave to another, e.g. `"index_user_id": [2.0, 4.0]`; see
+/// the leases gave to another, e.g. `"index_user_id": [2.0, 4.0]`; see
 /// `service::membership`) is returned, and the caller counts it as a
 /// failure; the run goes on to its report.
 pub(super) async fn until_group_owns_everything(env: &TestEnv, indexers: &[Option<Proc>]) -> Option<String> {
@@ -412,9 +414,8 @@ async fn inject_move(
     detail
 }
 
-/// Indexer `i` of the stack, all indexes. Its member name (used when the
-/// suite's config has `indexer.assignment = "leases"`) is its slot's, so a
-/// killed indexer started again comes back as the same member, as a
+/// Indexer `i` of the stack, all indexes. Its member name is its slot's,
+/// so a killed indexer started again comes back as the same member, as a
 /// restarted container in its pod does.
 pub(super) async fn indexer(env: &TestEnv, i: usize) -> Proc {
     let member = format!("indexer-{i}");

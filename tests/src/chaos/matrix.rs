@@ -1,18 +1,12 @@
 //! The combinations the chaos suite runs, one test each in
 //! `tests/tests/chaos.rs`: a broker (librdkafka's mock cluster, or a
-//! standalone tansu process that can be killed) times the way indexers get
-//! their partitions (the broker's group protocol, or member leases on the
-//! metadata shard; see `indexer.assignment`).
-//!
-//! tansu runs leases only. tansu 0.6.0's group coordinator keeps a dead
-//! member as the group's leader when another member's heartbeat ends its
-//! session, and the group then never forms again (docs/design-notes.md,
-//! "tansu's group coordinator and a dead leader"): on tansu the group
-//! protocol is not a way bagstore can be run, so it is not a combination to
-//! prove.
+//! standalone tansu process that can be killed), and whether each shard
+//! has a replica to fail over to. The consumers take their partitions by
+//! member leases on the metadata shard, the one way bagstore has (the
+//! broker's group protocol was a combination of its own until it was
+//! removed; docs/design-notes.md, "Levers tried and removed").
 
 use futures::FutureExt;
-use schemas::settings::Assignment;
 
 use super::{ChaosConfig, Fault};
 use crate::{TestEnv, STANDARD_INDEXES};
@@ -34,7 +28,6 @@ pub struct Combination {
     /// The test's name suffix and the databases' and topics' prefix.
     pub name: &'static str,
     pub broker: Broker,
-    pub assignment: Assignment,
     pub faults: &'static [Fault],
     /// Faults of each kind (`BAGSTORE_CHAOS_FAULTS` overrides it).
     pub per_kind: usize,
@@ -62,42 +55,12 @@ const TANSU_FAULTS: &[Fault] = &[Fault::BrokerKill, Fault::IndexerKill, Fault::W
 
 /// The matrix. Each combination is a test of its own in
 /// `tests/tests/chaos.rs` (`scripts/test` times each).
-pub const MATRIX: [Combination; 4] = [
-    Combination {
-        name: "mock_group",
-        broker: Broker::Mock,
-        assignment: Assignment::Group,
-        faults: MOCK_FAULTS,
-        per_kind: 5,
-        replicas: 0,
-    },
-    Combination {
-        name: "mock_leases",
-        broker: Broker::Mock,
-        assignment: Assignment::Leases,
-        faults: MOCK_FAULTS,
-        per_kind: 5,
-        replicas: 0,
-    },
-    Combination {
-        name: "tansu_leases",
-        broker: Broker::Tansu,
-        assignment: Assignment::Leases,
-        faults: TANSU_FAULTS,
-        per_kind: 3,
-        replicas: 0,
-    },
+pub const MATRIX: [Combination; 3] = [
+    Combination { name: "mock", broker: Broker::Mock, faults: MOCK_FAULTS, per_kind: 5, replicas: 0 },
+    Combination { name: "tansu", broker: Broker::Tansu, faults: TANSU_FAULTS, per_kind: 3, replicas: 0 },
     // Failovers want servers of their own, each shard a primary and a
-    // replica: a combination of its own (leases: the group protocol's
-    // membership is proven by the combinations above).
-    Combination {
-        name: "mock_failover",
-        broker: Broker::Mock,
-        assignment: Assignment::Leases,
-        faults: FAILOVER_FAULTS,
-        per_kind: 3,
-        replicas: 1,
-    },
+    // replica: a combination of its own.
+    Combination { name: "failover", broker: Broker::Mock, faults: FAILOVER_FAULTS, per_kind: 3, replicas: 1 },
 ];
 
 /// One chaos run at a time in a test process: each wants the machine
@@ -118,15 +81,12 @@ pub async fn run(name: &str) {
         // (REBALANCE_IN_PROGRESS).
         toml.push_str("\n[kafka.options]\n\"socket.timeout.ms\" = \"10000\"\n");
     }
-    if c.assignment == Assignment::Leases {
-        toml.push_str("\n[indexer]\nassignment = \"leases\"\n");
-    }
     let test_name = format!("chaos{}", c.name.replace('_', ""));
     let mut env = match c.broker {
         Broker::Mock => TestEnv::new(&test_name, &toml).await,
         Broker::Tansu => TestEnv::with_tansu(&test_name, &toml).await,
     };
-    eprintln!("chaos combination {}: {:?} broker, {:?} assignment", c.name, c.broker, c.assignment);
+    eprintln!("chaos combination {}: {:?} broker, {} replica(s) per shard", c.name, c.broker, c.replicas);
     let mut cfg = ChaosConfig::from_env(c.faults, c.per_kind);
     cfg.replicas = c.replicas;
     let dir = env.dir.path().to_path_buf();
@@ -149,11 +109,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tansu_runs_leases_only_and_every_combination_is_named_once() {
-        assert!(MATRIX
-            .iter()
-            .filter(|c| c.broker == Broker::Tansu)
-            .all(|c| c.assignment == Assignment::Leases));
+    fn every_combination_is_named_once() {
         let mut names: Vec<&str> = MATRIX.iter().map(|c| c.name).collect();
         names.sort();
         names.dedup();

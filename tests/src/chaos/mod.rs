@@ -3,21 +3,19 @@
 //! sweeping cleaner, each a separate `bagstore` process) while faults are
 //! injected, checked against DESIGN's invariants W, I and R.
 //!
-//! Written once, run as a matrix of broker and partition assignment
-//! (`tests/tests/chaos.rs`): librdkafka's mock cluster (fault: broker
-//! down/up) with the group protocol and with member leases, and a
-//! standalone `tansu` process (fault: `kill -9` and restart with its data)
-//! with member leases, since tansu 0.6's coordinator can keep a dead
-//! leader (`docs/design-notes.md`).
+//! Written once, run as a matrix (`tests/tests/chaos.rs`): librdkafka's
+//! mock cluster (fault: broker down/up), a standalone `tansu` process
+//! (fault: `kill -9` and restart with its data), and the mock cluster with
+//! a replica per shard (faults: failovers too).
 //!
 //! Faults ([`Fault`]), one at a time, in a seeded order, each healed before
-//! the next: `kill -9` of an indexer then a restart (the group rebalances);
+//! the next: `kill -9` of an indexer then a restart under its member name;
 //! `kill -9` of a writer (relay leadership must move to the other writer)
 //! then a restart; a broker outage; MySQL connections of the stack killed
 //! with `KILL <id>` from a separate session; online moves of logical
 //! shards, some killed mid-copy or mid-cutover and resumed (these run in
 //! the background, so the next faults land during them); with a replica
-//! per shard (the `mock_failover` combination, on servers of its own),
+//! per shard (the `failover` combination, on servers of its own),
 //! `kill -9` of a shard's primary, the metadata shard's included, failed
 //! over by the cleaners' coordinator, the dead server restarted as a
 //! replica and taken back.

@@ -175,7 +175,10 @@ async fn dev_started_as_the_readme_says_keeps_its_data_across_a_restart() {
     let log = dev.log_text();
     let joins: Vec<&str> = log
         .lines()
-        .filter(|l| l.contains("\"joining its group\"") && l.contains("\"consumer\":\"consumer index_"))
+        .filter(|l| {
+            l.contains("\"assigning its partitions by member leases\"")
+                && l.contains("\"consumer\":\"consumer index_")
+        })
         .collect();
     assert!(joins.len() >= 4, "one per index:\n{log}");
     assert!(joins.iter().all(|l| l.contains("\"fetch_wait_ms\":5")), "{joins:#?}");

@@ -299,7 +299,6 @@ async fn the_metadata_shard_fails_over_and_new_processes_find_its_primary() {
 /// semi-sync falls back to asynchronous replication, and must see it fail.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_no_replica_acknowledged_is_never_acknowledged_published_or_kept() {
-    use storage::write::{self, Change, Item, Precondition, Rules, WriteContext};
     let mut env = TestEnv::new("unacked", "").await;
     let dir = env.dir.path().to_path_buf();
     // s0 on m0; s1 on m1 and its replica m2 (server ids 1, 2, 3).
@@ -309,31 +308,9 @@ async fn a_write_no_replica_acknowledged_is_never_acknowledged_published_or_kept
     let b_dsn = replication::service_dsn(&b, &db(1));
     let writer = env.spawn(&["writer"]).await;
 
-    let toml = std::fs::read_to_string(env.config_path()).unwrap();
-    let settings = schemas::Settings::from_toml_and_env(&toml, Vec::new()).unwrap();
-    let shards = storage::Shards::connect(&settings.mysql).await.unwrap();
-    let on_s1 = || loop {
-        let id = schemas::EntityId(rand::random());
-        if shards.of_id(&id) == 1 {
-            return id;
-        }
-    };
-    let (held, after) = (on_s1(), on_s1());
-    let ctx = std::sync::Arc::new(WriteContext::new(shards.clone(), Rules::from_settings(&settings)));
-    let bag = schemas::value::bag_from_json(&serde_json::json!({"v": "never acknowledged"})).unwrap();
-    let item = Item { id: held, change: Change::Put(bag), pre: Precondition::default() };
-
-    let mut root_c = crate::replication::connect(&c.server_dsn()).await;
-    sqlx::query("STOP SLAVE IO_THREAD").execute(&mut root_c).await.unwrap();
-    let commit = {
-        let ctx = ctx.clone();
-        tokio::spawn(async move { write::commit(&ctx, 1, &[item]).await.map(|c| c.results.len()) })
-    };
-    let mut commit = std::pin::pin!(commit);
-    // The deadline is the assertion: a commit that returns within it was
-    // acknowledged by the primary alone.
-    let early = tokio::time::timeout(Duration::from_secs(5), &mut commit).await;
-    assert!(early.is_err(), "the write was acknowledged with no replica receiving: {early:?}");
+    let shards = store_of(&env).await;
+    let (held, after) = (id_on(&shards, 1), id_on(&shards, 1));
+    let mut commit = a_held_write(&env, &shards, &c.server_dsn(), held, Duration::from_secs(5)).await;
     let mut service_b = crate::replication::connect(&b_dsn).await;
     let seen: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM entities WHERE id = ?")
         .bind(&held.0[..])
@@ -393,48 +370,37 @@ async fn a_write_no_replica_acknowledged_is_never_acknowledged_published_or_kept
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_primary_that_cannot_truncate_its_tail_is_reseeded_with_every_acknowledged_write() {
     use sqlx::Row;
-    use storage::write::{self, Change, Item, Precondition, Rules, WriteContext};
     let mut env = TestEnv::new("reseed", "").await;
     let mut cluster = Cluster::start(&mut env, 2, 1).await;
     let writer = env.spawn(&["writer"]).await;
     let client = SteadyWriter::start(writer.api());
     client.more(40).await;
     let (acked, _) = client.finish().await;
+    // No other commit may wait on s1 beside the held write and the DDL: the
+    // second to wait holds the binary log, and the DDL must be the one
+    // written (a writer's relay and ingest commit in the background).
+    writer.terminate().await;
 
-    let toml = std::fs::read_to_string(env.config_path()).unwrap();
-    let settings = schemas::Settings::from_toml_and_env(&toml, Vec::new()).unwrap();
-    let shards = storage::Shards::connect(&settings.mysql).await.unwrap();
+    let shards = store_of(&env).await;
     let on_s1 = |hex: &str| shards.of_id(&schemas::EntityId::parse(hex).unwrap()) == 1;
     let acked_s1: Vec<(String, u64)> = acked.into_iter().filter(|(id, _)| on_s1(id)).collect();
     assert!(!acked_s1.is_empty(), "no acknowledged write landed on s1");
-    let held = loop {
-        let id = schemas::EntityId(rand::random());
-        if shards.of_id(&id) == 1 {
-            break id;
-        }
-    };
-    let ctx = std::sync::Arc::new(WriteContext::new(shards.clone(), Rules::from_settings(&settings)));
-    let bag = schemas::value::bag_from_json(&serde_json::json!({"v": "never acknowledged"})).unwrap();
-    let item = Item { id: held, change: Change::Put(bag), pre: Precondition::default() };
+    let held = id_on(&shards, 1);
 
-    let replica = cluster.shards[1][1].server.as_ref().unwrap().server_dsn();
-    let mut root_replica = crate::replication::connect(&replica).await;
-    sqlx::query("STOP SLAVE IO_THREAD").execute(&mut root_replica).await.unwrap();
-    let commit = tokio::spawn(async move { write::commit(&ctx, 1, &[item]).await.map(|c| c.results.len()) });
-    let mut commit = std::pin::pin!(commit);
-    let early = tokio::time::timeout(Duration::from_secs(3), &mut commit).await;
-    assert!(early.is_err(), "the write was acknowledged with no replica receiving: {early:?}");
-
-    // A DDL after the held write in the binary log: its commit waits too.
-    // Seen in the file: while the DDL waits, the server answers no `SHOW
-    // MASTER STATUS`.
+    // The primary's binary log, named before any commit waits: while two
+    // do, the server answers no `SHOW MASTER STATUS`. The DDL below is
+    // found in the file instead.
     let primary = cluster.shards[1][0].server.as_ref().unwrap().server_dsn();
     let mut root = crate::replication::connect(&primary).await;
     let file: String = sqlx::query("SHOW MASTER STATUS").fetch_one(&mut root).await.unwrap().get("File");
     drop(root);
     let binlog = cluster.shards[1][0].dir.join("data").join(file);
-    let logged = || std::fs::metadata(&binlog).expect("the primary's binary log").len();
-    let before = logged();
+    let logged = || std::fs::read(&binlog).expect("the primary's binary log");
+
+    let replica = cluster.shards[1][1].server.as_ref().unwrap().server_dsn();
+    let mut commit = a_held_write(&env, &shards, &replica, held, Duration::from_secs(3)).await;
+
+    // A DDL after the held write in the binary log: its commit waits too.
     let ddl = {
         let (primary, db) = (primary.clone(), format!("{}_s1", env.name));
         tokio::spawn(async move {
@@ -443,7 +409,7 @@ async fn a_dead_primary_that_cannot_truncate_its_tail_is_reseeded_with_every_ack
         })
     };
     eventually("the DDL to reach the primary's binary log", Duration::from_secs(30), || async {
-        (logged() > before).then_some(())
+        logged().windows(b"reseed_marker".len()).any(|w| w == b"reseed_marker").then_some(())
     })
     .await;
 
@@ -461,6 +427,7 @@ async fn a_dead_primary_that_cannot_truncate_its_tail_is_reseeded_with_every_ack
     cluster.reseed(&env, 1, 0).await;
 
     // The shard takes writes again: the re-seeded server acknowledges them.
+    let writer = env.spawn(&["writer"]).await;
     let api = writer.api();
     let after = eventually("a write to s1 after the re-seed", Duration::from_secs(60), || async {
         let id = schemas::EntityId(rand::random());
@@ -483,6 +450,52 @@ async fn a_dead_primary_that_cannot_truncate_its_tail_is_reseeded_with_every_ack
     shards.close().await;
     drop(writer);
     cluster.stop().await;
+}
+
+/// `env`'s configuration, as its processes read it.
+fn settings_of(env: &TestEnv) -> schemas::Settings {
+    let toml = std::fs::read_to_string(env.config_path()).unwrap();
+    schemas::Settings::from_toml_and_env(&toml, Vec::new()).unwrap()
+}
+
+/// The shards of `env`'s configuration, connected as a writer connects.
+async fn store_of(env: &TestEnv) -> storage::Shards {
+    storage::Shards::connect(&settings_of(env).mysql).await.unwrap()
+}
+
+/// A random entity id that lives on `shard`.
+fn id_on(shards: &storage::Shards, shard: usize) -> schemas::EntityId {
+    loop {
+        let id = schemas::EntityId(rand::random());
+        if shards.of_id(&id) == shard {
+            return id;
+        }
+    }
+}
+
+/// A write no replica acknowledges: `replica`'s I/O thread is stopped,
+/// then `held` (an entity on s1) is put through the writers' own
+/// transaction (`storage::write::commit`). The deadline `within` is the
+/// assertion: a commit that returns within it was acknowledged by the
+/// primary alone. Returns the commit, still waiting.
+async fn a_held_write(
+    env: &TestEnv,
+    shards: &storage::Shards,
+    replica: &str,
+    held: schemas::EntityId,
+    within: Duration,
+) -> tokio::task::JoinHandle<Result<usize, storage::StoreError>> {
+    use storage::write::{self, Change, Item, Precondition, Rules, WriteContext};
+    let ctx = WriteContext::new(shards.clone(), Rules::from_settings(&settings_of(env)));
+    let bag = schemas::value::bag_from_json(&serde_json::json!({"v": "never acknowledged"})).unwrap();
+    let item = Item { id: held, change: Change::Put(bag), pre: Precondition::default() };
+    let mut root = crate::replication::connect(replica).await;
+    sqlx::query("STOP SLAVE IO_THREAD").execute(&mut root).await.unwrap();
+    let mut commit =
+        tokio::spawn(async move { write::commit(&ctx, 1, &[item]).await.map(|c| c.results.len()) });
+    let early = tokio::time::timeout(within, &mut commit).await;
+    assert!(early.is_err(), "the write was acknowledged with no replica receiving: {early:?}");
+    commit
 }
 
 /// How many rows of `entities` have id `id`, on `conn`.

@@ -118,20 +118,27 @@ async fn ready_is_503_for_an_indexer_without_its_broker() {
 }
 
 /// An indexer is not ready until its consumer holds its partitions
-/// (docs/operations.md, "Health"): while the consumer joins its group the
-/// answer is 503 `starting`, naming it in `waiting_for`, and once it is 200
-/// the consumer holds every partition (a lone member is given all 4), so
-/// what is written then is applied as fast as in steady state.
+/// (docs/operations.md, "Health"): while the consumer cannot claim its
+/// lease's share (here the metadata shard's claims table is locked, so the
+/// claims wait) the answer is 503 `starting`, naming it in `waiting_for`;
+/// once it is 200 the consumer holds every partition (a lone member's share
+/// is all 4), so what is written then is applied as fast as in steady
+/// state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_indexer_is_ready_only_once_its_consumer_holds_its_partitions() {
     let env = TestEnv::new("healthjoin", STANDARD_INDEXES).await;
     env.migrate().await;
+    let meta = env.pool(0).await;
+    let mut lock = meta.acquire().await.expect("a metadata shard connection");
+    sqlx::query("LOCK TABLES bagstore_partition_claims WRITE").execute(&mut *lock).await.expect("lock");
     let indexer = env.spawn(&["indexer", "--index", "index_user_id"]).await;
     let started = Instant::now();
     let mut starting = 0;
+    let mut unlocked = false;
     loop {
         let (status, body, _) = get(&indexer.url, "/health/ready").await;
         if status == 200 {
+            assert!(unlocked, "ready while its claims could not be written: {body}");
             let metrics = indexer.api().metrics().await;
             let held = bagstore_tests::metric_sum(
                 &metrics,
@@ -144,11 +151,13 @@ async fn an_indexer_is_ready_only_once_its_consumer_holds_its_partitions() {
         assert_eq!((status, body["status"].as_str()), (503, Some("starting")), "{body}");
         assert_eq!(body["waiting_for"], serde_json::json!(["consumer index_user_id"]), "{body}");
         starting += 1;
+        if !unlocked && started.elapsed() > Duration::from_secs(2) {
+            sqlx::query("UNLOCK TABLES").execute(&mut *lock).await.expect("unlock");
+            unlocked = true;
+        }
         assert!(started.elapsed() < Duration::from_secs(30), "not ready after 30 s: {body}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    // Joining a group on the mock broker takes seconds: the first answers
-    // came before the consumer held anything.
-    assert!(starting > 0, "ready at the first answer, before its consumer could have joined");
+    assert!(starting > 0, "ready at the first answer, before its consumer could have claimed anything");
     eprintln!("the indexer answered 503 starting {starting} times, ready after {:?}", started.elapsed());
 }

@@ -2,7 +2,7 @@
 //! delivered again: a writer given partitions whose offsets were never
 //! committed (as after a crash between answering and committing) reads
 //! back what was already answered and does not answer it again; the same
-//! across a writer kill with the writers on member leases. Patch commands
+//! across a writer kill. Patch commands
 //! read their form by the rule HTTP follows.
 
 use bagstore_tests::ingest::{ingest_lag, taken_by};
@@ -219,16 +219,14 @@ async fn patch_commands_read_their_form_by_the_rule_http_follows() {
     assert!(reasons[0].contains("mixes") && reasons[1].contains("\"form\""), "{reasons:?}");
 }
 
-/// With `ingest.assignment = "leases"` on the mock broker: a kafka-python
-/// producer's commands while two writers consume them, one that holds
+/// On the mock broker: a kafka-python producer's commands while two writers consume them, one that holds
 /// ingest partitions killed with `kill -9` and a new member started
 /// (`bagstore_tests::ingest::producer_scenario`, the tansu chaos suite's
 /// run, smaller): every valid command applied once, every malformed or
 /// refused one dead-lettered once, every correlation id answered once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_member_leases_commands_apply_and_are_answered_once_across_a_writer_kill() {
-    let toml = format!("{STANDARD_INDEXES}\n[ingest]\nassignment = \"leases\"\n");
-    let env = TestEnv::new("ingestleases", &toml).await;
+async fn commands_apply_and_are_answered_once_across_a_writer_kill() {
+    let env = TestEnv::new("ingestleases", STANDARD_INDEXES).await;
     env.migrate().await;
     // The mock cluster answers kafka-python's version probe in a way it
     // cannot use: the protocol version is pinned, as for the change stream.

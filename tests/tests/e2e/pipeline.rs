@@ -235,7 +235,7 @@ async fn concurrent_writes_of_one_new_id_get_distinct_versions() {
 /// same writes and queries once the first are found, measured by this
 /// test and printed): 25 to 60 ms from the write's answer to the query
 /// finding it. 1 s leaves room for a loaded machine while still telling a
-/// consumer that holds its partitions from one still joining its group:
+/// consumer that holds its partitions from one still taking them:
 /// before the ready line waited for that, the first write here took 2.8
 /// and 3.1 s (3.2 s in the report that asked for this).
 const FRESH_AFTER_READY: Duration = Duration::from_secs(1);

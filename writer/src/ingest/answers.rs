@@ -7,7 +7,7 @@ use futures::future::join_all;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
-use schemas::settings::{Assignment, KafkaSettings};
+use schemas::settings::KafkaSettings;
 use schemas::{EntityId, Settings};
 use serde_json::{json, Value as JsonValue};
 use service::consumer::{FencedConsumer, Ownership};
@@ -133,7 +133,7 @@ pub(crate) struct Answers {
     /// Per ingest partition held: what its answer partitions already hold.
     answered: BTreeMap<i32, Answered>,
     /// How long a partition given anew waits before it is read back (see
-    /// [`Answers::settled`]): zero with the group protocol.
+    /// [`Answers::settled`]).
     settle: Duration,
     /// Partitions given anew and not read back yet, since when.
     taken: BTreeMap<i32, Instant>,
@@ -173,10 +173,7 @@ impl Answers {
         .unwrap_or(Err(KafkaError::Canceled))?;
         let reader = format!("{}.read-back", k.ingest_group());
         let source = settings.ingest.topic.clone();
-        let settle = match settings.ingest.assignment {
-            Assignment::Group => Duration::ZERO,
-            Assignment::Leases => Duration::from_millis(k.message_timeout_ms) + SETTLE_MARGIN,
-        };
+        let settle = Duration::from_millis(k.message_timeout_ms) + SETTLE_MARGIN;
         let (answered, taken, gens) = (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
         Ok(Answers { producer, outlets, kafka: k, source, reader, health, answered, settle, taken, gens })
     }
@@ -185,21 +182,19 @@ impl Answers {
     /// knew of their answer partitions is stale, and they are read back
     /// before the next answer. A claim right above this process's own last
     /// one had no holder in between but this process, whose round in hand
-    /// ended before its consumer was replaced: nothing to wait out.
+    /// ended before its consumer was replaced, and the first claim ever
+    /// had no holder before it: nothing to wait out.
     pub(crate) fn taken(&mut self, claims: &[Claim]) {
         for c in claims {
             self.answered.remove(&c.partition);
-            if !follows_own_claim(self.gens.insert(c.partition, c.gen), c) {
+            if !no_other_holder_before(self.gens.insert(c.partition, c.gen), c) {
                 self.taken.insert(c.partition, Instant::now());
             }
         }
     }
 
     /// Waits until partition `p`, if given anew, may be read back (false
-    /// when stopped first). With the group protocol a partition moves only
-    /// once its previous holder revoked it, which waits for the round in
-    /// hand (librdkafka runs the rebalance inside `recv`, which a round
-    /// does not call). A member lease gives it at once, while its previous
+    /// when stopped first). A member lease gives it at once, while its previous
     /// holder may be sending the answers of a round it checked its claims
     /// for just before this member claimed it. Those sends end (land or
     /// fail) within the producer's message timeout, and a failed one is
@@ -431,10 +426,11 @@ impl Answers {
     }
 }
 
-/// Whether `claim` is the next claim after `last`, this process's own
-/// last claim on its partition (no other member claimed it in between).
-fn follows_own_claim(last: Option<u64>, claim: &Claim) -> bool {
-    last.is_some_and(|g| g + 1 == claim.gen)
+/// Whether no other member can have held `claim`'s partition before it:
+/// it is the first claim ever on the partition (generation 1), or the next
+/// after `last`, this process's own last claim on it.
+fn no_other_holder_before(last: Option<u64>, claim: &Claim) -> bool {
+    claim.gen == 1 || last.is_some_and(|g| g + 1 == claim.gen)
 }
 
 /// The command an answer names in its [`SOURCE_HEADER`].
@@ -448,13 +444,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_a_claim_right_after_our_own_has_no_previous_holder_to_wait_out() {
+    fn only_the_first_claim_or_one_right_after_our_own_has_no_previous_holder_to_wait_out() {
         let claim = Claim { partition: 2, gen: 8 };
-        assert!(follows_own_claim(Some(7), &claim));
+        assert!(no_other_holder_before(Some(7), &claim));
         // Someone claimed it between our claims, or we never held it.
-        assert!(!follows_own_claim(Some(6), &claim));
-        assert!(!follows_own_claim(None, &claim));
-        assert!(!follows_own_claim(Some(8), &claim));
+        assert!(!no_other_holder_before(Some(6), &claim));
+        assert!(!no_other_holder_before(None, &claim));
+        assert!(!no_other_holder_before(Some(8), &claim));
+        // Nobody ever claimed it before.
+        assert!(no_other_holder_before(None, &Claim { partition: 2, gen: 1 }));
     }
 
     #[test]

@@ -56,7 +56,7 @@ impl Writer {
 }
 
 /// Runs the ingest until `shutdown`; an error when it cannot start, or
-/// (with member leases) when another process took this one's member name.
+/// when another process took this one's member name.
 async fn run(writer: &Writer, shutdown: CancellationToken) -> anyhow::Result<()> {
     let s = writer.settings();
     let mut answers = Answers::open(s, writer.inner.health.clone()).await?;
@@ -65,7 +65,6 @@ async fn run(writer: &Writer, shutdown: CancellationToken) -> anyhow::Result<()>
         group: s.kafka.ingest_group(),
         topic: s.ingest.topic.clone(),
         fetch_wait_ms: FETCH_WAIT_MS,
-        assignment: s.ingest.assignment,
         member: s.ingest.member.clone(),
         member_setting: "ingest.member",
         batch_max: s.ingest.batch,

@@ -1,11 +1,9 @@
 //! Kafka ingest: producers write JSON commands to `ingest.topic`; every
 //! writer process is a member of one consumer group (`bagstore-ingest`)
 //! and applies each command through the same write path as HTTP. Who
-//! holds which partition is the broker's group protocol or, with
-//! `ingest.assignment = "leases"`, the writers' member leases (on tansu
-//! 0.6.0, whose coordinator can keep a dead writer as the group's leader
-//! and stall the group for good); either way through the fenced consumer
-//! the index consumers use too (`service::consumer`).
+//! holds which partition is the writers' member leases on the metadata
+//! shard, through the fenced consumer the index consumers use too
+//! (`service::consumer`).
 //!
 //! A command (docs/api.md, "Kafka ingest (for producers)"):
 //! `{"op": "put" | "patch" | "delete", "id": "<32 hex>", "properties": {…}
@@ -19,7 +17,7 @@
 //! write. The guard's key is the command's `idempotency_key` when it has
 //! one (a producer's resend of a command is then applied once), else the
 //! message's place (topic, partition, offset: a redelivery after a crash or
-//! a rebalance is applied once). A replay answers what the first apply did.
+//! a partition's move is applied once). A replay answers what the first apply did.
 //!
 //! A round: take up to `ingest.batch` messages, apply them (one entity's
 //! commands in their order, different entities at once), send each refused
@@ -45,14 +43,10 @@
 //! offsets after it (a round's answers are acknowledged before its offsets
 //! are committed), so the read stops at the first older answer it meets.
 //! The same read, after a round's sends failed, finds which of them landed.
-//! A revocation waits for the round in hand (librdkafka runs the rebalance
-//! inside `recv`, which a round does not call), and a member that was killed
-//! loses its partitions only after the session timeout, so its answers have
-//! landed before its successor reads.
 //!
-//! One member the group replaced without telling it (a broker that goes on
-//! taking its heartbeats, see [`service::membership`]), or whose lease's
-//! share moved while it was in a round, would go on applying and answering
+//! A member whose lease's share moved while it was in a round (or whose
+//! lease ran out unseen, the metadata shard out of reach) would go on
+//! applying and answering
 //! beside its successor. Its applies are harmless (each command's guard:
 //! the second try finds the first's record), its answers are not. So each
 //! member records a claim on every partition it is given before it applies
@@ -64,10 +58,9 @@
 //! one by its lease waits out the previous holder's sends (the producer's
 //! message timeout) before it reads back: what passed a comparison before
 //! the claim has landed by then (measured: without the wait, a writer whose
-//! share moved mid-round answered some 500 commands twice on tansu). What
-//! is left on the group protocol is a race of milliseconds: an answer sent
-//! right after a comparison that a successor's claim and read back then
-//! overtake.
+//! share moved mid-round answered some 500 commands twice on tansu). The
+//! first claim ever on a partition has no previous holder and waits for
+//! nothing.
 //!
 //! Layout:
 //! - [`command`]: a message → the change, precondition and guard it asks
