@@ -57,9 +57,14 @@ pub async fn snapshot(settings: Settings, group: &str, rate: u64, restart: bool)
         }
         None => {
             // The offsets first: every read below happens after them.
-            let offsets = service::kafka::commit_group_at_end(&settings.kafka, group, &changes.topic)
-                .await
-                .with_context(|| {
+            let offsets = service::kafka::place_group_at_end(
+                &settings.kafka,
+                group,
+                &changes.topic,
+                service::kafka::Placing::Every,
+            )
+            .await
+            .with_context(|| {
                 format!(
                     "placing group {group} at the end of {}; a group with live consumers cannot be placed: \
                          stop them first",

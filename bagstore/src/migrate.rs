@@ -96,7 +96,14 @@ pub async fn migrate(settings: &Settings, kafka: bool) -> anyhow::Result<(Report
     for (table, state) in &report.indexes {
         if *state == IndexState::Creating && !settings.kafka.brokers.is_empty() {
             let group = settings.kafka.group_for(table);
-            if let Err(e) = kafka::start_group_at_end(&settings.kafka, &group).await {
+            if let Err(e) = kafka::place_group_at_end(
+                &settings.kafka,
+                &group,
+                &settings.kafka.topic,
+                kafka::Placing::Uncommitted,
+            )
+            .await
+            {
                 tracing::warn!(index = %table, error = %e, "could not start the new consumer group at the topic's end; it will replay the topic");
             }
         }

@@ -313,57 +313,30 @@ fn lag_of(consumer: &BaseConsumer, topic: &str) -> Result<Vec<PartitionLag>, Kaf
     Ok(out)
 }
 
-/// Commits the group's offsets at the topic's current end on every
-/// partition where it has none, so a consumer group created for a new
-/// index does not replay the whole topic: the backfill that follows reads
-/// every entity as it is now, and later events are consumed normally. A
-/// partition the group already committed on is left alone: its indexers
-/// may be consuming it (they never join the broker's group, so the broker
-/// would not refuse), and skipping their events could lose an index row
-/// the backfill already passed. Returns the partitions placed.
-pub async fn start_group_at_end(k: &KafkaSettings, group: &str) -> Result<Vec<i32>, KafkaError> {
-    let k = k.clone();
-    let group = group.to_string();
-    tokio::task::spawn_blocking(move || {
-        let consumer = warm_group_consumer(&k, &group)?;
-        let topic = k.topic.clone();
-        let placed = (|| {
-            let timeout = Duration::from_secs(5);
-            let mut all = TopicPartitionList::new();
-            for p in topic_partitions(&consumer, &topic, timeout)? {
-                all.add_partition(&topic, p);
-            }
-            let committed = consumer.committed_offsets(all, timeout)?;
-            let mut tpl = TopicPartitionList::new();
-            let mut placed = Vec::new();
-            for e in committed.elements() {
-                if matches!(e.offset(), Offset::Offset(_)) {
-                    continue;
-                }
-                let (_, high) = consumer.fetch_watermarks(&topic, e.partition(), timeout)?;
-                tpl.add_partition_offset(&topic, e.partition(), Offset::Offset(high))?;
-                placed.push(e.partition());
-            }
-            if !placed.is_empty() {
-                consumer.commit(&tpl, CommitMode::Sync)?;
-            }
-            Ok(placed)
-        })();
-        if placed.is_err() {
-            forget_group_consumer(&k, &group);
-        }
-        placed
-    })
-    .await
-    .map_err(|_| KafkaError::Canceled)?
+/// Which of a topic's partitions [`place_group_at_end`] moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placing {
+    /// Every partition: a change stream snapshot's group, whose events
+    /// before the snapshot the snapshot itself replaces. The broker refuses
+    /// the commit while the group has live members.
+    Every,
+    /// Only where the group has committed nothing: a consumer group created
+    /// for a new index, so it does not replay the whole topic (the backfill
+    /// that follows reads every entity as it is now). A partition the group
+    /// already committed on is left alone: its indexers may be consuming it
+    /// (they never join the broker's group, so the broker would not
+    /// refuse), and skipping their events could lose an index row the
+    /// backfill already passed.
+    Uncommitted,
 }
 
-/// Commits `group`'s offsets on `topic` at its current end; returns them
-/// (partition, offset). Fails if the group has live members.
-pub async fn commit_group_at_end(
+/// Commits `group`'s offsets on `topic` at the topic's current end, on the
+/// partitions `placing` names; returns those placed (partition, offset).
+pub async fn place_group_at_end(
     k: &KafkaSettings,
     group: &str,
     topic: &str,
+    placing: Placing,
 ) -> Result<Vec<(i32, i64)>, KafkaError> {
     let k = k.clone();
     let (group, topic) = (group.to_string(), topic.to_string());
@@ -371,15 +344,30 @@ pub async fn commit_group_at_end(
         let consumer = warm_group_consumer(&k, &group)?;
         let placed = (|| {
             let timeout = Duration::from_secs(5);
+            let mut partitions = topic_partitions(&consumer, &topic, timeout)?;
+            if placing == Placing::Uncommitted {
+                let mut all = TopicPartitionList::new();
+                for p in &partitions {
+                    all.add_partition(&topic, *p);
+                }
+                let committed = consumer.committed_offsets(all, timeout)?;
+                partitions.retain(|p| {
+                    !committed
+                        .find_partition(&topic, *p)
+                        .is_some_and(|e| matches!(e.offset(), Offset::Offset(_)))
+                });
+            }
             let mut tpl = TopicPartitionList::new();
-            let mut out = Vec::new();
-            for p in topic_partitions(&consumer, &topic, timeout)? {
+            let mut placed = Vec::new();
+            for p in partitions {
                 let (_, high) = consumer.fetch_watermarks(&topic, p, timeout)?;
                 tpl.add_partition_offset(&topic, p, Offset::Offset(high))?;
-                out.push((p, high));
+                placed.push((p, high));
             }
-            consumer.commit(&tpl, CommitMode::Sync)?;
-            Ok(out)
+            if !placed.is_empty() {
+                consumer.commit(&tpl, CommitMode::Sync)?;
+            }
+            Ok(placed)
         })();
         if placed.is_err() {
             forget_group_consumer(&k, &group);

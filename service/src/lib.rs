@@ -11,10 +11,10 @@
 //! - [`kafka`]: client configuration, topics, consumer-group lag.
 //! - [`consumer`]: the fenced group consumer the index consumers and the
 //!   writers' Kafka ingest share: assignment, claims, loss, rebuilds.
-//! - [`membership`]: its context, noticing that the group gave the
-//!   consumer's partitions away.
-//! - [`leases`]: a consumer's member lease, when the members of a group
-//!   assign partitions among themselves.
+//! - [`leases`]: a consumer's member lease: the members of a group assign
+//!   partitions among themselves.
+//! - [`claims`]: the consumer's context: the partitions its lease gave it
+//!   and the claims recorded for them, so a lost share is noticed.
 //! - [`freshness`]: how far behind an index is (the one lag rule).
 //! - [`cluster`]: keeping the map current; this process's heartbeat.
 //! - [`health`]: liveness, and readiness by the policy of docs/operations.md,
@@ -22,6 +22,7 @@
 //! - [`config`]: loading `Settings` from a file and the environment.
 //! - [`serve`]: bind, serve, signal, and the graceful, bounded stop.
 
+pub mod claims;
 pub mod cluster;
 pub mod config;
 pub mod consumer;
@@ -30,7 +31,6 @@ pub mod health;
 pub mod http;
 pub mod kafka;
 pub mod leases;
-pub mod membership;
 pub mod serve;
 
 pub use http::Problem;

@@ -467,7 +467,7 @@ pub fn snapshots() -> String {
 
 /// Per consumer group and partition, the consumer (an indexer, or a
 /// writer's Kafka ingest) that was last assigned it (see
-/// `service::membership`) and the claim's generation (one more than the
+/// `service::claims`) and the claim's generation (one more than the
 /// claim before): a consumer that finds its partition claimed by another
 /// since has lost it, whatever the broker told it.
 pub fn partition_claims() -> String {

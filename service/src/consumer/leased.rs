@@ -8,9 +8,9 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
+use crate::claims::Claims;
 use crate::kafka;
 use crate::leases::Lease;
-use crate::membership::Membership;
 use crate::serve::sleep_or_stop;
 
 /// The member lease, kept across the consumers it outlives (a rebuilt
@@ -41,11 +41,7 @@ pub(super) enum Follow {
 /// `incremental_unassign` around a broker outage) once left a consumer
 /// fetching nothing for good. An error once another process took the
 /// member name.
-pub(super) fn follow(
-    consumer: &StreamConsumer<Membership>,
-    l: &Leased,
-    topic: &str,
-) -> Result<Follow, String> {
+pub(super) fn follow(consumer: &StreamConsumer<Claims>, l: &Leased, topic: &str) -> Result<Follow, String> {
     let want = l.lease.share(l.partitions)?;
     let watch = consumer.context();
     let held = watch.held(consumer);

@@ -13,7 +13,7 @@
 //!   the worker; a [`Batch`] carries the claims of its partitions, which
 //!   every index write proves in its own transaction.
 //! - **Loss.** Before every batch (and once a second while idle): whether
-//!   another member claimed one of the partitions since ([`Membership`]).
+//!   another member claimed one of the partitions since ([`Claims`]).
 //!   Events of partitions not held (strays) are never handed out; if they
 //!   keep coming the consumer is confused. The worker may ask again
 //!   ([`FencedConsumer::still_ours`]) or report a loss it found itself
@@ -61,10 +61,10 @@ use std::time::Duration;
 use storage::Shards;
 use tokio_util::sync::CancellationToken;
 
+use crate::claims::Claims;
 use crate::health::Health;
 use crate::kafka;
 use crate::leases::Lease;
-use crate::membership::Membership;
 use leased::Leased;
 use turn::{Ctx, Live, Rebuild, Step};
 
@@ -248,7 +248,7 @@ impl FencedConsumer {
         }
         let leased = self.leased.as_ref().expect("made above");
         let config = kafka::consumer_config(k, &o.group, o.fetch_wait_ms);
-        let consumer: StreamConsumer<Membership> = kafka::create_with(&config, Membership::new(&o.topic))?;
+        let consumer: StreamConsumer<Claims> = kafka::create_with(&config, Claims::new(&o.topic))?;
         tracing::info!(consumer = %o.part, group = %o.group, topic = %o.topic,
             member = %leased.lease.member(), partitions = leased.partitions, fetch_wait_ms = o.fetch_wait_ms,
             "assigning its partitions by member leases");

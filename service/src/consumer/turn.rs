@@ -17,13 +17,13 @@ use tokio_util::sync::CancellationToken;
 use super::batch::{self, Batch};
 use super::leased::{self, Follow, Leased};
 use super::spec::{Next, Observer, Options};
+use crate::claims::Claims;
 use crate::health::Health;
 use crate::leases::View;
-use crate::membership::Membership;
 use crate::serve::sleep_or_stop;
 
 /// How long an idle consumer waits for a message before it checks its
-/// membership and reports.
+/// leases and claims and reports.
 const IDLE_TICK: Duration = Duration::from_millis(250);
 
 /// How often an idle consumer compares its partitions' claims (a busy one
@@ -53,7 +53,7 @@ pub(super) struct Ctx {
 
 /// One rdkafka consumer (one member) and what its loop keeps.
 pub(super) struct Live {
-    pub(super) consumer: StreamConsumer<Membership>,
+    pub(super) consumer: StreamConsumer<Claims>,
     /// Wakes the loop when the members change.
     pub(super) lease_changes: watch::Receiver<View>,
     pub(super) strays_since: Option<Instant>,
@@ -213,7 +213,7 @@ impl Ctx {
         }
     }
 
-    /// The partition claims (see [`crate::membership`]): records this
+    /// The partition claims (see [`crate::claims`]): records this
     /// consumer's new assignments, then (every time when `always`, else at
     /// most once per CLAIMS_EVERY) whether another consumer has claimed one
     /// of `held` since. A metadata shard that does not answer decides

@@ -30,7 +30,8 @@ use schemas::codec;
 use schemas::expiry;
 use schemas::index::{IndexKey, IndexSpec};
 use schemas::EntityId;
-use sqlx::{MySqlConnection, Row};
+use sqlx::{MySql, MySqlConnection, Row, Transaction};
+use std::future::Future;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -248,21 +249,40 @@ async fn try_reserve(
 /// Revokes `token` on its entity's shard: a write under it can no longer
 /// commit (its claim would clash). Already claimed: nothing changes.
 pub(crate) async fn revoke(shards: &Shards, entity: EntityId, token: &[u8]) -> Result<()> {
-    let mut stale = StaleMapRetry::new(Duration::from_secs(10));
-    loop {
-        let logical = shards.logical_of_id(&entity);
-        let shard = shards.of_logical(logical);
-        let done = async {
-            let mut tx = begin_owned(shard, shards.pool(shard), &[logical]).await?;
-            sqlx::query(
-                "INSERT IGNORE INTO bagstore_unique_claims (token, claimed, recorded_us) VALUES (?, FALSE, ?)",
-            )
+    on_owner(shards, |s| s.logical_of_id(&entity), |shard, mut tx| async move {
+        sqlx::query("INSERT IGNORE INTO bagstore_unique_claims (token, claimed, recorded_us) VALUES (?, FALSE, ?)")
             .bind(token)
             .bind(schemas::clock::now_micros())
             .execute(&mut *tx)
             .await
             .on(shard)?;
-            tx.commit().await.on(shard)
+        Ok(((), tx))
+    })
+    .await
+}
+
+/// Runs `work` in one transaction on the shard of the logical shard
+/// `logical` names, under the proof that shard owns it, and commits; again
+/// on the new owner after a stale map (the map is read again each time).
+/// `work` is given the shard and the transaction, and gives the
+/// transaction back with its result.
+async fn on_owner<T, F>(
+    shards: &Shards,
+    logical: impl Fn(&Shards) -> u16,
+    mut work: impl FnMut(usize, Transaction<'static, MySql>) -> F,
+) -> Result<T>
+where
+    F: Future<Output = Result<(T, Transaction<'static, MySql>)>>,
+{
+    let mut stale = StaleMapRetry::new(Duration::from_secs(10));
+    loop {
+        let logical = logical(shards);
+        let shard = shards.of_logical(logical);
+        let done = async {
+            let tx = begin_owned(shard, shards.pool(shard), &[logical]).await?;
+            let (out, tx) = work(shard, tx).await?;
+            tx.commit().await.on(shard)?;
+            Ok::<_, StoreError>(out)
         }
         .await;
         match done {
@@ -281,22 +301,15 @@ pub async fn holds(
     spec: &IndexSpec,
     key: &IndexKey,
 ) -> Result<bool> {
-    let mut stale = StaleMapRetry::new(Duration::from_secs(10));
-    let record = loop {
-        let logical = shards.logical_of_id(&entity);
-        let shard = shards.of_logical(logical);
-        let read = async {
-            let mut tx = begin_owned(shard, shards.pool(shard), &[logical]).await?;
+    let record = on_owner(
+        shards,
+        |s| s.logical_of_id(&entity),
+        |shard, mut tx| async move {
             let found = entities::read_entities_any(shard, &mut *tx, &[entity]).await?;
-            tx.commit().await.on(shard)?;
-            Ok::<_, StoreError>(found.records.into_iter().next())
-        }
-        .await;
-        match read {
-            Err(e) if e.is_stale_map() && stale.again(shards).await => continue,
-            other => break other?,
-        }
-    };
+            Ok((found.records.into_iter().next(), tx))
+        },
+    )
+    .await?;
     let Some(bag) = record.and_then(|r| r.body).and_then(|b| codec::decode_body(&b).ok()) else {
         return Ok(false);
     };
@@ -349,26 +362,19 @@ pub(crate) async fn on_key_shard(
     sql: &str,
     more: &[Option<&[u8]>],
 ) -> Result<u64> {
-    let mut stale = StaleMapRetry::new(Duration::from_secs(10));
-    loop {
-        let logical = spec.logical_of_key(key, shards.logical_shards());
-        let shard = shards.of_logical(logical);
-        let done = async {
-            let mut tx = begin_owned(shard, shards.pool(shard), &[logical]).await?;
+    on_owner(
+        shards,
+        |s| spec.logical_of_key(key, s.logical_shards()),
+        |shard, mut tx| async move {
             let mut q = bind_key(sqlx::query(sql), key);
             for b in more {
                 q = q.bind(*b);
             }
             let n = q.execute(&mut *tx).await.on(shard)?.rows_affected();
-            tx.commit().await.on(shard)?;
-            Ok::<_, StoreError>(n)
-        }
-        .await;
-        match done {
-            Err(e) if e.is_stale_map() && stale.again(shards).await => continue,
-            other => return other,
-        }
-    }
+            Ok((n, tx))
+        },
+    )
+    .await
 }
 
 /// The reservation `token` of `owner` becomes a held key (the write

@@ -301,7 +301,7 @@ pub(super) const OVERLAP_FOR: Duration = Duration::from_secs(20);
 ///
 /// An overlap that lasts [`OVERLAP_FOR`] (an indexer holding partitions
 /// the leases gave to another, e.g. `"index_user_id": [2.0, 4.0]`; see
-/// `service::membership`) is returned, and the caller counts it as a
+/// `service::claims`) is returned, and the caller counts it as a
 /// failure; the run goes on to its report.
 pub(super) async fn until_group_owns_everything(env: &TestEnv, indexers: &[Option<Proc>]) -> Option<String> {
     let deadline = Duration::from_secs(150);

@@ -49,7 +49,7 @@ fn by_links(range: std::ops::Range<usize>) -> Value {
 
 /// A new index's consumer group starts at the topic's end only on the
 /// partitions where it has no offsets yet (`service::kafka::
-/// start_group_at_end`): an offset already committed (its indexers took
+/// place_group_at_end`): an offset already committed (its indexers took
 /// the partition before `migrate` ran again; they never join the broker's
 /// group, so the broker would not refuse the move) is left where it is,
 /// since skipping their events could lose rows the backfill already passed.

@@ -15,8 +15,8 @@
 //! compares the claims after applying a round and before answering it
 //! (`writer::ingest`).
 //!
-//! [`Membership`] is the consumer's context: it keeps the partitions given
-//! ([`Membership::assigned`]), the claims recorded for them, and wakes the
+//! [`Claims`] is the consumer's context: it keeps the partitions given
+//! ([`Claims::assigned`]), the claims recorded for them, and wakes the
 //! loop when there are new ones to claim. A consumer that finds its
 //! partitions claimed by another stops applying at once and is replaced by
 //! a new one that holds nothing until it has claimed its share.
@@ -33,7 +33,7 @@ use tokio::sync::Notify;
 /// The consumer context that keeps what the consumer was given and the
 /// claims it recorded for it.
 #[derive(Debug)]
-pub struct Membership {
+pub struct Claims {
     /// This consumer's identity in the partition claims (random, for its
     /// life).
     instance: [u8; 16],
@@ -68,13 +68,13 @@ impl State {
     }
 }
 
-impl ClientContext for Membership {}
+impl ClientContext for Claims {}
 
-impl ConsumerContext for Membership {}
+impl ConsumerContext for Claims {}
 
-impl Membership {
-    pub fn new(topic: &str) -> Membership {
-        Membership {
+impl Claims {
+    pub fn new(topic: &str) -> Claims {
+        Claims {
             instance: *uuid::Uuid::new_v4().as_bytes(),
             topic: topic.to_string(),
             state: Mutex::default(),
@@ -135,7 +135,7 @@ impl Membership {
     }
 
     /// The partitions of this member's topic that `consumer` holds.
-    pub fn held<C: Consumer<Membership>>(&self, consumer: &C) -> BTreeSet<i32> {
+    pub fn held<C: Consumer<Claims>>(&self, consumer: &C) -> BTreeSet<i32> {
         consumer
             .assignment()
             .map(|a| partitions_of(&a, &self.topic).into_iter().collect())
@@ -189,7 +189,7 @@ mod tests {
 
     #[test]
     fn the_assignment_is_held_once_given_and_every_partition_of_it_claimed() {
-        let m = Membership::new("t");
+        let m = Claims::new("t");
         assert!(!m.settled(), "nothing was assigned yet");
         m.assigned(vec![]);
         assert!(m.settled(), "an empty assignment is held at once");
@@ -208,7 +208,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_assignment_wakes_whoever_waits_for_it_even_if_it_came_first() {
-        let m = Membership::new("t");
+        let m = Claims::new("t");
         m.assigned(vec![0]);
         tokio::time::timeout(Duration::from_secs(1), m.assignment()).await.expect("woken");
     }
