@@ -15,12 +15,6 @@
 //! - [`Floor::Outbox`]: the same, and the change event inserted into an
 //!   outbox in the entity's transaction, deleted afterwards in ranges of
 //!   [`BATCH`] (the cheapest delete: no read of the events).
-//! - [`Floor::RotatedOutbox`]: the same, but the outbox is never deleted
-//!   from row by row: it is partitioned into [`SLOTS`] slots, writers
-//!   insert into the current one, and each [`ROTATE_EVERY`] the slot moves
-//!   on and the one two behind it is emptied with `TRUNCATE PARTITION`.
-//!   This is the lever issue 35 names (partition rotation), measured as a
-//!   floor before it is built: what the outbox would cost with no deletes.
 //!
 //! The index rows are bagstore's (`storage::ddl::index_table` of the main
 //! index's spec), on the shard of their `user_id`, as bagstore places them.
@@ -43,41 +37,6 @@ const TABLE: &str = "floor_index";
 pub enum Floor {
     Capture,
     Outbox,
-    RotatedOutbox,
-}
-
-/// The rotated outbox's table and its partitions, one per slot.
-const ROTATED: &str = "floor_outbox_rotated";
-const SLOTS: usize = 4;
-/// How long writers insert into one slot before it moves on. A slot is
-/// emptied two moves later, so a row is kept 1–2 of these after its
-/// commit: ample for a relay that publishes within milliseconds.
-const ROTATE_EVERY: Duration = Duration::from_secs(1);
-
-/// The rotated outbox's DDL: the outbox's columns and a slot, partitioned
-/// by slot.
-fn rotated_outbox() -> String {
-    let parts: Vec<String> = (0..SLOTS).map(|i| format!("PARTITION p{i} VALUES IN ({i})")).collect();
-    format!(
-        "CREATE TABLE IF NOT EXISTS {ROTATED} (
-    slot TINYINT UNSIGNED NOT NULL,
-    seq BIGINT UNSIGNED NOT NULL AUTO_INCREMENT,
-    entity_id BINARY(16) NOT NULL,
-    version BIGINT UNSIGNED NOT NULL,
-    committed TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
-    event MEDIUMBLOB NOT NULL,
-    PRIMARY KEY (seq, slot)
-) ENGINE=InnoDB PARTITION BY LIST (slot) ({})",
-        parts.join(", ")
-    )
-}
-
-/// One shard's rotation: the slot writers insert into, and the rows each
-/// slot holds (inserted and not yet truncated).
-#[derive(Default)]
-struct Rotation {
-    current: std::sync::atomic::AtomicUsize,
-    rows: [AtomicI64; SLOTS],
 }
 
 impl Floor {
@@ -98,8 +57,6 @@ pub struct Deferred {
     /// Index rows sent and not yet inserted, plus outbox rows inserted and
     /// not yet deleted.
     pending: Arc<AtomicI64>,
-    /// Per shard, for [`Floor::RotatedOutbox`].
-    rotations: Vec<Arc<Rotation>>,
     stop: Arc<std::sync::atomic::AtomicBool>,
     tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
 }
@@ -119,40 +76,27 @@ pub async fn create_tables(native: &Native) -> anyhow::Result<()> {
     for pool in &native.pools {
         sqlx::query(&storage::ddl::index_table(&spec)).execute(pool).await?;
         sqlx::query(&storage::ddl::outbox()).execute(pool).await?;
-        sqlx::query(&rotated_outbox()).execute(pool).await?;
     }
     Ok(())
 }
 
 impl Deferred {
     /// Starts the index row writers (one per shard) and, for
-    /// [`Floor::Outbox`], the outbox deleters, for
-    /// [`Floor::RotatedOutbox`], the rotators.
+    /// [`Floor::Outbox`], the outbox deleters.
     pub fn start(native: Arc<Native>, floor: Floor) -> Deferred {
         let pending = Arc::new(AtomicI64::new(0));
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let mut index = Vec::new();
         let mut tasks = Vec::new();
-        let rotations: Vec<Arc<Rotation>> = (0..SHARDS).map(|_| Arc::default()).collect();
-        for (shard, rotation) in rotations.iter().enumerate() {
+        for shard in 0..SHARDS {
             let (tx, rx) = mpsc::unbounded_channel();
             index.push(tx);
             tasks.push(tokio::spawn(write_index_rows(native.clone(), shard, rx, pending.clone())));
             if floor == Floor::Outbox {
                 tasks.push(tokio::spawn(delete_outbox(native.clone(), shard, pending.clone(), stop.clone())));
             }
-            if floor == Floor::RotatedOutbox {
-                let rotation = rotation.clone();
-                tasks.push(tokio::spawn(rotate_outbox(
-                    native.clone(),
-                    shard,
-                    rotation,
-                    pending.clone(),
-                    stop.clone(),
-                )));
-            }
         }
-        Deferred { index, pending, rotations, stop, tasks }
+        Deferred { index, pending, stop, tasks }
     }
 
     /// Waits until every deferred row is written, then stops the tasks.
@@ -253,7 +197,6 @@ pub async fn write(
     let jobs = per.into_iter().enumerate().filter(|(_, v)| !v.is_empty()).map(|(shard, rows)| {
         let native = native.clone();
         let pending = deferred.pending.clone();
-        let rotation = deferred.rotations[shard].clone();
         async move {
             let ids: Vec<[u8; 16]> = rows.iter().map(|i| hex16(&entity_id(*i))).collect();
             let bodies: Vec<Vec<u8>> = rows.iter().map(|i| body_of(*i)).collect();
@@ -282,24 +225,6 @@ pub async fn write(
                     q.execute(&mut taken.conn).await?;
                     o.execute(&mut taken.conn).await?;
                     sqlx::query("COMMIT").execute(&mut taken.conn).await?;
-                    pending.fetch_add(rows.len() as i64, Ordering::SeqCst);
-                }
-                Floor::RotatedOutbox => {
-                    let events: Vec<Vec<u8>> = rows.iter().map(|i| event(*i, shard)).collect();
-                    let slot = rotation.current.load(Ordering::SeqCst);
-                    let outbox = format!(
-                        "INSERT INTO {ROTATED} (slot, entity_id, version, committed, event) VALUES {}",
-                        vec!["(?, ?, 1, NOW(6), ?)"; rows.len()].join(", ")
-                    );
-                    let mut o = sqlx::query(&outbox);
-                    for (id, e) in ids.iter().zip(&events) {
-                        o = o.bind(slot as u8).bind(id.to_vec()).bind(&e[..]);
-                    }
-                    sqlx::query("BEGIN").execute(&mut taken.conn).await?;
-                    q.execute(&mut taken.conn).await?;
-                    o.execute(&mut taken.conn).await?;
-                    sqlx::query("COMMIT").execute(&mut taken.conn).await?;
-                    rotation.rows[slot].fetch_add(rows.len() as i64, Ordering::SeqCst);
                     pending.fetch_add(rows.len() as i64, Ordering::SeqCst);
                 }
             }
@@ -389,30 +314,6 @@ async fn delete_outbox(
         if done == 0 {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
-    }
-    Ok(())
-}
-
-/// Moves the shard's slot on every [`ROTATE_EVERY`] and empties the slot
-/// two behind the new one (the one just left may still take inserts that
-/// read it before the move), until stopped.
-async fn rotate_outbox(
-    native: Arc<Native>,
-    shard: usize,
-    rotation: Arc<Rotation>,
-    pending: Arc<AtomicI64>,
-    stop: Arc<std::sync::atomic::AtomicBool>,
-) -> anyhow::Result<()> {
-    while !stop.load(Ordering::SeqCst) {
-        tokio::time::sleep(ROTATE_EVERY).await;
-        let next = (rotation.current.load(Ordering::SeqCst) + 1) % SLOTS;
-        rotation.current.store(next, Ordering::SeqCst);
-        let emptied = (next + 2) % SLOTS;
-        native
-            .execute(shard, sqlx::query(&format!("ALTER TABLE {ROTATED} TRUNCATE PARTITION p{emptied}")))
-            .await?;
-        let done = rotation.rows[emptied].swap(0, Ordering::SeqCst);
-        pending.fetch_sub(done, Ordering::SeqCst);
     }
     Ok(())
 }

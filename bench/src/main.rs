@@ -1861,8 +1861,6 @@ async fn write_phases(
         ("floor capture batch", floor::Floor::Capture, BATCH),
         ("floor outbox single", floor::Floor::Outbox, 1),
         ("floor outbox batch", floor::Floor::Outbox, BATCH),
-        ("floor rotated outbox single", floor::Floor::RotatedOutbox, 1),
-        ("floor rotated outbox batch", floor::Floor::RotatedOutbox, BATCH),
     ] {
         let readers = if kind.streams_binlog() {
             let ports: Vec<u16> = world.servers.iter().map(|s| s.port()).collect();
@@ -2060,18 +2058,11 @@ async fn write_phases(
             "bagstore",
             "floor outbox",
         ),
-        // The outbox against what a user picks instead, with its deletes
-        // and with partition rotation in their place (issue 35's lever).
+        // The design's rows against what a user picks instead (issue 35).
         (
             "mysql_floor_outbox_json_ratio",
             "mariadbd CPU per entity: floor with an outbox / json",
             "floor outbox",
-            "json",
-        ),
-        (
-            "mysql_floor_rotated_json_ratio",
-            "mariadbd CPU per entity: floor with a rotated outbox / json",
-            "floor rotated outbox",
             "json",
         ),
     ] {

@@ -37,9 +37,7 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
         "| mariadbd CPU per entity: floor with capture (entity + index row) / raw |",
         "| mariadbd CPU per entity: floor with an outbox / raw |",
         "| mariadbd CPU per entity: bagstore / floor with an outbox |",
-        "| MariaDB, floor rotated outbox single |",
         "| mariadbd CPU per entity: floor with an outbox / json |",
-        "| mariadbd CPU per entity: floor with a rotated outbox / json |",
         "| bagstore: latest 20 of one user |",
         "| json: latest 20 of one user |",
         "| CPU, json: point get by id |",
@@ -73,11 +71,7 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
     // write exactly the rows of their design: two per entity with
     // capture, four with an outbox (a floor that skipped its index rows or
     // its outbox deletes would read lower); and the binary log grows with
-    // every write (a misspelt counter reads 0). The rotated outbox writes
-    // three rows and deletes none (TRUNCATE PARTITION counts no
-    // Handler_delete), but MariaDB 10.11 counts a row inserted into a
-    // partitioned table twice in Handler_write (the partitioning handler's
-    // and its partition's), so its three read as four.
+    // every write (a misspelt counter reads 0).
     for (line, low, high) in [
         ("| MariaDB, json single |", 0.95, 1.05),
         ("| MariaDB, json batch |", 0.95, 1.05),
@@ -85,8 +79,6 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
         ("| MariaDB, floor capture batch |", 1.95, 2.1),
         ("| MariaDB, floor outbox single |", 3.9, 4.2),
         ("| MariaDB, floor outbox batch |", 3.9, 4.2),
-        ("| MariaDB, floor rotated outbox single |", 3.9, 4.2),
-        ("| MariaDB, floor rotated outbox batch |", 3.9, 4.2),
     ] {
         let found = stdout.lines().find(|l| l.starts_with(line)).unwrap_or("");
         let rows = figure_after(found, "row writes ");
