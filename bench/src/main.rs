@@ -49,11 +49,12 @@ mod json_table;
 mod moves;
 
 const USAGE: &str =
-    "usage: bench [--quick] [--only-move] [--only-writes] [--only-reads] [--perf-reader FILE] [--entities N] [--phase-secs S] [--clients C] [--steady-rate R]\n\
+    "usage: bench [--quick] [--only-move] [--only-writes] [--only-reads] [--only-backfill] [--perf-reader FILE] [--entities N] [--phase-secs S] [--clients C] [--steady-rate R]\n\
   --quick          CI smoke run: 3000 entities, 2 s phases, 4 clients\n\
   --only-move      load bagstore's N entities, then run the move phase alone (for working on the mover)\n\
   --only-writes    load N entities, then run the write phases and MariaDB's cost per entity alone\n\
   --only-reads     load N entities, then run the query and point-get phases alone\n\
+  --only-backfill  load N entities, then run the index builds (the backfills, their floor, the ALTER) alone\n\
   --perf-reader FILE  record the reader with `perf` during the point gets into FILE (for scripts/flamegraph)\n\
   --entities N     entities loaded before queries and the index build (default 1000000)\n\
   --phase-secs S   length of each measured phase (default 20)\n\
@@ -91,6 +92,8 @@ struct Options {
     only_writes: bool,
     /// After the load, only the queries and point gets (the read path).
     only_reads: bool,
+    /// After the load, only the index builds (for working on the backfill).
+    only_backfill: bool,
     /// Where `perf record` writes the reader's profile during the point gets.
     perf_reader: Option<PathBuf>,
     entities: usize,
@@ -110,6 +113,7 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
     let mut only_move = false;
     let mut only_writes = false;
     let mut only_reads = false;
+    let mut only_backfill = false;
     let mut perf_reader = None;
     let mut backfill_rate = 0;
     let (mut entities, mut phase, mut clients, mut rate) = (None, None, None, None);
@@ -120,6 +124,7 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
             "--only-move" => only_move = true,
             "--only-writes" => only_writes = true,
             "--only-reads" => only_reads = true,
+            "--only-backfill" => only_backfill = true,
             "--perf-reader" => perf_reader = Some(value::<PathBuf>(a, it.next())?),
             "--entities" => entities = Some(value::<usize>(a, it.next())?),
             "--phase-secs" => phase = Some(value::<f64>(a, it.next())?),
@@ -135,6 +140,7 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
         only_move,
         only_writes,
         only_reads,
+        only_backfill,
         perf_reader,
         entities: entities.unwrap_or(if quick { 3000 } else { 1_000_000 }),
         phase: Duration::from_secs_f64(phase.unwrap_or(if quick { 2.0 } else { 20.0 })),
@@ -142,8 +148,8 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
         steady_rate: rate.unwrap_or(if quick { 50 } else { 200 }),
         backfill_rate,
     };
-    if [o.only_move, o.only_writes, o.only_reads].iter().filter(|on| **on).count() > 1 {
-        return Err("--only-move, --only-writes and --only-reads exclude each other".into());
+    if [o.only_move, o.only_writes, o.only_reads, o.only_backfill].iter().filter(|on| **on).count() > 1 {
+        return Err("--only-move, --only-writes, --only-reads and --only-backfill exclude each other".into());
     }
     if o.entities < 100 || o.clients == 0 || o.steady_rate == 0 || o.phase.is_zero() {
         return Err(
@@ -1394,128 +1400,131 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         return Ok(());
     }
 
-    // ---- Queries: same answers first, then latency.
-    let users: Vec<String> = (0..USERS).map(user_id).collect();
-    let span = n as i64 / 4;
-    let range_of = move |u: usize| -> (i64, i64) {
-        let lo = 1_700_000_000i64 + (u as i64 * 7919) % (n as i64 - span).max(1);
-        (lo, lo + span)
-    };
-    for u in (0..USERS).step_by(USERS / 20) {
-        let a = json_latest(&world.native, &users[u], None).await?;
-        let b = bag_latest(&http, &rbase, &users[u], None).await?;
-        ensure!(a == b, "latest-20 answers differ for user {u}: json {a:?} bagstore {b:?}");
-        let r = Some(range_of(u));
-        let a = json_latest(&world.native, &users[u], r).await?;
-        let b = bag_latest(&http, &rbase, &users[u], r).await?;
-        if a != b {
-            // What each side's ids hold, as the other side stores them.
-            let mut seen = Vec::new();
-            for id in a.iter().chain(&b) {
-                let got = http.get(format!("{rbase}/v1/entities/{id}")).send().await?.text().await?;
-                let q = sqlx::query("SELECT CAST(user_id AS CHAR) AS u, published FROM docs WHERE id = ?")
-                    .bind(hex16(id).to_vec());
-                let row = world.native.fetch_all(shard_of_hex(id), q).await?.pop();
-                let json_side =
-                    row.map(|r| (r.try_get::<String, _>("u").ok(), r.try_get::<i64, _>("published").ok()));
-                seen.push(format!("{id}: json {json_side:?}; bagstore {got}"));
+    if !opts.only_backfill {
+        // ---- Queries: same answers first, then latency.
+        let users: Vec<String> = (0..USERS).map(user_id).collect();
+        let span = n as i64 / 4;
+        let range_of = move |u: usize| -> (i64, i64) {
+            let lo = 1_700_000_000i64 + (u as i64 * 7919) % (n as i64 - span).max(1);
+            (lo, lo + span)
+        };
+        for u in (0..USERS).step_by(USERS / 20) {
+            let a = json_latest(&world.native, &users[u], None).await?;
+            let b = bag_latest(&http, &rbase, &users[u], None).await?;
+            ensure!(a == b, "latest-20 answers differ for user {u}: json {a:?} bagstore {b:?}");
+            let r = Some(range_of(u));
+            let a = json_latest(&world.native, &users[u], r).await?;
+            let b = bag_latest(&http, &rbase, &users[u], r).await?;
+            if a != b {
+                // What each side's ids hold, as the other side stores them.
+                let mut seen = Vec::new();
+                for id in a.iter().chain(&b) {
+                    let got = http.get(format!("{rbase}/v1/entities/{id}")).send().await?.text().await?;
+                    let q =
+                        sqlx::query("SELECT CAST(user_id AS CHAR) AS u, published FROM docs WHERE id = ?")
+                            .bind(hex16(id).to_vec());
+                    let row = world.native.fetch_all(shard_of_hex(id), q).await?.pop();
+                    let json_side = row
+                        .map(|r| (r.try_get::<String, _>("u").ok(), r.try_get::<i64, _>("published").ok()));
+                    seen.push(format!("{id}: json {json_side:?}; bagstore {got}"));
+                }
+                bail!(
+                    "range {r:?} answers differ for user {u} ({}): json {a:?} bagstore {b:?}\n{}",
+                    users[u],
+                    seen.join("\n")
+                );
             }
-            bail!(
-                "range {r:?} answers differ for user {u} ({}): json {a:?} bagstore {b:?}\n{}",
-                users[u],
-                seen.join("\n")
+        }
+        report.section(&format!(
+            "Queries ({c} clients, {:.0} s each in {ROUNDS} alternating turns; answers checked equal first)",
+            d.as_secs_f64()
+        ));
+        let pick = Arc::new(AtomicU64::new(0));
+        let mut q_runs = Vec::new();
+        let mut q_cpu: Vec<(String, String)> = Vec::new();
+        for (key, what, range) in [
+            ("latest20", "latest 20 of one user", false),
+            ("range", "compound range (user, published window)", true),
+        ] {
+            let users_j = Arc::new(users.clone());
+            let (p, nat) = (pick.clone(), native.clone());
+            let json_op = move || {
+                let u = p.fetch_add(1, Ordering::Relaxed) as usize % USERS;
+                let (users, nat) = (users_j.clone(), nat.clone());
+                async move { json_latest(&nat, &users[u], range.then(|| range_of(u))).await.map(|_| ()) }
+            };
+            let users_b = Arc::new(users.clone());
+            let (p, h, rb) = (pick.clone(), http.clone(), Arc::new(rbase.clone()));
+            let bag_op = move || {
+                let u = p.fetch_add(1, Ordering::Relaxed) as usize % USERS;
+                let (users, h, rb) = (users_b.clone(), h.clone(), rb.clone());
+                async move { bag_latest(&h, &rb, &users[u], range.then(|| range_of(u))).await.map(|_| ()) }
+            };
+            let ((rj, uj), (rbag, ub)) = side_by_side(world, c, d, json_op, bag_op).await;
+            q_cpu.push((format!("json: {what}"), uj.per_op(rj.latency.n as f64, "queries")));
+            q_cpu.push((format!("bagstore: {what}"), ub.per_op(rbag.latency.n as f64, "queries")));
+            report.run(&format!("{key}_json"), &format!("json: {what}"), &rj, "queries/s");
+            report.run(&format!("{key}_bagstore"), &format!("bagstore: {what}"), &rbag, "queries/s");
+            report.line(
+                &format!("{key}_ratio"),
+                &format!("{what}: p99 bagstore / json"),
+                ratio(rbag.latency.p99, rj.latency.p99),
+                format!("p50 {}", ratio(rbag.latency.p50, rj.latency.p50)),
             );
+            q_runs.push((rj, rbag));
         }
-    }
-    report.section(&format!(
-        "Queries ({c} clients, {:.0} s each in {ROUNDS} alternating turns; answers checked equal first)",
-        d.as_secs_f64()
-    ));
-    let pick = Arc::new(AtomicU64::new(0));
-    let mut q_runs = Vec::new();
-    let mut q_cpu: Vec<(String, String)> = Vec::new();
-    for (key, what, range) in [
-        ("latest20", "latest 20 of one user", false),
-        ("range", "compound range (user, published window)", true),
-    ] {
-        let users_j = Arc::new(users.clone());
         let (p, nat) = (pick.clone(), native.clone());
-        let json_op = move || {
-            let u = p.fetch_add(1, Ordering::Relaxed) as usize % USERS;
-            let (users, nat) = (users_j.clone(), nat.clone());
-            async move { json_latest(&nat, &users[u], range.then(|| range_of(u))).await.map(|_| ()) }
+        let json_get = move || {
+            let i = p.fetch_add(7, Ordering::Relaxed) % n;
+            let nat = nat.clone();
+            async move {
+                let id = entity_id(i);
+                let q = sqlx::query("SELECT doc FROM docs WHERE id = ?").bind(hex16(&id).to_vec());
+                let row = nat.fetch_all(shard_of_hex(&id), q).await?.pop();
+                let doc: Vec<u8> = row.with_context(|| format!("json: {id} missing"))?.try_get("doc")?;
+                let _: Value = serde_json::from_slice(&doc)?;
+                Ok(())
+            }
         };
-        let users_b = Arc::new(users.clone());
         let (p, h, rb) = (pick.clone(), http.clone(), Arc::new(rbase.clone()));
-        let bag_op = move || {
-            let u = p.fetch_add(1, Ordering::Relaxed) as usize % USERS;
-            let (users, h, rb) = (users_b.clone(), h.clone(), rb.clone());
-            async move { bag_latest(&h, &rb, &users[u], range.then(|| range_of(u))).await.map(|_| ()) }
+        let bag_get = move || {
+            let i = p.fetch_add(7, Ordering::Relaxed) % n;
+            let (h, rb) = (h.clone(), rb.clone());
+            async move {
+                let r = h.get(format!("{rb}/v1/entities/{}", entity_id(i))).send().await?;
+                ensure!(r.status().is_success(), "get answered {}", r.status());
+                let _: Value = r.json().await?;
+                Ok(())
+            }
         };
-        let ((rj, uj), (rbag, ub)) = side_by_side(world, c, d, json_op, bag_op).await;
-        q_cpu.push((format!("json: {what}"), uj.per_op(rj.latency.n as f64, "queries")));
-        q_cpu.push((format!("bagstore: {what}"), ub.per_op(rbag.latency.n as f64, "queries")));
-        report.run(&format!("{key}_json"), &format!("json: {what}"), &rj, "queries/s");
-        report.run(&format!("{key}_bagstore"), &format!("bagstore: {what}"), &rbag, "queries/s");
+        let perf = match &opts.perf_reader {
+            Some(file) => Some(Perf::record(reader.pid() as u32, file)?),
+            None => None,
+        };
+        let ((gj, ugj), (gb, ugb)) = side_by_side(world, c, d, json_get, bag_get).await;
+        q_cpu.push(("json: point get by id".to_string(), ugj.per_op(gj.latency.n as f64, "gets")));
+        q_cpu.push(("bagstore: point get by id".to_string(), ugb.per_op(gb.latency.n as f64, "gets")));
+        if let Some(p) = perf {
+            p.stop().await?;
+        }
+        report.run("get_json", "json: point get by id", &gj, "gets/s");
+        report.run("get_bagstore", "bagstore: point get by id", &gb, "gets/s");
         report.line(
-            &format!("{key}_ratio"),
-            &format!("{what}: p99 bagstore / json"),
-            ratio(rbag.latency.p99, rj.latency.p99),
-            format!("p50 {}", ratio(rbag.latency.p50, rj.latency.p50)),
+            "get_ratio",
+            "point get: p99 bagstore / json",
+            ratio(gb.latency.p99, gj.latency.p99),
+            format!("p50 {}", ratio(gb.latency.p50, gj.latency.p50)),
         );
-        q_runs.push((rj, rbag));
-    }
-    let (p, nat) = (pick.clone(), native.clone());
-    let json_get = move || {
-        let i = p.fetch_add(7, Ordering::Relaxed) % n;
-        let nat = nat.clone();
-        async move {
-            let id = entity_id(i);
-            let q = sqlx::query("SELECT doc FROM docs WHERE id = ?").bind(hex16(&id).to_vec());
-            let row = nat.fetch_all(shard_of_hex(&id), q).await?.pop();
-            let doc: Vec<u8> = row.with_context(|| format!("json: {id} missing"))?.try_get("doc")?;
-            let _: Value = serde_json::from_slice(&doc)?;
-            Ok(())
-        }
-    };
-    let (p, h, rb) = (pick.clone(), http.clone(), Arc::new(rbase.clone()));
-    let bag_get = move || {
-        let i = p.fetch_add(7, Ordering::Relaxed) % n;
-        let (h, rb) = (h.clone(), rb.clone());
-        async move {
-            let r = h.get(format!("{rb}/v1/entities/{}", entity_id(i))).send().await?;
-            ensure!(r.status().is_success(), "get answered {}", r.status());
-            let _: Value = r.json().await?;
-            Ok(())
-        }
-    };
-    let perf = match &opts.perf_reader {
-        Some(file) => Some(Perf::record(reader.pid() as u32, file)?),
-        None => None,
-    };
-    let ((gj, ugj), (gb, ugb)) = side_by_side(world, c, d, json_get, bag_get).await;
-    q_cpu.push(("json: point get by id".to_string(), ugj.per_op(gj.latency.n as f64, "gets")));
-    q_cpu.push(("bagstore: point get by id".to_string(), ugb.per_op(gb.latency.n as f64, "gets")));
-    if let Some(p) = perf {
-        p.stop().await?;
-    }
-    report.run("get_json", "json: point get by id", &gj, "gets/s");
-    report.run("get_bagstore", "bagstore: point get by id", &gb, "gets/s");
-    report.line(
-        "get_ratio",
-        "point get: p99 bagstore / json",
-        ratio(gb.latency.p99, gj.latency.p99),
-        format!("p50 {}", ratio(gb.latency.p50, gj.latency.p50)),
-    );
 
-    for (i, (what, line)) in q_cpu.iter().enumerate() {
-        report.line(&format!("qcpu_{i}"), &format!("CPU, {what}"), String::new(), line.clone());
-    }
-    if opts.only_reads {
-        for p in [writer, indexer, reader] {
-            p.terminate().await;
+        for (i, (what, line)) in q_cpu.iter().enumerate() {
+            report.line(&format!("qcpu_{i}"), &format!("CPU, {what}"), String::new(), line.clone());
         }
-        return Ok(());
+        if opts.only_reads {
+            for p in [writer, indexer, reader] {
+                p.terminate().await;
+            }
+            return Ok(());
+        }
     }
 
     // ---- Adding an index to the N entities while a steady writer writes.
@@ -1623,6 +1632,25 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
         format!("{:.0} rows/s", n as f64 / secs),
         format!("{secs:.1} s; bagstore's backfill is {} as fast", ratio(secs, unlimited.secs)),
     );
+    // The same statements beside the steady writer, as the backfill ran
+    // (issue 35's target is against this one): on two cores the writer
+    // takes a core's worth of CPU from whatever runs beside it.
+    let stop = Arc::new(AtomicBool::new(false));
+    let beside_writer = tokio::spawn(open_loop(rate, stop.clone(), bag_steady.clone()));
+    let beside = floor::load_index_rows(native.clone(), n, c).await;
+    stop.store(true, Ordering::Relaxed);
+    let beside_run = beside_writer.await?;
+    let beside = beside?;
+    report.line(
+        "floor_backfill_beside",
+        "floor: the same INSERTs beside the steady writer (target: backfill ≥ 0.9×)",
+        format!("{:.0} rows/s", n as f64 / beside),
+        format!(
+            "{beside:.1} s, the writer's p99 {:.2} ms; bagstore's backfill is {} as fast",
+            beside_run.latency.p99,
+            ratio(beside, unlimited.secs)
+        ),
+    );
     report.line(
         "backfill_paced",
         "bagstore: online backfill following health (cleaner --index --follow-health)",
@@ -1688,6 +1716,12 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     ];
     for (i, (what, (u, secs))) in phases.into_iter().enumerate() {
         report.line(&format!("build_cpu_{i}"), &format!("CPU, {what}"), String::new(), u.busy(*secs));
+    }
+    if opts.only_backfill {
+        for p in [writer, indexer, reader] {
+            p.terminate().await;
+        }
+        return Ok(());
     }
 
     // ---- Write throughput, same client concurrency.

@@ -3,7 +3,9 @@
 //! Walks every shard's entities newest insert first (`added_id`
 //! descending, below the highest id present when the backfill started:
 //! later writes reach the index through its consumer group, which starts
-//! with the index), writes their rows with multi-row upserts, and persists
+//! with the index), writes their rows with multi-row upserts (a shard's
+//! next batch is read while up to `WRITES_IN_FLIGHT` of its batches are
+//! written), and persists
 //! a cursor, in one statement with the row count, at most every
 //! `SAVE_EVERY` and at the end. A backfill killed at any point resumes from
 //! its last saved cursor: it redoes at most that long of work (the upserts
@@ -13,6 +15,7 @@
 //! index; a shard concurrency and a pace ([`crate::pace`]: a fixed rate, or
 //! one that follows the shards' health) keep live traffic healthy.
 
+use futures::stream::{FuturesOrdered, StreamExt};
 use schemas::codec;
 use schemas::index::IndexState;
 use schemas::IndexSpec;
@@ -32,6 +35,11 @@ use crate::{Cleaner, CleanerError};
 
 /// How often the cursor is persisted while the backfill runs.
 const SAVE_EVERY: Duration = Duration::from_secs(1);
+
+/// Batches of one shard whose rows are being written while the next is
+/// read. A pace that follows health keeps one: its probes judge one
+/// batch's effect at a time, and its rate, not concurrency, is its bound.
+const WRITES_IN_FLIGHT: usize = 4;
 
 /// Persisted in `bagstore_indexes.backfill_cursor` as JSON.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -332,17 +340,68 @@ impl Run<'_> {
         self.cleaner.save_cursor(self.table, &s.cursor, s.rows_done, self.rows_total).await
     }
 
-    /// Backfills one shard's entities from its cursor to its end.
+    /// Backfills one shard's entities from its cursor to its end. The scan
+    /// reads ahead: while up to [`WRITES_IN_FLIGHT`] batches' rows are being
+    /// written, the next batch is read, and the cursor moves past each batch
+    /// in scan order once its rows are committed.
     async fn shard(&self, shard: usize) -> Result<(), CleanerError> {
+        let below = {
+            let s = self.shared.lock().await;
+            if s.cursor.done[shard] {
+                return Ok(());
+            }
+            s.cursor.below[shard]
+        };
+        // Where the next read starts; `None` once the shard's last (empty)
+        // batch is read.
+        let mut next = Some(below);
+        let mut writes = FuturesOrdered::new();
+        let in_flight = if self.pace.follows_health() { 1 } else { WRITES_IN_FLIGHT };
+        loop {
+            let Some(from) = next.filter(|_| writes.len() < in_flight) else {
+                // Nothing to read now: wait for the oldest batch's rows.
+                let Some(written) = writes.next().await else { return Ok(()) };
+                let written: Vec<EntityRecord> = written?;
+                self.advance(shard, &written).await?;
+                continue;
+            };
+            let read = self.scan(shard, from);
+            tokio::pin!(read);
+            loop {
+                tokio::select! {
+                    read = &mut read => {
+                        let (scanned, mine) = read?;
+                        next = scanned.last().map(|e| e.added_id);
+                        writes.push_back(self.write_batch(mine, scanned));
+                        break;
+                    }
+                    Some(written) = writes.next() => self.advance(shard, &written?).await?,
+                }
+            }
+        }
+    }
+
+    /// Writes `mine`'s index rows; returns `scanned`, the batch they came
+    /// from, for the cursor.
+    async fn write_batch(
+        &self,
+        mine: Vec<EntityRecord>,
+        scanned: Vec<EntityRecord>,
+    ) -> Result<Vec<EntityRecord>, CleanerError> {
+        self.write(&mine).await?;
+        Ok(scanned)
+    }
+
+    /// Reads the shard's next batch below `below`: every entity scanned, and
+    /// those whose rows are this shard's to write. Returns when the pace
+    /// allows the batch.
+    async fn scan(
+        &self,
+        shard: usize,
+        below: u64,
+    ) -> Result<(Vec<EntityRecord>, Vec<EntityRecord>), CleanerError> {
         let shards = self.cleaner.shards();
         loop {
-            let below = {
-                let s = self.shared.lock().await;
-                if s.cursor.done[shard] {
-                    return Ok(());
-                }
-                s.cursor.below[shard]
-            };
             if self.shutdown.is_cancelled() {
                 return Err(CleanerError::Interrupted(self.table.to_string()));
             }
@@ -360,10 +419,11 @@ impl Run<'_> {
                 continue;
             }
             let scanned = scanned.records;
-            let batch: Vec<EntityRecord> =
-                scanned.iter().filter(|e| map.of_logical(e.logical) == shard).cloned().collect();
-            self.write(&batch).await?;
-            self.advance(shard, &scanned).await?;
+            let mine = scanned.iter().filter(|e| map.of_logical(e.logical) == shard).cloned().collect();
+            // The pace meters what is read, so what is written in flight
+            // follows it too.
+            self.pace.after(scanned.len() as u64).await;
+            return Ok((scanned, mine));
         }
     }
 
@@ -391,7 +451,7 @@ impl Run<'_> {
 
     /// Moves the shard's cursor past `scanned`, whose rows are written (no
     /// rows: the shard is done); saves it at most every [`SAVE_EVERY`];
-    /// reports; waits as the pace says.
+    /// reports.
     async fn advance(&self, shard: usize, scanned: &[EntityRecord]) -> Result<(), CleanerError> {
         let mut s = self.shared.lock().await;
         match scanned.last() {
@@ -410,7 +470,6 @@ impl Run<'_> {
         m.backfill_rows.with_label_values(&[self.table]).inc_by(scanned.len() as u64);
         m.backfill_progress.with_label_values(&[self.table]).set(p.ratio());
         (self.report)(p);
-        self.pace.after(scanned.len() as u64).await;
         Ok(())
     }
 }

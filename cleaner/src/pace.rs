@@ -127,6 +127,11 @@ impl Pace {
         *self.rate.lock().expect("pace lock")
     }
 
+    /// Whether the pace follows the shards' health.
+    pub fn follows_health(&self) -> bool {
+        self.follows_health
+    }
+
     /// How many entities the next batch may take, of at most `max`.
     pub fn batch(&self, max: usize) -> usize {
         if !self.follows_health {

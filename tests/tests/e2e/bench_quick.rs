@@ -44,6 +44,7 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
         "| CPU, bagstore: point get by id |",
         "| bagstore: online backfill (cleaner --index, --rate 0) |",
         "| json: ALTER TABLE … ADD INDEX (both shards at once) |",
+        "| floor: the same INSERTs beside the steady writer (target: backfill ≥ 0.9×) |",
         "| lag at 50% ",
         "| lag at 90% ",
         "| lag at 50%, indexer fetch.wait.max.ms 20 ",

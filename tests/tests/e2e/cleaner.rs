@@ -187,18 +187,40 @@ async fn a_backfill_killed_half_way_resumes_from_its_cursor_and_ends_exact() {
     env.migrate().await;
 
     let mut first = bagstore_tests::command(bagstore_bin())
-        .args(env.args(&["cleaner", "--index", "index_link", "--rate", "400"]))
+        .args(env.args(&["cleaner", "--index", "index_link", "--rate", "100"]))
         .env("BAGSTORE_CLEANER__BACKFILL_BATCH", "40")
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(env.dir.path().join("first-backfill.log")).unwrap())
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    eventually("the first backfill to pass 30%", Duration::from_secs(30), || async {
-        (meta_row(&env, "index_link").await.1 >= 600).then_some(())
+    eventually("the first backfill to pass 10%", Duration::from_secs(30), || async {
+        (meta_row(&env, "index_link").await.1 >= 200).then_some(())
+    })
+    .await;
+    // Shard 1's index table locked: every batch's rows there wait, while
+    // the backfill reads ahead and commits their shard 0 halves. The kill
+    // then finds batches half written, which the saved cursor must not
+    // cover (else the run below would skip them and end short). At 100
+    // rows/s the reading ahead below takes about 2 s, past the cursor's
+    // save every second.
+    let shard1 = env.pool(1).await;
+    let mut lock = shard1.acquire().await.unwrap();
+    sqlx::query("LOCK TABLES index_link WRITE").execute(&mut *lock).await.unwrap();
+    let shard0 = env.pool(0).await;
+    let on_shard0 = || async {
+        sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM index_link").fetch_one(&shard0).await.unwrap()
+    };
+    let at_lock = on_shard0().await;
+    // One batch of 40 entities in flight per shard's job would put about
+    // 40 rows on shard 0, four about 160; 100 more is reading ahead.
+    eventually("the backfill to read ahead of its waiting batches", Duration::from_secs(30), || async {
+        (on_shard0().await >= at_lock + 100).then_some(())
     })
     .await;
     first.kill().await.unwrap(); // SIGKILL: no chance to clean up
+    sqlx::query("UNLOCK TABLES").execute(&mut *lock).await.unwrap();
+    drop(lock);
     let (state, done_at_kill, total) = meta_row(&env, "index_link").await;
     assert_eq!(state, "BACKFILLING");
     assert_eq!(total, 2000);
