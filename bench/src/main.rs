@@ -1280,7 +1280,6 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     let mut indexer = world.bagstore(&["indexer", "--index", INDEX_MAIN], false).await?;
     let reader = world.bagstore(&["reader"], false).await?;
     let mut wbase = Arc::new(writer.url.clone());
-    let rbase = reader.url.clone();
     let native = world.native.clone();
     let http = world.http.clone();
     // The indexer holds its partitions before bagstore's load starts: a
@@ -1401,124 +1400,7 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     }
 
     if !opts.only_backfill {
-        // ---- Queries: same answers first, then latency.
-        let users: Vec<String> = (0..USERS).map(user_id).collect();
-        let span = n as i64 / 4;
-        let range_of = move |u: usize| -> (i64, i64) {
-            let lo = 1_700_000_000i64 + (u as i64 * 7919) % (n as i64 - span).max(1);
-            (lo, lo + span)
-        };
-        for u in (0..USERS).step_by(USERS / 20) {
-            let a = json_latest(&world.native, &users[u], None).await?;
-            let b = bag_latest(&http, &rbase, &users[u], None).await?;
-            ensure!(a == b, "latest-20 answers differ for user {u}: json {a:?} bagstore {b:?}");
-            let r = Some(range_of(u));
-            let a = json_latest(&world.native, &users[u], r).await?;
-            let b = bag_latest(&http, &rbase, &users[u], r).await?;
-            if a != b {
-                // What each side's ids hold, as the other side stores them.
-                let mut seen = Vec::new();
-                for id in a.iter().chain(&b) {
-                    let got = http.get(format!("{rbase}/v1/entities/{id}")).send().await?.text().await?;
-                    let q =
-                        sqlx::query("SELECT CAST(user_id AS CHAR) AS u, published FROM docs WHERE id = ?")
-                            .bind(hex16(id).to_vec());
-                    let row = world.native.fetch_all(shard_of_hex(id), q).await?.pop();
-                    let json_side = row
-                        .map(|r| (r.try_get::<String, _>("u").ok(), r.try_get::<i64, _>("published").ok()));
-                    seen.push(format!("{id}: json {json_side:?}; bagstore {got}"));
-                }
-                bail!(
-                    "range {r:?} answers differ for user {u} ({}): json {a:?} bagstore {b:?}\n{}",
-                    users[u],
-                    seen.join("\n")
-                );
-            }
-        }
-        report.section(&format!(
-            "Queries ({c} clients, {:.0} s each in {ROUNDS} alternating turns; answers checked equal first)",
-            d.as_secs_f64()
-        ));
-        let pick = Arc::new(AtomicU64::new(0));
-        let mut q_runs = Vec::new();
-        let mut q_cpu: Vec<(String, String)> = Vec::new();
-        for (key, what, range) in [
-            ("latest20", "latest 20 of one user", false),
-            ("range", "compound range (user, published window)", true),
-        ] {
-            let users_j = Arc::new(users.clone());
-            let (p, nat) = (pick.clone(), native.clone());
-            let json_op = move || {
-                let u = p.fetch_add(1, Ordering::Relaxed) as usize % USERS;
-                let (users, nat) = (users_j.clone(), nat.clone());
-                async move { json_latest(&nat, &users[u], range.then(|| range_of(u))).await.map(|_| ()) }
-            };
-            let users_b = Arc::new(users.clone());
-            let (p, h, rb) = (pick.clone(), http.clone(), Arc::new(rbase.clone()));
-            let bag_op = move || {
-                let u = p.fetch_add(1, Ordering::Relaxed) as usize % USERS;
-                let (users, h, rb) = (users_b.clone(), h.clone(), rb.clone());
-                async move { bag_latest(&h, &rb, &users[u], range.then(|| range_of(u))).await.map(|_| ()) }
-            };
-            let ((rj, uj), (rbag, ub)) = side_by_side(world, c, d, json_op, bag_op).await;
-            q_cpu.push((format!("json: {what}"), uj.per_op(rj.latency.n as f64, "queries")));
-            q_cpu.push((format!("bagstore: {what}"), ub.per_op(rbag.latency.n as f64, "queries")));
-            report.run(&format!("{key}_json"), &format!("json: {what}"), &rj, "queries/s");
-            report.run(&format!("{key}_bagstore"), &format!("bagstore: {what}"), &rbag, "queries/s");
-            report.line(
-                &format!("{key}_ratio"),
-                &format!("{what}: p99 bagstore / json"),
-                ratio(rbag.latency.p99, rj.latency.p99),
-                format!("p50 {}", ratio(rbag.latency.p50, rj.latency.p50)),
-            );
-            q_runs.push((rj, rbag));
-        }
-        let (p, nat) = (pick.clone(), native.clone());
-        let json_get = move || {
-            let i = p.fetch_add(7, Ordering::Relaxed) % n;
-            let nat = nat.clone();
-            async move {
-                let id = entity_id(i);
-                let q = sqlx::query("SELECT doc FROM docs WHERE id = ?").bind(hex16(&id).to_vec());
-                let row = nat.fetch_all(shard_of_hex(&id), q).await?.pop();
-                let doc: Vec<u8> = row.with_context(|| format!("json: {id} missing"))?.try_get("doc")?;
-                let _: Value = serde_json::from_slice(&doc)?;
-                Ok(())
-            }
-        };
-        let (p, h, rb) = (pick.clone(), http.clone(), Arc::new(rbase.clone()));
-        let bag_get = move || {
-            let i = p.fetch_add(7, Ordering::Relaxed) % n;
-            let (h, rb) = (h.clone(), rb.clone());
-            async move {
-                let r = h.get(format!("{rb}/v1/entities/{}", entity_id(i))).send().await?;
-                ensure!(r.status().is_success(), "get answered {}", r.status());
-                let _: Value = r.json().await?;
-                Ok(())
-            }
-        };
-        let perf = match &opts.perf_reader {
-            Some(file) => Some(Perf::record(reader.pid() as u32, file)?),
-            None => None,
-        };
-        let ((gj, ugj), (gb, ugb)) = side_by_side(world, c, d, json_get, bag_get).await;
-        q_cpu.push(("json: point get by id".to_string(), ugj.per_op(gj.latency.n as f64, "gets")));
-        q_cpu.push(("bagstore: point get by id".to_string(), ugb.per_op(gb.latency.n as f64, "gets")));
-        if let Some(p) = perf {
-            p.stop().await?;
-        }
-        report.run("get_json", "json: point get by id", &gj, "gets/s");
-        report.run("get_bagstore", "bagstore: point get by id", &gb, "gets/s");
-        report.line(
-            "get_ratio",
-            "point get: p99 bagstore / json",
-            ratio(gb.latency.p99, gj.latency.p99),
-            format!("p50 {}", ratio(gb.latency.p50, gj.latency.p50)),
-        );
-
-        for (i, (what, line)) in q_cpu.iter().enumerate() {
-            report.line(&format!("qcpu_{i}"), &format!("CPU, {what}"), String::new(), line.clone());
-        }
+        query_phases(opts, world, report, &reader).await?;
         if opts.only_reads {
             for p in [writer, indexer, reader] {
                 p.terminate().await;
@@ -1809,6 +1691,134 @@ async fn phases(opts: &Options, world: &World, report: &mut Report) -> anyhow::R
     indexer.terminate().await;
     reader.terminate().await;
     let _ = third.stop().await;
+    Ok(())
+}
+
+/// The queries ("latest 20 of one user", a compound range) and point
+/// gets, bagstore against the JSON table, answers compared first.
+async fn query_phases(
+    opts: &Options,
+    world: &World,
+    report: &mut Report,
+    reader: &Proc,
+) -> anyhow::Result<()> {
+    let (n, c, d) = (opts.entities as u64, opts.clients, opts.phase);
+    let (native, http, rbase) = (world.native.clone(), world.http.clone(), reader.url.clone());
+    // ---- Queries: same answers first, then latency.
+    let users: Vec<String> = (0..USERS).map(user_id).collect();
+    let span = n as i64 / 4;
+    let range_of = move |u: usize| -> (i64, i64) {
+        let lo = 1_700_000_000i64 + (u as i64 * 7919) % (n as i64 - span).max(1);
+        (lo, lo + span)
+    };
+    for u in (0..USERS).step_by(USERS / 20) {
+        let a = json_latest(&world.native, &users[u], None).await?;
+        let b = bag_latest(&http, &rbase, &users[u], None).await?;
+        ensure!(a == b, "latest-20 answers differ for user {u}: json {a:?} bagstore {b:?}");
+        let r = Some(range_of(u));
+        let a = json_latest(&world.native, &users[u], r).await?;
+        let b = bag_latest(&http, &rbase, &users[u], r).await?;
+        if a != b {
+            // What each side's ids hold, as the other side stores them.
+            let mut seen = Vec::new();
+            for id in a.iter().chain(&b) {
+                let got = http.get(format!("{rbase}/v1/entities/{id}")).send().await?.text().await?;
+                let q = sqlx::query("SELECT CAST(user_id AS CHAR) AS u, published FROM docs WHERE id = ?")
+                    .bind(hex16(id).to_vec());
+                let row = world.native.fetch_all(shard_of_hex(id), q).await?.pop();
+                let json_side =
+                    row.map(|r| (r.try_get::<String, _>("u").ok(), r.try_get::<i64, _>("published").ok()));
+                seen.push(format!("{id}: json {json_side:?}; bagstore {got}"));
+            }
+            bail!(
+                "range {r:?} answers differ for user {u} ({}): json {a:?} bagstore {b:?}\n{}",
+                users[u],
+                seen.join("\n")
+            );
+        }
+    }
+    report.section(&format!(
+        "Queries ({c} clients, {:.0} s each in {ROUNDS} alternating turns; answers checked equal first)",
+        d.as_secs_f64()
+    ));
+    let pick = Arc::new(AtomicU64::new(0));
+    let mut q_cpu: Vec<(String, String)> = Vec::new();
+    for (key, what, range) in [
+        ("latest20", "latest 20 of one user", false),
+        ("range", "compound range (user, published window)", true),
+    ] {
+        let users_j = Arc::new(users.clone());
+        let (p, nat) = (pick.clone(), native.clone());
+        let json_op = move || {
+            let u = p.fetch_add(1, Ordering::Relaxed) as usize % USERS;
+            let (users, nat) = (users_j.clone(), nat.clone());
+            async move { json_latest(&nat, &users[u], range.then(|| range_of(u))).await.map(|_| ()) }
+        };
+        let users_b = Arc::new(users.clone());
+        let (p, h, rb) = (pick.clone(), http.clone(), Arc::new(rbase.clone()));
+        let bag_op = move || {
+            let u = p.fetch_add(1, Ordering::Relaxed) as usize % USERS;
+            let (users, h, rb) = (users_b.clone(), h.clone(), rb.clone());
+            async move { bag_latest(&h, &rb, &users[u], range.then(|| range_of(u))).await.map(|_| ()) }
+        };
+        let ((rj, uj), (rbag, ub)) = side_by_side(world, c, d, json_op, bag_op).await;
+        q_cpu.push((format!("json: {what}"), uj.per_op(rj.latency.n as f64, "queries")));
+        q_cpu.push((format!("bagstore: {what}"), ub.per_op(rbag.latency.n as f64, "queries")));
+        report.run(&format!("{key}_json"), &format!("json: {what}"), &rj, "queries/s");
+        report.run(&format!("{key}_bagstore"), &format!("bagstore: {what}"), &rbag, "queries/s");
+        report.line(
+            &format!("{key}_ratio"),
+            &format!("{what}: p99 bagstore / json"),
+            ratio(rbag.latency.p99, rj.latency.p99),
+            format!("p50 {}", ratio(rbag.latency.p50, rj.latency.p50)),
+        );
+    }
+    let (p, nat) = (pick.clone(), native.clone());
+    let json_get = move || {
+        let i = p.fetch_add(7, Ordering::Relaxed) % n;
+        let nat = nat.clone();
+        async move {
+            let id = entity_id(i);
+            let q = sqlx::query("SELECT doc FROM docs WHERE id = ?").bind(hex16(&id).to_vec());
+            let row = nat.fetch_all(shard_of_hex(&id), q).await?.pop();
+            let doc: Vec<u8> = row.with_context(|| format!("json: {id} missing"))?.try_get("doc")?;
+            let _: Value = serde_json::from_slice(&doc)?;
+            Ok(())
+        }
+    };
+    let (p, h, rb) = (pick.clone(), http.clone(), Arc::new(rbase.clone()));
+    let bag_get = move || {
+        let i = p.fetch_add(7, Ordering::Relaxed) % n;
+        let (h, rb) = (h.clone(), rb.clone());
+        async move {
+            let r = h.get(format!("{rb}/v1/entities/{}", entity_id(i))).send().await?;
+            ensure!(r.status().is_success(), "get answered {}", r.status());
+            let _: Value = r.json().await?;
+            Ok(())
+        }
+    };
+    let perf = match &opts.perf_reader {
+        Some(file) => Some(Perf::record(reader.pid() as u32, file)?),
+        None => None,
+    };
+    let ((gj, ugj), (gb, ugb)) = side_by_side(world, c, d, json_get, bag_get).await;
+    q_cpu.push(("json: point get by id".to_string(), ugj.per_op(gj.latency.n as f64, "gets")));
+    q_cpu.push(("bagstore: point get by id".to_string(), ugb.per_op(gb.latency.n as f64, "gets")));
+    if let Some(p) = perf {
+        p.stop().await?;
+    }
+    report.run("get_json", "json: point get by id", &gj, "gets/s");
+    report.run("get_bagstore", "bagstore: point get by id", &gb, "gets/s");
+    report.line(
+        "get_ratio",
+        "point get: p99 bagstore / json",
+        ratio(gb.latency.p99, gj.latency.p99),
+        format!("p50 {}", ratio(gb.latency.p50, gj.latency.p50)),
+    );
+
+    for (i, (what, line)) in q_cpu.iter().enumerate() {
+        report.line(&format!("qcpu_{i}"), &format!("CPU, {what}"), String::new(), line.clone());
+    }
     Ok(())
 }
 
