@@ -8,6 +8,7 @@
 //! A primary that does not answer leaves its gate as it was: its writes
 //! fail on their own.
 
+use schemas::topology::PhysicalId;
 use std::sync::Arc;
 use std::time::Duration;
 use storage::acks::AckGate;
@@ -57,6 +58,16 @@ impl Writer {
             }
             let asked = tokio::time::timeout(ANSWER, replication::acknowledging(id, shards.pool(id))).await;
             let Ok(Ok((clients, _))) = asked else { continue };
+            if clients == 0 && !self.still_has_replicas(p.id).await {
+                // Removed since the map was loaded: `replicas remove`
+                // stops the primary waiting, updates the map, then stops
+                // the replica, so a primary counting none may be one
+                // that no longer waits for any.
+                gate.set(id, false);
+                gauge.set(-1);
+                self.inner.health.report(&part, Ok(()));
+                continue;
+            }
             gate.set(id, clients == 0);
             gauge.set(clients as i64);
             let outcome = if clients == 0 {
@@ -67,5 +78,14 @@ impl Writer {
             };
             self.inner.health.report(&part, outcome);
         }
+    }
+
+    /// Whether the map, loaded again now, still lists replicas of shard
+    /// `id`. A map that cannot be loaded counts as still listing them: the
+    /// gate then errs on refusing.
+    async fn still_has_replicas(&self, id: PhysicalId) -> bool {
+        let shards = &self.inner.shards;
+        let Ok(Ok(())) = tokio::time::timeout(ANSWER, shards.reload_now()).await else { return true };
+        shards.topology().replicas_of(id).next().is_some()
     }
 }
