@@ -1,6 +1,7 @@
 //! The writer's watch on its shards' acknowledging replicas: every
 //! [`EVERY`], each shard with replicas in the map is asked how many
-//! semi-sync replicas its primary has connected. With none, new writes to
+//! semi-sync replicas its primary has connected. With none (and the map,
+//! loaded again, still listing replicas of it), new writes to
 //! it are refused (503 `no-acknowledging-replica`, nothing written; see
 //! `storage::acks`), health names the shard and the gauge shows 0; with
 //! one again, writes pass. A shard without replicas, or a cluster that
