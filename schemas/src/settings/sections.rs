@@ -371,7 +371,9 @@ pub struct CleanerSettings {
     pub backfill_health_slack_ms: f64,
     /// Shards a backfill scans at the same time.
     pub backfill_concurrency: usize,
-    /// Entities per backfill batch.
+    /// Entities per backfill batch (the most: a pace that follows health
+    /// reads smaller ones). Each batch's index rows are one transaction
+    /// per shard they go to, so fewer, larger batches mean fewer commits.
     pub backfill_batch: usize,
     /// How often each shard is searched for expired entities (see
     /// `expiry.property`); an entity is deleted within about this long
@@ -400,7 +402,7 @@ impl Default for CleanerSettings {
             backfill_follow_health: false,
             backfill_health_slack_ms: 1.0,
             backfill_concurrency: 2,
-            backfill_batch: 1000,
+            backfill_batch: 2000,
             expiry_interval_ms: 1000,
             tombstone_retention_secs: 7 * 86_400,
             purge_interval_ms: 60_000,
