@@ -51,27 +51,23 @@ impl Writer {
             let id = p.id as usize;
             let part = format!("replicas of shard {}", p.name);
             let gauge = self.inner.metrics.acknowledging.with_label_values(&[&id.to_string()]);
-            if allow_async || t.replicas_of(p.id).next().is_none() {
-                gate.set(id, false);
-                gauge.set(-1);
-                self.inner.health.report(&part, Ok(()));
-                continue;
-            }
-            let asked = tokio::time::timeout(ANSWER, replication::acknowledging(id, shards.pool(id))).await;
-            let Ok(Ok((clients, _))) = asked else { continue };
-            if clients == 0 && !self.still_has_replicas(p.id).await {
-                // Removed since the map was loaded: `replicas remove`
-                // stops the primary waiting, updates the map, then stops
-                // the replica, so a primary counting none may be one
-                // that no longer waits for any.
-                gate.set(id, false);
-                gauge.set(-1);
-                self.inner.health.report(&part, Ok(()));
-                continue;
-            }
-            gate.set(id, clients == 0);
-            gauge.set(clients as i64);
-            let outcome = if clients == 0 {
+            // How many replicas acknowledge; `None` for a shard whose
+            // writes need no acknowledgement.
+            let clients = if allow_async || t.replicas_of(p.id).next().is_none() {
+                None
+            } else {
+                let asked =
+                    tokio::time::timeout(ANSWER, replication::acknowledging(id, shards.pool(id))).await;
+                let Ok(Ok((n, _))) = asked else { continue };
+                // A primary counting none may have lost its last replica
+                // to `replicas remove`, which stops the primary waiting,
+                // updates the map, then stops the replica.
+                (n > 0 || self.still_has_replicas(p.id).await).then_some(n)
+            };
+            let refusing = clients == Some(0);
+            gate.set(id, refusing);
+            gauge.set(clients.map_or(-1, |n| n as i64));
+            let outcome = if refusing {
                 Err("no replica acknowledges writes: new writes to the shard are refused until one does"
                     .into())
             } else {
