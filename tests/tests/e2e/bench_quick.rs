@@ -122,6 +122,69 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
     );
 }
 
+/// `bench_replicas`, briefly: issue 35's write cost against the JSON table
+/// with semi-sync replicas off and on, the primaries' and the replicas' CPU
+/// apart, and reads from either. Its own checks make it fail on a write or
+/// read error; these check that each row is there and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replication_benchmark_reports_primaries_and_replicas_apart() {
+    let bench = bagstore_bin().with_file_name("bench_replicas");
+    assert!(bench.exists(), "{} is missing: cargo build --workspace", bench.display());
+    let out = tokio::time::timeout(
+        std::time::Duration::from_secs(600),
+        bagstore_tests::command(&bench)
+            .args(["--secs", "2", "--clients", "4", "--batch", "20"])
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("bench_replicas finishes within 10 minutes")
+    .expect("bench_replicas runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench_replicas failed:\n{stdout}\n{stderr}");
+    let row = |replicas: u32, phase: &str| {
+        let start = format!("| {replicas} | {phase} |");
+        stdout
+            .lines()
+            .find(|l| l.starts_with(&start))
+            .unwrap_or_else(|| panic!("no row {start:?}:\n{stdout}"))
+    };
+    for replicas in [0, 1] {
+        for phase in
+            ["single puts", "batch puts of 20", "JSON table: single inserts", "JSON table: inserts of 20"]
+        {
+            let line = row(replicas, phase);
+            let rate = figure_after(line, &format!("| {phase} | "));
+            assert!(rate.is_some_and(|r| r > 0.0), "no entities per second: {line:?}");
+            // Each server's CPU is counted: a primary that read 0 was not.
+            assert!(figure_after(line, "primaries ").is_some_and(|cpu| cpu > 0.0), "primaries: {line:?}");
+            let replicas_cpu = figure_after(line, "replicas ");
+            match replicas {
+                0 => assert!(replicas_cpu.is_none(), "a replica's CPU without replicas: {line:?}"),
+                _ => assert!(replicas_cpu.is_some_and(|cpu| cpu > 0.0), "replicas' CPU: {line:?}"),
+            }
+        }
+        let ratio = row(
+            replicas,
+            "primaries' CPU per entity, bagstore / JSON table (target ≤ 2.0 single, ≤ 2.5 batch)",
+        );
+        for kind in ["single ", "batch "] {
+            assert!(figure_after(ratio, kind).is_some_and(|r| r > 0.0), "{kind}ratio: {ratio:?}");
+        }
+    }
+    for phase in [
+        "point gets from the primary",
+        "latest 20 of a user from the primary",
+        "point gets from the replicas",
+        "latest 20 of a user from the replicas",
+    ] {
+        let line = row(1, phase);
+        let rate = figure_after(line, &format!("| {phase} | "));
+        assert!(rate.is_some_and(|r| r > 0.0), "no reads per second: {line:?}");
+    }
+}
+
 /// The number that follows `label` in `line` ("row writes 2.00, …" → 2.0).
 fn figure_after(line: &str, label: &str) -> Option<f64> {
     let rest = &line[line.find(label)? + label.len()..];
