@@ -5,20 +5,27 @@
 
 use bagstore_tests::bagstore_bin;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_benchmark_runs_end_to_end_in_quick_mode() {
-    let bench = bagstore_bin().with_file_name("bench");
+/// Runs the benchmark binary `name` (built beside `bagstore`) with `args`;
+/// its standard output once it has succeeded within 10 minutes.
+async fn run_bench(name: &str, args: &[&str]) -> String {
+    let bench = bagstore_bin().with_file_name(name);
     assert!(bench.exists(), "{} is missing: cargo build --workspace", bench.display());
     let out = tokio::time::timeout(
         std::time::Duration::from_secs(600),
-        bagstore_tests::command(&bench).arg("--quick").kill_on_drop(true).output(),
+        bagstore_tests::command(&bench).args(args).kill_on_drop(true).output(),
     )
     .await
-    .expect("bench --quick finishes within 10 minutes")
-    .expect("bench runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    .unwrap_or_else(|_| panic!("{name} {args:?} finishes within 10 minutes"))
+    .unwrap_or_else(|e| panic!("{name} runs: {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "bench --quick failed:\n{stdout}\n{stderr}");
+    assert!(out.status.success(), "{name} {args:?} failed:\n{stdout}\n{stderr}");
+    stdout
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_benchmark_runs_end_to_end_in_quick_mode() {
+    let stdout = run_bench("bench", &["--quick"]).await;
     for line in [
         "| raw: single-row INSERT (autocommit) |",
         "| bagstore: PUT /v1/entities/{id} |",
@@ -128,21 +135,7 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
 /// read error; these check that each row is there and counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_replication_benchmark_reports_primaries_and_replicas_apart() {
-    let bench = bagstore_bin().with_file_name("bench_replicas");
-    assert!(bench.exists(), "{} is missing: cargo build --workspace", bench.display());
-    let out = tokio::time::timeout(
-        std::time::Duration::from_secs(600),
-        bagstore_tests::command(&bench)
-            .args(["--secs", "2", "--clients", "4", "--batch", "20"])
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .expect("bench_replicas finishes within 10 minutes")
-    .expect("bench_replicas runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "bench_replicas failed:\n{stdout}\n{stderr}");
+    let stdout = run_bench("bench_replicas", &["--secs", "2", "--clients", "4", "--batch", "20"]).await;
     let row = |replicas: u32, phase: &str| {
         let start = format!("| {replicas} | {phase} |");
         stdout
