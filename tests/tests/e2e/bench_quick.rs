@@ -1,7 +1,8 @@
 //! `bench --quick` keeps the benchmark working in CI: the whole run on a
 //! small data set, with its own checks (bagstore and the native JSON table
 //! answer the same queries identically; the backfilled index is complete).
-//! It asserts nothing about timings; full runs are in BENCHMARKS.md.
+//! `bench_replicas` runs for a few seconds beside it, for its rows. They
+//! assert nothing about timings; full runs are in BENCHMARKS.md.
 
 use bagstore_tests::bagstore_bin;
 
