@@ -216,20 +216,17 @@ const SERVER_ANSWER: Duration = Duration::from_secs(2);
 /// MariaDB's `Seconds_Behind_Master`).
 async fn servers_of(shards: &Shards, t: &Topology, p: &PhysicalShard) -> Vec<ServerReport> {
     let id = p.id as usize;
-    // Every server is asked at once: a frozen one costs the report
-    // SERVER_ANSWER once, not once per server.
     let replicas: Vec<String> = t.replicas_of(p.id).map(|r| r.address.clone()).collect();
-    let (ping, primary_state, replica_states) = futures::join!(
-        tokio::time::timeout(SERVER_ANSWER, shards.ping(id)),
-        async {
-            if replicas.is_empty() {
-                Err(String::new())
-            } else {
-                state_at(shards, id, &p.address).await
-            }
-        },
-        futures::future::join_all(replicas.iter().map(|a| state_at(shards, id, a))),
-    );
+    // The primary first: a replica is compared with what the primary held
+    // before the replica was asked, so under steady writes one that keeps
+    // up is not reported behind by the commits made while it was asked.
+    let (ping, primary_state) = futures::join!(tokio::time::timeout(SERVER_ANSWER, shards.ping(id)), async {
+        if replicas.is_empty() {
+            Err(String::new())
+        } else {
+            state_at(shards, id, &p.address, None).await
+        }
+    },);
     let primary = match ping {
         Ok(Ok(())) => ServerReport {
             address: p.address.clone(),
@@ -242,6 +239,11 @@ async fn servers_of(shards: &Shards, t: &Topology, p: &PhysicalShard) -> Vec<Ser
         Err(_) => down(&p.address, "primary", format!("no answer within {} ms", SERVER_ANSWER.as_millis())),
     };
     let primary_pos = primary_state.ok().map(|s| s.current);
+    // The replicas at once: a frozen one costs the report SERVER_ANSWER
+    // once, not once per server.
+    let replica_states =
+        futures::future::join_all(replicas.iter().map(|a| state_at(shards, id, a, primary_pos.as_ref())))
+            .await;
     let mut out = vec![primary];
     for (address, state) in replicas.into_iter().zip(replica_states) {
         out.push(match state {
@@ -274,11 +276,25 @@ fn replica_report(address: String, s: ServerState, primary: Option<&GtidPos>) ->
     ServerReport { address, role: "replica", lag_ms, state, error: r.last_error }
 }
 
-/// A server's replication state, read on a connection of its own.
-async fn state_at(shards: &Shards, shard: usize, address: &str) -> Result<ServerState, String> {
+/// How long a replica is given to apply what its primary held when asked
+/// before it is reported catching up: a replica that keeps up applies a
+/// transaction a few milliseconds after its primary commits it.
+const SETTLE: Duration = Duration::from_millis(250);
+
+/// A server's replication state, read on a connection of its own; a
+/// replica first waits up to SETTLE for `primary` (its primary's position).
+async fn state_at(
+    shards: &Shards,
+    shard: usize,
+    address: &str,
+    primary: Option<&GtidPos>,
+) -> Result<ServerState, String> {
     let work = async {
         let dsn = shards.credentials_for(address).map_err(|e| e.to_string())?;
         let mut conn = storage::dsn::dedicated_connection(&dsn).await.map_err(|e| e.to_string())?;
+        if let Some(pos) = primary {
+            storage::replication::wait_for(shard, &mut conn, pos, SETTLE).await.map_err(|e| e.to_string())?;
+        }
         let state = storage::replication::server_state(shard, &mut conn).await.map_err(|e| e.to_string());
         state
     };
