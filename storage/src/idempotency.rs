@@ -52,8 +52,10 @@ async fn select_records(
 ) -> Result<HashMap<[u8; 16], Record>> {
     let mut out = HashMap::new();
     let select = Rows::new(
+        // The key named, as `entities::BY_ID` says why: a locking read of a
+        // small table would scan it.
         "SELECT key_hash, request_hash, entity_id, version, created, refusal, recorded_us FROM bagstore_idempotency \
-         WHERE key_hash IN (",
+         FORCE INDEX (PRIMARY) WHERE key_hash IN (",
         "?",
         format!("){lock}"),
     );

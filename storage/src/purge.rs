@@ -179,8 +179,9 @@ pub async fn purge_tombstones(
         return Ok(out);
     }
     let sql = format!(
-        "SELECT id, logical, version FROM entities WHERE id IN ({}) AND body IS NULL \
+        "SELECT id, logical, version FROM entities {} WHERE id IN ({}) AND body IS NULL \
          AND updated < TIMESTAMPADD(MICROSECOND, ?, '1970-01-01 00:00:00') FOR UPDATE",
+        crate::entities::BY_ID,
         marks(ids.len())
     );
     let mut q = sqlx::query(&sql);

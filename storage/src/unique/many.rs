@@ -67,8 +67,12 @@ pub async fn reserve_many(
     let mut tx = begin_owned(shard, shards.pool(shard), &logicals).await?;
     let width = spec.properties.len();
     let keys: Vec<&IndexKey> = wants.iter().map(|(k, _)| k).collect();
+    // The unique key named, as `entities::BY_ID` says why; `version`, which
+    // that key does not hold, keeps the optimizer from reading the whole
+    // key instead of the asked ones.
     let select = format!(
-        "SELECT {cols}, entity_id FROM `{table}` WHERE {tuple} IN ({list}) FOR UPDATE",
+        "SELECT {cols}, entity_id, version FROM `{table}` FORCE INDEX (`{table}_unique`) \
+         WHERE {tuple} IN ({list}) FOR UPDATE",
         cols = spec.properties.iter().map(|p| format!("`{}`", p.name)).collect::<Vec<_>>().join(", "),
         table = spec.table,
         tuple = key_tuple(spec),

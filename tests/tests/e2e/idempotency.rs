@@ -235,7 +235,7 @@ async fn two_tries_of_one_key_at_once_apply_once() {
     eventually("both tries to wait on the entity's row lock", Duration::from_secs(20), || async move {
         let waiting: i64 = sqlx::query_scalar(
             "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE DB = DATABASE() \
-             AND INFO LIKE 'SELECT % FROM entities WHERE id IN (?) FOR UPDATE'",
+             AND INFO LIKE 'SELECT % FROM entities % WHERE id IN (?) FOR UPDATE'",
         )
         .fetch_one(watch)
         .await
