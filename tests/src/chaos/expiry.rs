@@ -421,15 +421,7 @@ async fn read_some(shared: &Shared, rng: &mut StdRng) {
 /// until one is acknowledged, so that the model is exact.
 pub(super) async fn expiring_client(shared: Arc<Shared>, seed: u64) {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x00e4_a1e5);
-    while !shared.stop.load(Ordering::Relaxed) {
-        if shared.paused.load(Ordering::Relaxed) {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-            continue;
-        }
-        let Some(base) = shared.live_writer(&mut rng) else {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            continue;
-        };
+    while let Some(base) = shared.next_turn(&mut rng).await {
         let k = rng.random_range(0..EXP_KEYS);
         match rng.random_range(0..100) {
             0..20 => read_some(&shared, &mut rng).await,

@@ -28,15 +28,7 @@ pub(super) fn outcome_of(shared: &Shared, what: &str, answer: Result<(u16, Value
 /// small batches over the shared key space, through any live writer.
 pub(super) async fn client(shared: Arc<Shared>, n: usize, seed: u64, keys: usize) {
     let mut rng = StdRng::seed_from_u64(seed.wrapping_mul(1000).wrapping_add(n as u64));
-    while !shared.stop.load(Ordering::Relaxed) {
-        if shared.paused.load(Ordering::Relaxed) {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-            continue;
-        }
-        let Some(base) = shared.live_writer(&mut rng) else {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            continue;
-        };
+    while let Some(base) = shared.next_turn(&mut rng).await {
         let k = rng.random_range(0..keys);
         let id = entity_id(k);
         let url = format!("{base}/v1/entities/{id}");

@@ -258,6 +258,22 @@ impl Shared {
         (!live.is_empty()).then(|| live[rng.random_range(0..live.len())].clone())
     }
 
+    /// A writing client's next turn: waits while the load is paused or no
+    /// writer is up; a live writer's base URL, or `None` once the load stops.
+    async fn next_turn(&self, rng: &mut StdRng) -> Option<String> {
+        while !self.stop.load(Ordering::Relaxed) {
+            if self.paused.load(Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                continue;
+            }
+            match self.live_writer(rng) {
+                Some(base) => return Some(base),
+                None => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+        None
+    }
+
     /// Sends a request; `Err` for transport failures (refused, reset, timeout).
     async fn send(&self, req: reqwest::RequestBuilder) -> Result<(u16, Value), String> {
         let resp = req.timeout(Duration::from_secs(15)).send().await.map_err(|e| e.to_string())?;

@@ -39,15 +39,7 @@ pub(super) struct UniqueCounters {
 /// The competing client (see the module docs).
 pub(super) async fn unique_client(shared: Arc<Shared>, seed: u64) {
     let mut rng = StdRng::seed_from_u64(seed.wrapping_mul(7919).wrapping_add(34));
-    while !shared.stop.load(Ordering::Relaxed) {
-        if shared.paused.load(Ordering::Relaxed) {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-            continue;
-        }
-        let Some(base) = shared.live_writer(&mut rng) else {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            continue;
-        };
+    while let Some(base) = shared.next_turn(&mut rng).await {
         let id = unique_id(rng.random_range(0..UNIQUE_IDS));
         let url = format!("{base}/v1/entities/{id}");
         let handle = format!("h{}", rng.random_range(0..HANDLES));
