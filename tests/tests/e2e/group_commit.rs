@@ -390,14 +390,6 @@ async fn kill_every_connection(env: &TestEnv) -> usize {
     killed
 }
 
-/// One unique index: a batch reserves its keys in one locking read per shard.
-const EMAIL_INDEX: &str = r#"
-[[indexes]]
-table = "index_email"
-properties = [{ name = "email", type = "string", max_len = 64 }]
-unique = true
-"#;
-
 /// A batch of new entities on a store whose tables are still small is not
 /// held up by a row another transaction has locked. The optimizer scans a
 /// table it counts a few rows in for an `IN` list of more ids than that, and
@@ -407,7 +399,9 @@ unique = true
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_on_small_tables_does_not_wait_on_rows_it_did_not_ask_for() {
     use sqlx::{Connection, MySqlConnection};
-    let env = TestEnv::new("smalltables", EMAIL_INDEX).await;
+    // `index_email` is unique: a batch reserves its keys in one locking
+    // read per shard.
+    let env = TestEnv::new("smalltables", crate::unique::UNIQUE_INDEXES).await;
     let dev = env.dev().await;
     let api = dev.api();
     let ids = ids_on(0, 0x6b, 43);

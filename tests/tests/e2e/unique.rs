@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use std::collections::BTreeSet;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-const UNIQUE_INDEXES: &str = r#"
+pub(crate) const UNIQUE_INDEXES: &str = r#"
 [[indexes]]
 table = "index_email"
 properties = [{ name = "email", type = "string", max_len = 64 }]
