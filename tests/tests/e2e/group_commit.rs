@@ -410,18 +410,12 @@ async fn a_batch_on_small_tables_does_not_wait_on_rows_it_did_not_ask_for() {
     for (n, id) in seeds.iter().enumerate() {
         assert_eq!(api.put(id, &json!({"email": format!("seed{n}@example.org")})).await.0, 201);
     }
-    let key_rows = |shard: usize| {
-        let env = &env;
-        async move {
-            let pool = env.pool(shard).await;
-            let n: i64 =
-                sqlx::query_scalar("SELECT COUNT(*) FROM index_email").fetch_one(&pool).await.unwrap();
-            pool.close().await;
-            n
-        }
+    let every_shard_has_a_key = || async {
+        let counts = env.fetch_all_shards::<(i64,)>("SELECT COUNT(*) FROM index_email").await;
+        counts.iter().all(|(_, (n,))| *n > 0)
     };
     let mut more = 0;
-    while key_rows(0).await == 0 || key_rows(1).await == 0 {
+    while !every_shard_has_a_key().await {
         let id = EntityId::random().to_hex();
         assert_eq!(api.put(&id, &json!({"email": format!("more{more}@example.org")})).await.0, 201);
         more += 1;
