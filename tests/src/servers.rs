@@ -31,10 +31,15 @@ fn start_pair(prefix: &'static str, opts: fn(usize) -> MariaDbOptions) -> Vec<u1
         .spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
             rt.block_on(async move {
-                let base = std::env::temp_dir().join(format!("bagstore-test-{}", std::process::id()));
+                // Each server's directory sits in the temp dir itself: an
+                // ephemeral server's wrapper deletes its own directory, so a
+                // parent shared by the two would be left behind, empty.
+                let dir = |name: &str| {
+                    std::env::temp_dir().join(format!("bagstore-test-{}-{prefix}{name}", std::process::id()))
+                };
                 let started = futures_lite_join(
-                    MariaDb::start_with(&base.join(format!("{prefix}a")), opts(0)),
-                    MariaDb::start_with(&base.join(format!("{prefix}b")), opts(1)),
+                    MariaDb::start_with(&dir("a"), opts(0)),
+                    MariaDb::start_with(&dir("b"), opts(1)),
                 )
                 .await;
                 match started {
