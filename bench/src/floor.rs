@@ -1,9 +1,10 @@
 //! The floors of a write in bagstore's design (issue 20, target 1): the
 //! rows the design has to write per entity, written by a plain client with
 //! none of bagstore's own statements (no ownership check, no locking read,
-//! no relay reading the events back). What the floor costs MariaDB beyond
-//! raw is what the design costs; what bagstore costs beyond the floor is
-//! what its implementation adds.
+//! no relay reading the events back), and once more with the write's two
+//! reads (issue 35). What a floor costs MariaDB beyond raw is what the
+//! design costs; what bagstore costs beyond it is what its implementation
+//! adds.
 //!
 //! - [`Floor::Capture`]: the entity row, and its index row written in
 //!   multi-row inserts of up to [`BATCH`] rows by a background task, as an
@@ -15,6 +16,13 @@
 //! - [`Floor::Outbox`]: the same, and the change event inserted into an
 //!   outbox in the entity's transaction, deleted afterwards in ranges of
 //!   [`BATCH`] (the cheapest delete: no read of the events).
+//! - [`Floor::Reads`]: the outbox floor, and the two reads that open each
+//!   of bagstore's write transactions, by bagstore's own functions: the
+//!   proof that the shard owns the written logical shards
+//!   (`storage::topology::check_owned`, DESIGN §3 and §11) and the locking
+//!   read of the entity rows (`storage::entities::lock_entities`, §4).
+//!   What bagstore costs beyond this floor is its implementation: group
+//!   commit's batching, the relay reading the events back, the indexer.
 //!
 //! The index rows are bagstore's (`storage::ddl::index_table` of the main
 //! index's spec), on the shard of their `user_id`, as bagstore places them.
@@ -37,6 +45,7 @@ const TABLE: &str = "floor_index";
 pub enum Floor {
     Capture,
     Outbox,
+    Reads,
 }
 
 impl Floor {
@@ -44,6 +53,11 @@ impl Floor {
     /// so runs [`BinlogReaders`] while it writes).
     pub fn streams_binlog(self) -> bool {
         matches!(self, Floor::Capture)
+    }
+
+    /// Whether the floor writes (and later deletes) outbox rows.
+    fn has_outbox(self) -> bool {
+        matches!(self, Floor::Outbox | Floor::Reads)
     }
 }
 
@@ -61,7 +75,8 @@ pub struct Deferred {
     tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
 }
 
-/// Creates the floor's tables in every server's `bench_native`.
+/// Creates the floor's tables in every server's `bench_native`, the
+/// ownership table owning every logical shard.
 pub async fn create_tables(native: &Native) -> anyhow::Result<()> {
     let spec = IndexSpec {
         table: TABLE.into(),
@@ -76,13 +91,24 @@ pub async fn create_tables(native: &Native) -> anyhow::Result<()> {
     for pool in &native.pools {
         sqlx::query(&storage::ddl::index_table(&spec)).execute(pool).await?;
         sqlx::query(&storage::ddl::outbox()).execute(pool).await?;
+        sqlx::query(&storage::ddl::owned()).execute(pool).await?;
+        let logicals = schemas::shard::DEFAULT_LOGICAL_SHARDS;
+        let own = format!(
+            "INSERT IGNORE INTO bagstore_owned (logical) VALUES {}",
+            vec!["(?)"; logicals as usize].join(", ")
+        );
+        let mut q = sqlx::query(&own);
+        for logical in 0..logicals {
+            q = q.bind(logical);
+        }
+        q.execute(pool).await?;
     }
     Ok(())
 }
 
 impl Deferred {
-    /// Starts the index row writers (one per shard) and, for
-    /// [`Floor::Outbox`], the outbox deleters.
+    /// Starts the index row writers (one per shard) and, for the floors
+    /// with an outbox, the outbox deleters.
     pub fn start(native: Arc<Native>, floor: Floor) -> Deferred {
         let pending = Arc::new(AtomicI64::new(0));
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -92,7 +118,7 @@ impl Deferred {
             let (tx, rx) = mpsc::unbounded_channel();
             index.push(tx);
             tasks.push(tokio::spawn(write_index_rows(native.clone(), shard, rx, pending.clone())));
-            if floor == Floor::Outbox {
+            if floor.has_outbox() {
                 tasks.push(tokio::spawn(delete_outbox(native.clone(), shard, pending.clone(), stop.clone())));
             }
         }
@@ -182,8 +208,9 @@ impl BinlogReaders {
 }
 
 /// Writes entities `items` as the floor does: the entity rows (one
-/// statement per shard, or one transaction with the outbox rows), then
-/// hands their index rows to the background writers.
+/// statement per shard, or one transaction with the outbox rows, opened by
+/// bagstore's two reads for [`Floor::Reads`]), then hands their index rows
+/// to the background writers.
 pub async fn write(
     native: Arc<Native>,
     deferred: &Deferred,
@@ -211,7 +238,7 @@ pub async fn write(
                 Floor::Capture => {
                     q.execute(&mut taken.conn).await?;
                 }
-                Floor::Outbox => {
+                Floor::Outbox | Floor::Reads => {
                     let events: Vec<Vec<u8>> = rows.iter().map(|i| event(*i, shard)).collect();
                     let outbox = format!(
                         "INSERT INTO outbox (entity_id, version, committed, event) VALUES {}",
@@ -222,6 +249,15 @@ pub async fn write(
                         o = o.bind(id.to_vec()).bind(&e[..]);
                     }
                     sqlx::query("BEGIN").execute(&mut taken.conn).await?;
+                    if floor == Floor::Reads {
+                        let logicals: Vec<u16> = ids
+                            .iter()
+                            .map(|id| schemas::logical_of(id, schemas::shard::DEFAULT_LOGICAL_SHARDS))
+                            .collect();
+                        let ids: Vec<EntityId> = ids.iter().map(|id| EntityId(*id)).collect();
+                        storage::topology::check_owned(shard, &mut taken.conn, &logicals).await?;
+                        storage::entities::lock_entities(shard, &mut taken.conn, &ids).await?;
+                    }
                     q.execute(&mut taken.conn).await?;
                     o.execute(&mut taken.conn).await?;
                     sqlx::query("COMMIT").execute(&mut taken.conn).await?;

@@ -1897,14 +1897,17 @@ async fn write_phases(
     let spent = world.spent_since(&mut cpu0).await;
     cpu_lines.push(("json batch".to_string(), spent.per_op(batch_json.rate * secs, "rows")));
     mysql_lines.push(("json batch", spent, batch_json.rate * secs));
-    // The design's floors (see `floor`): its rows, none of bagstore's own
-    // statements; each measured until its deferred rows are written.
+    // The design's floors (see `floor`): its rows, without and then with
+    // the reads that open bagstore's write transactions; each measured
+    // until its deferred rows are written.
     let mut floors = Vec::new();
     for (what, kind, rows) in [
         ("floor capture single", floor::Floor::Capture, 1),
         ("floor capture batch", floor::Floor::Capture, BATCH),
         ("floor outbox single", floor::Floor::Outbox, 1),
         ("floor outbox batch", floor::Floor::Outbox, BATCH),
+        ("floor reads single", floor::Floor::Reads, 1),
+        ("floor reads batch", floor::Floor::Reads, BATCH),
     ] {
         let readers = if kind.streams_binlog() {
             let ports: Vec<u16> = world.servers.iter().map(|s| s.port()).collect();
@@ -2108,6 +2111,21 @@ async fn write_phases(
             "mariadbd CPU per entity: floor with an outbox / json",
             "floor outbox",
             "json",
+        ),
+        // The same with the reads that open each of bagstore's write
+        // transactions: the design's floor whole, and what bagstore's
+        // implementation adds to it.
+        (
+            "mysql_floor_reads_json_ratio",
+            "mariadbd CPU per entity: floor with an outbox and the write's reads / json",
+            "floor reads",
+            "json",
+        ),
+        (
+            "mysql_over_floor_reads_ratio",
+            "mariadbd CPU per entity: bagstore / floor with an outbox and the write's reads",
+            "bagstore",
+            "floor reads",
         ),
     ] {
         report.line(

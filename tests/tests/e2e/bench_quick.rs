@@ -46,6 +46,9 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
         "| mariadbd CPU per entity: floor with an outbox / raw |",
         "| mariadbd CPU per entity: bagstore / floor with an outbox |",
         "| mariadbd CPU per entity: floor with an outbox / json |",
+        "| MariaDB, floor reads single |",
+        "| mariadbd CPU per entity: floor with an outbox and the write's reads / json |",
+        "| mariadbd CPU per entity: bagstore / floor with an outbox and the write's reads |",
         "| bagstore: latest 20 of one user |",
         "| json: latest 20 of one user |",
         "| CPU, json: point get by id |",
@@ -88,6 +91,8 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
         ("| MariaDB, floor capture batch |", 1.95, 2.1),
         ("| MariaDB, floor outbox single |", 3.9, 4.2),
         ("| MariaDB, floor outbox batch |", 3.9, 4.2),
+        ("| MariaDB, floor reads single |", 3.9, 4.2),
+        ("| MariaDB, floor reads batch |", 3.9, 4.2),
     ] {
         let found = stdout.lines().find(|l| l.starts_with(line)).unwrap_or("");
         let rows = figure_after(found, "row writes ");
@@ -116,6 +121,19 @@ async fn the_benchmark_runs_end_to_end_in_quick_mode() {
             "floor outbox {kind}: binlog bytes {outbox} against capture's {capture}"
         );
     }
+    // The reads floor opens each transaction with bagstore's two reads
+    // (the ownership proof, the locking read), one of each per single
+    // put; the outbox floor reads nothing.
+    let selects = |line: &str| {
+        let found = stdout.lines().find(|l| l.starts_with(line)).unwrap_or("");
+        figure_after(found, "select ").unwrap_or(-1.0)
+    };
+    let (reads, outbox) =
+        (selects("| MariaDB, floor reads single |"), selects("| MariaDB, floor outbox single |"));
+    assert!(
+        (1.9..=2.2).contains(&reads) && (0.0..0.2).contains(&outbox),
+        "selects per entity: floor reads {reads}, floor outbox {outbox}"
+    );
     // Statements are broken down by kind; bagstore's writes lock rows
     // (select) and insert.
     let bag = stdout.lines().find(|l| l.starts_with("| MariaDB, bagstore single |")).unwrap_or("");
